@@ -1,0 +1,111 @@
+"""sowtel's exporters: where records go.
+
+An exporter is a small class with three methods and no threads of its own; the dispatcher owns
+batching, queues and error isolation. Built-in exporters are looked up by name; third-party ones
+register under the entry-point group ``sowtel.exporters``.
+
+Example:
+    >>> from sowtel.exporters import MemoryExporter, resolve
+    >>> [e] = resolve("memory")
+    >>> isinstance(e, MemoryExporter)
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+from sowtel.records import Record
+
+__all__ = ["Exporter", "register", "known_names", "resolve", "check_exporter"]
+
+
+@runtime_checkable
+class Exporter(Protocol):
+    """Where records go. Called from one dispatcher thread only; never from the training thread."""
+
+    def write(self, records: Sequence[Record]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# name -> "module:attribute" of a class or factory taking the exporter options as keywords.
+_BUILTIN: dict[str, str] = {
+    "memory": "sowtel.exporters.memory:MemoryExporter",
+    "console": "sowtel.exporters.console:ConsoleExporter",
+    "jsonl": "sowtel.exporters.jsonl:JsonlExporter",
+    "tensorboard": "sowtel.exporters.tensorboard:TensorBoardExporter",
+    "otel": "sowtel.exporters.otel:OTelExporter",
+}
+_REGISTERED: dict[str, Callable[..., Exporter]] = {}
+
+
+def register(name: str, factory: Callable[..., Exporter]) -> None:
+    """Registers ``factory(**options) -> Exporter`` under ``name`` for ``enable(exporter=name)``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"exporter name must be a non-empty string, got {name!r}")
+    _REGISTERED[name] = factory
+
+
+def _entry_point_factories() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group="sowtel.exporters")}
+
+
+def known_names() -> list[str]:
+    """Every exporter name ``enable()`` accepts: built-in, registered and entry points."""
+    return sorted(set(_BUILTIN) | set(_REGISTERED) | set(_entry_point_factories()))
+
+
+def check_exporter(obj: Any) -> Exporter:
+    """Returns ``obj`` if it has callable ``write``, ``flush`` and ``close``, else raises TypeError."""
+    missing = [m for m in ("write", "flush", "close") if not callable(getattr(obj, m, None))]
+    if missing:
+        raise TypeError(
+            f"exporter {obj!r} lacks the method(s) {', '.join(missing)}: an exporter needs "
+            "write(records), flush() and close() (see sowtel.exporters.Exporter)"
+        )
+    return obj
+
+
+def _factory(name: str) -> Callable[..., Exporter]:
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name in _BUILTIN:
+        module, attr = _BUILTIN[name].split(":")
+        try:
+            return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+        except ImportError as e:
+            extra = {"tensorboard": "tensorboard", "otel": "otel"}.get(name, "all")
+            raise ImportError(
+                f"exporter {name!r} needs optional dependencies: pip install 'sowtel[{extra}]' ({e})"
+            ) from e
+    eps = _entry_point_factories()
+    if name in eps:
+        return eps[name].load()  # type: ignore[no-any-return]
+    raise ValueError(
+        f"unknown exporter {name!r}: known exporters are {', '.join(known_names())}; "
+        "or pass an object with write/flush/close"
+    )
+
+
+def resolve(spec: Any, **options: Any) -> list[Exporter]:
+    """Turns ``enable()``'s ``exporter=`` argument into exporter instances.
+
+    ``spec`` is a name, an exporter instance, or a list of either. ``options`` go to every
+    exporter created by name (instances are used as they are).
+    """
+    items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    if not items:
+        raise ValueError("exporter must name at least one exporter, got an empty list")
+    out: list[Exporter] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(check_exporter(_factory(item)(**options)))
+        else:
+            out.append(check_exporter(item))
+    return out

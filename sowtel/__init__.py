@@ -1,0 +1,1 @@
+"""sowtel: observability for JAX."""

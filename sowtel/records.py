@@ -1,0 +1,76 @@
+"""The one record type that flows from a sow site to every exporter."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+#: The keys of ``Record.stats`` for the ``"stats"`` and ``"histogram"`` summaries, in order.
+STAT_KEYS: tuple[str, ...] = (
+    "size", "mean", "std", "min", "max", "l2", "mean_abs", "nan", "posinf", "neginf", "zeros",
+)
+#: The keys of ``Record.stats`` for the ``"health"`` summary.
+HEALTH_KEYS: tuple[str, ...] = ("size", "nan", "posinf", "neginf")
+#: Summary kinds, from most to least data crossing to the host.
+SUMMARIES: tuple[str, ...] = ("full", "histogram", "stats", "health", "shape")
+#: Derivative modes a site can report.
+BASE_MODES: tuple[str, ...] = ("primal", "tangent", "cotangent")
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One observation of one sow site, as handed to exporters.
+
+    Attributes:
+      name: the site's name (``"block0/attn"``); a pytree sown at one site gives one record per
+        leaf, named ``name/<leaf path>`` (``"pair/0"``, ``"params/w"``).
+      mode: ``"primal"``, ``"tangent"``, ``"cotangent"`` or a composition such as
+        ``"cotangent.tangent"``.
+      tag: the site's tag.
+      step: the device-side step from :func:`sowtel.at_step`, else the occurrence count of
+        ``(name, mode, index)`` since :func:`sowtel.enable`.
+      index: the scan iteration (a tuple for nested scans) and/or shard, else ``None``.
+      wall_time: seconds since the epoch when the host received the value.
+      summary: which summary produced the record (``"stats"``, ``"full"``, ...).
+      shape, dtype: of the sown value (with a leading batch axis under ``vmap``).
+      value: the whole value for ``"full"``, else ``None``.
+      stats: floats keyed by :data:`STAT_KEYS` (or :data:`HEALTH_KEYS`); empty for ``"shape"``.
+      histogram: ``(edges, counts)`` with ``len(edges) == len(counts) + 1``, else ``None``.
+      process_index: ``jax.process_index()`` of the process that produced it.
+      seq: arrival order on the host; sorting a step's records by ``seq`` gives program order
+        on each device.
+
+    Example:
+      >>> r = Record(name="h", mode="primal", tag="intermediates", step=0, index=None,
+      ...            wall_time=0.0, summary="shape", shape=(2,), dtype="float32")
+      >>> r.key
+      ('h', 'primal', None)
+    """
+
+    name: str
+    mode: str
+    tag: str
+    step: int
+    index: int | tuple[int, ...] | None
+    wall_time: float
+    summary: str
+    shape: tuple[int, ...]
+    dtype: str
+    value: np.ndarray | None = None
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    histogram: tuple[np.ndarray, np.ndarray] | None = None
+    process_index: int = 0
+    seq: int = 0
+
+    @property
+    def key(self) -> tuple[str, str, Any]:
+        """``(name, mode, index)``: what identifies a series of records across steps."""
+        return (self.name, self.mode, self.index)
+
+    @property
+    def nonfinite(self) -> int:
+        """Count of NaN and infinite elements (0 when the summary does not count them)."""
+        s = self.stats
+        return int(s.get("nan", 0) + s.get("posinf", 0) + s.get("neginf", 0))
