@@ -1,0 +1,45 @@
+"""The ``sowtel`` command: ``demo``, ``dashboard``, ``inspect``, ``diff``.
+
+Each subcommand lives in the module that owns its subject; this file only routes to it.
+
+Example:
+    $ sowtel demo --steps 200
+    $ sowtel dashboard --logdir runs
+    $ sowtel inspect dump.safetensors
+    $ sowtel diff a.safetensors b.safetensors --rtol 1e-5
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module, one-line help). The module defines configure_<command>(parser) and
+# run_<command>(args) -> int exit status.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("sowtel.demo", "train a small model with sows, streaming to TensorBoard under runs/"),
+    "dashboard": ("sowtel.dashboard", "start TensorBoard on 127.0.0.1 with sowtel's layout"),
+    "inspect": ("sowtel.postmortem", "table of a dump's sites, modes, shapes and stats"),
+    "diff": ("sowtel.postmortem", "per-entry differences between two dumps (exit 1 if beyond tolerance)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sowtel", description="Observability for JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command, (module_name, help_text) in _COMMANDS.items():
+        p = sub.add_parser(command, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        getattr(module, f"configure_{command}")(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(_COMMANDS[args.command][0])
+    return int(getattr(module, f"run_{args.command}")(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Summaries of a sown value: what crosses from the device to the host.
+
+The same definitions run in two places: :func:`device_summary` inside the compiled program (JAX
+ops, before the host callback) and :func:`host_summary` on numpy arrays (for
+:func:`sowtel.export` of captured intermediates). Both follow the rules of the ``"stats"``
+summary: statistics ignore non-finite elements and count them apart; ``std`` has ddof=0; ``l2``
+is the Euclidean norm of the finite elements; integers and bools are summarised as floats.
+
+Example:
+    >>> import numpy as np
+    >>> s = host_summary(np.array([1.0, -1.0, np.nan]), "stats")
+    >>> (s["size"], s["mean"], s["std"], s["nan"])
+    (3.0, 0.0, 1.0, 1.0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from sowtel.records import HEALTH_KEYS, STAT_KEYS, SUMMARIES
+
+#: Default number of histogram buckets.
+DEFAULT_BINS = 30
+
+# Order of the float and count vectors the device sends for "stats".
+_FLOAT_KEYS = ("mean", "std", "min", "max", "l2", "mean_abs")
+_COUNT_KEYS = ("nan", "posinf", "neginf", "zeros")
+
+
+def check_summary(summary: Any, what: str = "summary") -> str:
+    """Returns ``summary`` if it names a summary kind, else raises ValueError."""
+    if summary not in SUMMARIES:
+        raise ValueError(f"{what}={summary!r} is not a summary: use one of {', '.join(SUMMARIES)}")
+    return str(summary)
+
+
+def _float_dtype(dtype: np.dtype) -> np.dtype:
+    # Half precision is summarised in float32 so sums do not overflow; float64 stays float64.
+    if np.issubdtype(dtype, np.floating) and np.dtype(dtype).itemsize >= 8:
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+def host_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> dict[str, Any]:
+    """Summarises a host array. Returns ``stats`` (dict) and, for histograms, ``histogram``.
+
+    The result has the keys ``"stats"`` (floats keyed by ``STAT_KEYS`` or ``HEALTH_KEYS``) and
+    ``"histogram"`` (``(edges, counts)`` or ``None``).
+    """
+    check_summary(summary)
+    x = np.asarray(x)
+    if summary == "shape":
+        return {"stats": {}, "histogram": None}
+    is_float = np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.complexfloating)
+    if np.issubdtype(x.dtype, np.complexfloating):
+        x = np.abs(x)
+    xf = x.astype(_float_dtype(x.dtype) if is_float else np.float64).ravel()
+    size = float(xf.size)
+    if is_float:
+        nan = float(np.isnan(xf).sum())
+        posinf = float(np.isposinf(xf).sum())
+        neginf = float(np.isneginf(xf).sum())
+    else:
+        nan = posinf = neginf = 0.0
+    if summary == "health":
+        vals = dict(zip(HEALTH_KEYS, (size, nan, posinf, neginf), strict=True))
+        return {"stats": vals, "histogram": None}
+    finite = xf[np.isfinite(xf)]
+    n = finite.size
+    if n:
+        mean = float(finite.mean(dtype=np.float64))
+        std = float(np.sqrt(np.mean((finite.astype(np.float64) - mean) ** 2)))
+        mn, mx = float(finite.min()), float(finite.max())
+        l2 = float(np.sqrt(np.sum(finite.astype(np.float64) ** 2)))
+        mean_abs = float(np.mean(np.abs(finite), dtype=np.float64))
+    else:
+        mean = std = mn = mx = mean_abs = float("nan")
+        l2 = 0.0
+    zeros = float((xf == 0).sum())
+    stats = dict(
+        zip(STAT_KEYS, (size, mean, std, mn, mx, l2, mean_abs, nan, posinf, neginf, zeros),
+            strict=True)
+    )
+    hist = None
+    if summary == "histogram":
+        lo, hi = (mn, mx) if n else (0.0, 0.0)
+        edges = np.linspace(lo, hi, bins + 1) if hi > lo else lo + np.arange(bins + 1) * 1.0
+        counts = _bucket_counts_host(finite.astype(np.float64), lo, hi, bins)
+        hist = (edges, counts)
+    return {"stats": stats, "histogram": hist}
+
+
+def _bucket_counts_host(finite: np.ndarray, lo: float, hi: float, bins: int) -> np.ndarray:
+    # Same bucketing as the device: floor((x - lo) / width), the maximum in the last bucket.
+    width = (hi - lo) / bins if hi > lo else 1.0
+    idx = np.clip(np.floor((finite - lo) / width), 0, bins - 1).astype(np.int64)
+    return np.bincount(idx, minlength=bins).astype(np.float64)
+
+
+def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
+    """JAX ops that reduce ``x`` on the device to the arrays the host callback receives.
+
+    Returns a list of arrays: ``full`` -> ``[x]``; ``stats`` -> ``[floats(6), counts(4)]``;
+    ``histogram`` -> the stats plus ``[counts(bins)]``; ``health`` -> ``[counts(3)]``;
+    ``shape`` -> ``[]``. :func:`decode_device_summary` turns them back into a dict.
+    """
+    import jax.numpy as jnp
+
+    if summary == "full":
+        return [x]
+    if summary == "shape":
+        return []
+    is_float = jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.abs(x)
+    ftype = jnp.float64 if (is_float and x.dtype.itemsize >= 8) else jnp.float32
+    xf = x.astype(ftype).ravel()
+    cdtype = jnp.int32
+    if is_float:
+        nan = jnp.sum(jnp.isnan(xf), dtype=cdtype)
+        posinf = jnp.sum(jnp.isposinf(xf), dtype=cdtype)
+        neginf = jnp.sum(jnp.isneginf(xf), dtype=cdtype)
+    else:
+        nan = posinf = neginf = jnp.zeros((), cdtype)
+    if summary == "health":
+        return [jnp.stack([nan, posinf, neginf])]
+    mask = jnp.isfinite(xf) if is_float else jnp.ones(xf.shape, bool)
+    n = jnp.sum(mask, dtype=ftype)
+    safe = jnp.where(mask, xf, 0)
+    mean = jnp.sum(safe) / n
+    dev = jnp.where(mask, xf - mean, 0)
+    std = jnp.sqrt(jnp.sum(dev * dev) / n)
+    mn = jnp.min(jnp.where(mask, xf, jnp.inf), initial=jnp.inf)
+    mx = jnp.max(jnp.where(mask, xf, -jnp.inf), initial=-jnp.inf)
+    empty = n == 0
+    mn = jnp.where(empty, jnp.nan, mn)
+    mx = jnp.where(empty, jnp.nan, mx)
+    l2 = jnp.sqrt(jnp.sum(safe * safe))
+    mean_abs = jnp.sum(jnp.abs(safe)) / n
+    zeros = jnp.sum(xf == 0, dtype=cdtype)
+    out = [jnp.stack([mean, std, mn, mx, l2, mean_abs]), jnp.stack([nan, posinf, neginf, zeros])]
+    if summary == "histogram":
+        lo = jnp.where(empty, 0, mn)
+        hi = jnp.where(empty, 0, mx)
+        width = jnp.where(hi > lo, (hi - lo) / bins, 1)
+        idx = jnp.clip(jnp.floor((safe - lo) / width), 0, bins - 1).astype(jnp.int32)
+        counts = jnp.zeros((bins,), cdtype).at[idx].add(mask.astype(cdtype))
+        out.append(counts)
+    return out
+
+
+def decode_device_summary(
+    arrays: list[np.ndarray], summary: str, size: int, bins: int = DEFAULT_BINS
+) -> dict[str, Any]:
+    """Turns :func:`device_summary`'s arrays (now on the host) into ``stats`` and ``histogram``."""
+    if summary in ("shape", "full"):
+        return {"stats": {}, "histogram": None}
+    if summary == "health":
+        nan, posinf, neginf = (float(v) for v in arrays[0])
+        return {"stats": dict(zip(HEALTH_KEYS, (float(size), nan, posinf, neginf), strict=True)),
+                "histogram": None}
+    floats, counts = arrays[0], arrays[1]
+    stats = {"size": float(size)}
+    stats.update(zip(_FLOAT_KEYS, (float(v) for v in floats), strict=True))
+    stats.update(zip(_COUNT_KEYS, (float(v) for v in counts), strict=True))
+    if stats["nan"] + stats["posinf"] + stats["neginf"] == size and size:
+        stats["l2"] = 0.0
+    hist = None
+    if summary == "histogram":
+        lo, hi = stats["min"], stats["max"]
+        if not np.isfinite(lo):
+            lo = hi = 0.0
+        edges = np.linspace(lo, hi, bins + 1) if hi > lo else lo + np.arange(bins + 1) * 1.0
+        hist = (edges, np.asarray(arrays[2], dtype=np.float64))
+    return {"stats": {k: stats[k] for k in STAT_KEYS}, "histogram": hist}
