@@ -1,0 +1,403 @@
+"""TensorBoard exporter: sow sites as live scalar curves, histograms and a custom-scalars layout.
+
+Each record becomes, in the run's event file:
+
+- scalars ``{name}/{mode}/{stat}`` for every statistic it carries (``"stats"``, ``"histogram"``,
+  ``"health"`` and ``"full"`` summaries; ``"full"`` values are summarised on the host with
+  :func:`sowtel.summaries.host_summary`);
+- a histogram ``{name}/{mode}``: for ``"histogram"`` records the bucket counts computed on the
+  device are written as they are (TensorBoard's raw histogram format, no re-bucketing on the
+  host); ``"full"`` values are bucketed on the host with the same rule as the device;
+- a custom-scalars layout (the "Custom Scalars" tab): one category per site, one chart per
+  statistic holding every mode (primal, tangent, cotangent, ...) and every scan iteration;
+- the first record holding NaN or infinities, as a text summary ``sowtel/alerts``.
+
+A record with an ``index`` (scan iteration, shard, or a tuple of them for nested scans) gets its
+own series: the index is written in brackets after the site name, ``{name}[3]/{mode}/{stat}`` or
+``{name}[1,0]/{mode}/{stat}``, so each iteration is a curve of its own over training steps.
+Site names may not contain brackets, so these tags never collide with another site's.
+
+Site names are only ever tags inside an event file, never file or folder names: whatever a name
+holds, everything is written inside ``logdir``. With several JAX processes each process writes
+its own run, ``logdir/process_<i>``; a single process writes into ``logdir`` itself.
+
+Events are handed to the operating system at the end of every ``write()`` call, so a running
+TensorBoard sees them at once, and synced to the disk at least every ``flush_secs`` seconds
+while records arrive (and on ``flush()`` and ``close()``).
+
+Example:
+    >>> import tempfile, numpy as np
+    >>> from sowtel.records import Record
+    >>> exporter = TensorBoardExporter(logdir=tempfile.mkdtemp())
+    >>> exporter.write([Record(name="h", mode="primal", tag="intermediates", step=0,
+    ...                        index=None, wall_time=0.0, summary="full", shape=(3,),
+    ...                        dtype="float32", value=np.array([1.0, 2.0, 3.0]))])
+    >>> exporter.close()
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import math
+import os
+import re
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.record_writer import masked_crc32c
+from tensorboardX.summary import custom_scalars, histogram_raw, text
+
+from sowtel.records import STAT_KEYS, Record
+from sowtel.summaries import host_summary
+
+__all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG"]
+
+#: Tag of the text summary holding the first non-finite alert (TensorBoard's text plugin adds
+#: ``/text_summary``).
+ALERT_TAG = "sowtel/alerts"
+#: Tag under which TensorBoard's custom-scalars plugin looks for its layout.
+LAYOUT_TAG = "custom_scalars__config__"
+
+# Charts of the layout, in this order; any other statistic a record carries follows them.
+_CHART_ORDER = {k: i for i, k in enumerate(STAT_KEYS)}
+# Unique event-file names even for several exporters in one process within the same second.
+_file_counter = itertools.count()
+
+
+def _index_text(index: int | tuple[int, ...] | None) -> str:
+    if index is None:
+        return ""
+    if isinstance(index, tuple):
+        return "[" + ",".join(str(int(i)) for i in index) + "]"
+    return f"[{int(index)}]"
+
+
+def series_tag(name: str, mode: str, index: int | tuple[int, ...] | None = None) -> str:
+    """The tag prefix of one series: ``{name}[index]/{mode}``; scalars append ``/{stat}``.
+
+    Example:
+        >>> series_tag("block0/attn", "cotangent", 3)
+        'block0/attn[3]/cotangent'
+        >>> series_tag("h", "primal")
+        'h/primal'
+    """
+    return f"{name}{_index_text(index)}/{mode}"
+
+
+def _chart_regex(name: str, stat: str) -> str:
+    # Every mode and every scan iteration of one site and one statistic, as one chart.
+    return "^" + re.escape(name) + r"(\[[0-9,]+\])?/[^/]+/" + re.escape(stat) + "$"
+
+
+class _EventFile:
+    """One TFRecord event file, written synchronously: no queue, no thread.
+
+    tensorboardX's ``FileWriter.flush()`` only flushes what its background thread already
+    dequeued; writing here directly means a flush really puts every event on the disk.
+    """
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self._pending = bytearray()
+        self._fd = -1
+        self._open()
+
+    def _open(self) -> None:
+        stamp = f"{int(time.time()):010d}.{socket.gethostname()}"
+        name = f"events.out.tfevents.{stamp}.{os.getpid()}.{next(_file_counter):04d}.sowtel"
+        self.path = os.path.join(self.run_dir, name)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        self._torn = False
+        self.add(Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def add(self, event: Event) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self._pending += header
+        self._pending += struct.pack("<I", masked_crc32c(header))
+        self._pending += data
+        self._pending += struct.pack("<I", masked_crc32c(data))
+
+    def write_out(self, sync: bool) -> None:
+        """Hands pending events to the OS (and to the disk if ``sync``); raises OSError."""
+        if self._torn:
+            # A record cut in the middle would make every later one unreadable: start afresh.
+            self._close_fd()
+            self._open()
+        buf, self._pending = memoryview(bytes(self._pending)), bytearray()
+        written = 0
+        try:
+            while written < len(buf):
+                written += os.write(self._fd, buf[written:])
+            if sync:
+                os.fsync(self._fd)
+        except OSError:
+            self._torn = 0 < written < len(buf) or self._torn
+            raise
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def close(self) -> None:
+        try:
+            if self._pending:
+                self.write_out(sync=True)
+        finally:
+            self._close_fd()
+
+
+class TensorBoardExporter:
+    """Writes records as TensorBoard scalars, histograms, a custom-scalars layout and alerts.
+
+    Args:
+      logdir: the directory of the run (created if missing). Default: ``runs/<date-time>``.
+        It is checked here, so ``sowtel.enable(exporter="tensorboard", logdir=...)`` fails at
+        once on a path that is not a writable directory.
+      flush_secs: the longest time, in seconds, events stay in the operating system's cache
+        before they are synced to the disk while records arrive. Events are visible to a
+        running TensorBoard as soon as ``write()`` returns.
+
+    Attributes:
+      logdir: the absolute run directory (the parent of the per-process runs, if several).
+      errors: how many ``write()``/``flush()`` calls failed (each one raised an ``OSError``).
+      last_error: the message of the latest failure, or ``None``.
+
+    Example:
+        >>> import sowtel                                   # doctest: +SKIP
+        >>> with sowtel.enable(exporter="tensorboard", logdir="runs/exp1"):  # doctest: +SKIP
+        ...     train()
+        >>> # then: sowtel dashboard --logdir runs
+    """
+
+    def __init__(self, logdir: str | os.PathLike[str] | None = None, *,
+                 flush_secs: float = 2.0) -> None:
+        if logdir is None:
+            logdir = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        if not isinstance(logdir, (str, os.PathLike)):
+            raise TypeError(
+                f"logdir={logdir!r} is not a path: pass a directory as a str or pathlib.Path"
+            )
+        if (isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float))
+                or not math.isfinite(flush_secs) or flush_secs <= 0):
+            raise ValueError(
+                f"flush_secs={flush_secs!r} must be a positive number of seconds, such as 2.0"
+            )
+        self.flush_secs = float(flush_secs)
+        self.logdir = os.path.abspath(os.fspath(logdir))
+        self.errors = 0
+        self.last_error: str | None = None
+        self._process_index, process_count = _jax_process()
+        self._per_process_runs = process_count > 1
+        self._files: dict[int, _EventFile] = {}
+        self._prefixes: dict[tuple[str, str, Any], str] = {}
+        self._layouts: dict[int, dict[str, set[str]]] = {}
+        self._alerted: set[int] = set()
+        self._last_sync = time.monotonic()
+        self._closed = False
+        _check_logdir(self.logdir)
+        self._file(self._process_index)
+
+    def run_dir(self, process_index: int = 0) -> str:
+        """The directory holding the event files of one JAX process's records."""
+        if self._per_process_runs:
+            return os.path.join(self.logdir, f"process_{int(process_index)}")
+        return self.logdir
+
+    def _file(self, process_index: int) -> _EventFile:
+        f = self._files.get(process_index)
+        if f is None:
+            run_dir = self.run_dir(process_index)
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+                f = _EventFile(run_dir)
+            except OSError as e:
+                raise ValueError(
+                    f"logdir {run_dir!r} is not writable ({e.strerror or e}): pass a directory "
+                    "this process can create files in"
+                ) from e
+            self._files[process_index] = f
+        return f
+
+    def write(self, records: Sequence[Record]) -> None:
+        """Writes a batch of records; raises ``OSError`` (and counts it) if the file write fails.
+
+        A record that cannot be converted (a malformed value) is skipped, and the batch's other
+        records are still written; the failure is then raised as ``ValueError`` after them.
+        """
+        if self._closed:
+            raise RuntimeError("TensorBoardExporter.write() after close(): create a new exporter")
+        bad: list[str] = []
+        # Sorting by step keeps each tag's steps increasing in the file, which TensorBoard's
+        # loader needs: it drops a tag's points after a step that goes backwards.
+        ordered = sorted(records, key=lambda r: (r.process_index, r.step, r.seq))
+        new_sites: set[int] = set()
+        for process_index, group in itertools.groupby(ordered, key=lambda r: r.process_index):
+            f = self._file(process_index)
+            layout = self._layouts.setdefault(process_index, {})
+            for step, same_step in itertools.groupby(group, key=lambda r: r.step):
+                values: list[Summary.Value] = []
+                wall_time = 0.0
+                for r in same_step:
+                    try:
+                        self._record_values(r, values, layout, new_sites)
+                    except Exception as e:  # one bad record must not lose the batch's others
+                        bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}")
+                    wall_time = max(wall_time, r.wall_time)
+                if values:
+                    f.add(Event(wall_time=wall_time or time.time(), step=int(step),
+                                summary=Summary(value=values)))
+        for process_index in sorted(new_sites):
+            self._files[process_index].add(
+                Event(wall_time=time.time(), step=0,
+                      summary=_layout_summary(self._layouts[process_index]))
+            )
+        self._write_out(sync=time.monotonic() - self._last_sync >= self.flush_secs)
+        if bad:
+            raise ValueError(
+                f"TensorBoardExporter skipped {len(bad)} record(s) it could not convert, first "
+                f"{bad[0]}: records need finite-or-NaN float stats and numeric values"
+            )
+
+    def _record_values(self, r: Record, values: list[Summary.Value],
+                       layout: dict[str, set[str]], new_sites: set[int]) -> None:
+        key = (r.name, r.mode, r.index)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            prefix = self._prefixes[key] = series_tag(str(r.name), str(r.mode), r.index)
+        stats: dict[str, float] = r.stats
+        hist = r.histogram
+        if r.value is not None:
+            summary = host_summary(r.value, "histogram")
+            stats, hist = summary["stats"], summary["histogram"]
+        for stat, v in stats.items():
+            values.append(Summary.Value(tag=f"{prefix}/{stat}", simple_value=float(v)))
+        if hist is not None:
+            h = _histogram_value(prefix, stats, hist)
+            if h is not None:
+                values.append(h)
+        charts = layout.get(r.name)
+        if charts is None or not charts.issuperset(stats):
+            layout.setdefault(r.name, set()).update(stats)
+            new_sites.add(r.process_index)
+        if r.process_index not in self._alerted and _nonfinite(stats) > 0:
+            self._alerted.add(r.process_index)
+            values.append(text(ALERT_TAG, _alert_text(r, stats)).value[0])
+
+    def _write_out(self, sync: bool) -> None:
+        failures = []
+        for f in self._files.values():
+            try:
+                f.write_out(sync)
+            except OSError as e:
+                failures.append(f"{f.path}: {e.strerror or e}")
+        if sync:
+            self._last_sync = time.monotonic()
+        if failures:
+            self.errors += 1
+            self.last_error = "; ".join(failures)
+            raise OSError(
+                f"TensorBoardExporter could not write {self.last_error}; the events of this "
+                "batch are lost and later ones go to a new event file: free disk space or "
+                "choose another logdir"
+            )
+
+    def flush(self) -> None:
+        """Puts every event written so far on the disk (raises ``OSError`` if that fails)."""
+        if not self._closed:
+            self._write_out(sync=True)
+
+    def close(self) -> None:
+        """Flushes and closes the event files; later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        failures = []
+        for f in self._files.values():
+            try:
+                f.close()
+            except OSError as e:
+                failures.append(f"{f.path}: {e.strerror or e}")
+        if failures:
+            self.errors += 1
+            self.last_error = "; ".join(failures)
+            raise OSError(f"TensorBoardExporter could not write {self.last_error} when closing")
+
+
+def _jax_process() -> tuple[int, int]:
+    import jax
+
+    return int(jax.process_index()), int(jax.process_count())
+
+
+def _check_logdir(logdir: str) -> None:
+    if os.path.exists(logdir) and not os.path.isdir(logdir):
+        raise ValueError(
+            f"logdir {logdir!r} exists and is not a directory: pass a directory path (it is "
+            "created if missing)"
+        )
+    try:
+        os.makedirs(logdir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"logdir {logdir!r} cannot be created ({e.strerror or e}): pass a directory path "
+            "under a writable folder"
+        ) from e
+
+
+def _nonfinite(stats: dict[str, float]) -> float:
+    return float(stats.get("nan", 0) + stats.get("posinf", 0) + stats.get("neginf", 0))
+
+
+def _histogram_value(prefix: str, stats: dict[str, float],
+                     hist: tuple[np.ndarray, np.ndarray]) -> Summary.Value | None:
+    edges, counts = (np.asarray(a, dtype=np.float64) for a in hist)
+    if len(edges) != len(counts) + 1:
+        raise ValueError(f"histogram has {len(edges)} edges for {len(counts)} buckets")
+    num = float(counts.sum())
+    if num == 0:
+        return None  # no finite element: TensorBoard has nothing to draw
+    # TensorBoard wants sum and sum of squares; the device sends mean and l2 of the finite part.
+    mean = float(stats.get("mean", math.nan))
+    l2 = float(stats.get("l2", math.nan))
+    summary: Summary = histogram_raw(
+        prefix,
+        min=float(stats.get("min", edges[0])),
+        max=float(stats.get("max", edges[-1])),
+        num=num,
+        sum=mean * num,
+        sum_squares=l2 * l2,
+        bucket_limits=edges[1:].tolist(),
+        bucket_counts=counts.tolist(),
+    )
+    return summary.value[0]
+
+
+def _layout_summary(layout: dict[str, set[str]]) -> Summary:
+    categories = {
+        site: {
+            stat: ["Multiline", [_chart_regex(site, stat)]]
+            for stat in sorted(stats, key=lambda s: (_CHART_ORDER.get(s, len(_CHART_ORDER)), s))
+        }
+        for site, stats in layout.items()
+    }
+    return custom_scalars(categories)
+
+
+def _alert_text(r: Record, stats: dict[str, float]) -> str:
+    where = f"`{r.name}` ({r.mode}" + (f", index {r.index}" if r.index is not None else "") + ")"
+    counts = ", ".join(
+        f"{int(stats.get(k, 0))} {label}"
+        for k, label in (("nan", "NaN"), ("posinf", "+inf"), ("neginf", "-inf"))
+    )
+    size = stats.get("size")
+    of = f" of {int(size)} elements" if size is not None else ""
+    return f"First non-finite value: step {r.step}, site {where}: {counts}{of}."
