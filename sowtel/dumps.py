@@ -1,0 +1,828 @@
+"""Offline dumps of captured intermediates, and the records they turn into.
+
+:func:`sowtel.save_intermediates` returns ``{name: {mode: value}}``; :func:`dump` writes that to
+one self-describing `safetensors <https://github.com/huggingface/safetensors>`_ file and
+:func:`load` restores it exactly: the same sites in the same (program) order, the same modes,
+the same pytree structure (dicts, lists, tuples, ``None``), dtypes, shapes and bits. Nothing in a
+dump is ever unpickled or executed: the header is JSON, the values are raw little-endian bytes.
+
+Example:
+    >>> import tempfile, numpy as np
+    >>> from sowtel.dumps import dump, load
+    >>> inter = {"h": {"primal": np.arange(3.0)}, "pair": {"primal": (np.ones(2), None)}}
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     path = dump(inter, d + "/", step=7, metadata={"run": "baseline"})
+    ...     back = load(path)
+    >>> path.name
+    'step_7.safetensors'
+    >>> list(back), back["pair"]["primal"][1] is None
+    (['h', 'pair'], True)
+
+File layout (see ``docs/dumps.md``): one safetensors tensor per array leaf; the header's
+string-to-string metadata holds ``format`` (``"sowtel.dump"``), ``format_version``,
+``sowtel_version``, ``created`` (Unix time), ``step``, ``metadata`` (the caller's JSON),
+``sites`` (the structure, a JSON list in program order) and ``checksums`` (CRC-32 of the header
+fields and of every tensor, so truncation and corruption are caught on load).
+
+A folder of dumps, one per step, is a supported layout: ``dump(x, "dumps/", step=k)`` writes
+``dumps/step_<k>.safetensors`` and ``load("dumps")`` returns ``{step: intermediates}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+import zipfile
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from sowtel.records import BASE_MODES, Record
+from sowtel.summaries import check_summary, host_summary
+
+__all__ = [
+    "DumpEntry",
+    "DumpInfo",
+    "dump",
+    "load",
+    "info",
+    "find_dumps",
+    "records_from_intermediates",
+    "leaf_name",
+]
+
+FORMAT = "sowtel.dump"
+FORMAT_VERSION = 1
+SUFFIX = ".safetensors"
+_STEP_FILE = re.compile(r"^step_(\d+)\.safetensors$")
+
+# safetensors dtype codes and the numpy dtypes they hold. The writer takes the numpy name
+# (``bfloat16``), the file stores the code (``BF16``), the reader maps the code back.
+_CODE_TO_DTYPE: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "C64": np.dtype(np.complex64),
+}
+_SUPPORTED_NAMES = {dt.name for dt in _CODE_TO_DTYPE.values()}
+
+# A header larger than this is not something dump() writes; refusing it keeps a corrupted
+# length field from making load() allocate gigabytes.
+_MAX_HEADER = 1 << 30
+_CHUNK = 1 << 26
+
+
+
+# ----------------------------------------------------------------------------- public types
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpEntry:
+    """One array leaf of a dump, as listed in its header (no data read).
+
+    Attributes:
+      name: the record-style name: the site's name, or ``site/<leaf path>`` for a pytree leaf.
+      site: the name the value was sown under.
+      mode: ``"primal"``, ``"tangent"``, ``"cotangent"`` or a composition.
+      leaf: the path of the leaf inside the sown value (``()`` for a single array).
+      shape, dtype: of the stored array (``dtype`` is a numpy name such as ``"bfloat16"``).
+      key: the tensor's key inside the safetensors file.
+
+    Example:
+      >>> DumpEntry("pair/0", "pair", "primal", (0,), (2,), "float32", "pair::primal::0").leaf
+      (0,)
+    """
+
+    name: str
+    site: str
+    mode: str
+    leaf: tuple[str | int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpInfo:
+    """What a dump's header says, read without touching its data (see :func:`info`).
+
+    Attributes:
+      path: the file.
+      step: the ``step=`` given to :func:`dump`, or ``None``.
+      metadata: the ``metadata=`` given to :func:`dump` (``{}`` when none).
+      sowtel_version: the version of sowtel that wrote it.
+      created: Unix time of writing.
+      sites: site names in program order.
+      entries: every array leaf, sites in program order, then modes and leaves in stored order.
+      nbytes: total bytes of array data.
+
+    Example:
+      >>> import tempfile, numpy as np
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     i = info(dump({"h": {"primal": np.zeros(3)}}, d + "/x.safetensors", step=2))
+      >>> (i.step, i.sites, i.entries[0].shape, i.nbytes)
+      (2, ('h',), (3,), 24)
+    """
+
+    path: Path
+    step: int | None
+    metadata: dict[str, Any]
+    sowtel_version: str
+    created: float
+    sites: tuple[str, ...]
+    entries: tuple[DumpEntry, ...]
+    nbytes: int
+
+    def modes(self, site: str) -> tuple[str, ...]:
+        """The modes stored for ``site``, in stored order."""
+        return tuple(dict.fromkeys(e.mode for e in self.entries if e.site == site))
+
+
+def leaf_name(site: str, leaf: tuple[Any, ...]) -> str:
+    """The record name of a leaf: the site's name, then the leaf path joined with ``/``.
+
+    Example:
+      >>> leaf_name("params", ("w",)), leaf_name("pair", (0,)), leaf_name("h", ())
+      ('params/w', 'pair/0', 'h')
+    """
+    return "/".join([site, *(str(p) for p in leaf)])
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_mode(mode: Any, where: str) -> str:
+    parts = mode.split(".") if isinstance(mode, str) else None
+    if not parts or any(p not in BASE_MODES for p in parts):
+        raise ValueError(
+            f"{where}: mode {mode!r} is not a mode: use one of {', '.join(BASE_MODES)} or a "
+            "composition of them joined by '.' (such as 'cotangent.tangent')"
+        )
+    return str(mode)
+
+
+def _check_intermediates(intermediates: Any, what: str) -> Mapping[str, Mapping[str, Any]]:
+    if not isinstance(intermediates, Mapping):
+        raise TypeError(
+            f"{what} must be a dict {{name: {{mode: value}}}} as returned by "
+            f"sowtel.save_intermediates, got {type(intermediates).__name__}"
+        )
+    for name, modes in intermediates.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{what}: site name {name!r} must be a non-empty string")
+        if not isinstance(modes, Mapping):
+            raise TypeError(
+                f"{what}[{name!r}] must be a dict {{mode: value}} such as "
+                f"{{'primal': x}}, got {type(modes).__name__}: pass the intermediates exactly "
+                "as sowtel.save_intermediates returns them"
+            )
+        for mode in modes:
+            _check_mode(mode, f"{what}[{name!r}]")
+    return intermediates
+
+
+def _check_step(step: Any, what: str = "step") -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(f"{what}={step!r} must be an int (the training step)")
+    return int(step)
+
+
+def _check_json(value: Any, where: str) -> None:
+    # Strict JSON types only: a tuple would come back as a list and a NaN is not JSON, so the
+    # metadata would not round-trip exactly.
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"metadata{where} = {value!r} is not JSON: use a finite number or a string"
+            )
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"metadata{where} has key {k!r}: JSON object keys must be strings")
+            _check_json(v, f"{where}[{k!r}]")
+        return
+    raise ValueError(
+        f"metadata{where} = {value!r} ({type(value).__name__}) is not JSON: metadata holds only "
+        "dicts with string keys, lists, strings, finite numbers, bools and None"
+    )
+
+
+def _is_leaf(x: Any) -> bool:
+    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+        return True
+    # jax.Array and other array-likes, recognised without importing jax.
+    return hasattr(x, "__array__") and hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+class _Encoder:
+    """Turns ``{name: {mode: pytree}}`` into a JSON structure and a flat {key: array} dict."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, np.ndarray] = {}
+
+    def _key(self, site: str, mode: str, leaf: tuple[Any, ...]) -> str:
+        # Readable keys for other safetensors tools; the JSON structure is what load() trusts.
+        base = "::".join([site, mode, *(["/".join(str(p) for p in leaf)] if leaf else [])])
+        key, n = base, 1
+        while key in self.tensors:
+            key, n = f"{base}#{n}", n + 1
+        return key
+
+    def node(self, x: Any, site: str, mode: str, leaf: tuple[Any, ...]) -> Any:
+        where = f"intermediates[{site!r}][{mode!r}]" + "".join(f"[{p!r}]" for p in leaf)
+        if x is None:
+            return None
+        if type(x) is dict:
+            items = []
+            for k, v in x.items():
+                if isinstance(k, bool) or not isinstance(k, (str, int)):
+                    raise ValueError(
+                        f"{where} has dict key {k!r} ({type(k).__name__}): a dump stores dict "
+                        "keys that are strings or ints; rename the key"
+                    )
+                items.append([k, self.node(v, site, mode, (*leaf, k))])
+            return {"dict": items}
+        if type(x) is list or type(x) is tuple:
+            kind = "list" if type(x) is list else "tuple"
+            return {kind: [self.node(v, site, mode, (*leaf, i)) for i, v in enumerate(x)]}
+        if _is_leaf(x) and not isinstance(x, (str, bytes)):
+            # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
+            arr = np.asarray(x)
+            if not arr.flags.c_contiguous:
+                arr = arr.copy(order="C")
+            if arr.dtype.name not in _SUPPORTED_NAMES:
+                raise ValueError(
+                    f"{where} has dtype {arr.dtype.name}, which a dump cannot hold: supported "
+                    f"dtypes are {', '.join(sorted(_SUPPORTED_NAMES))}; cast it first "
+                    "(for example x.astype(np.float32))"
+                )
+            key = self._key(site, mode, leaf)
+            self.tensors[key] = arr
+            return {"leaf": key}
+        raise TypeError(
+            f"{where} is a {type(x).__module__}.{type(x).__qualname__}: a dump stores pytrees "
+            "made of dicts, lists, tuples, None and arrays only, so that loading it never runs "
+            "code; convert it first (a namedtuple with ._asdict(), a flax FrozenDict with "
+            "flax.core.unfreeze, a dataclass with dataclasses.asdict)"
+        )
+
+
+def _crc(buf: Any) -> int:
+    return zlib.crc32(buf) & 0xFFFFFFFF
+
+
+def _array_crc(arr: np.ndarray) -> int:
+    return _crc(arr.reshape(-1).view(np.uint8).data) if arr.size else 0
+
+
+def _header_crc(fields: dict[str, Any], table: dict[str, tuple[str, list[int]]]) -> int:
+    canonical = json.dumps([fields, sorted((k, *v) for k, v in table.items())], sort_keys=True)
+    return _crc(canonical.encode())
+
+
+def _sowtel_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sowtel")
+    except Exception:  # an uninstalled checkout still writes a readable dump
+        return "unknown"
+
+
+def _target(path: str | os.PathLike[str], step: int | None) -> Path:
+    raw = os.fspath(path)
+    p = Path(raw)
+    if raw.endswith(("/", os.sep)) or p.is_dir():
+        if step is None:
+            raise ValueError(
+                f"dump into the folder {raw!r} needs step=: files in a folder of dumps are "
+                "named step_<k>.safetensors; pass step=k, or a file path"
+            )
+        if step < 0:
+            raise ValueError(f"step={step} must be >= 0 to name a file in the folder {raw!r}")
+        return p / f"step_{step}{SUFFIX}"
+    return p
+
+
+def dump(
+    intermediates: Mapping[str, Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Writes captured intermediates to one safetensors file and returns its path.
+
+    ``intermediates`` is ``{name: {mode: value}}`` as returned by
+    :func:`sowtel.save_intermediates` (values may be jax or numpy arrays, or dicts, lists,
+    tuples and ``None`` of them). Its order is kept as the sites' program order.
+    ``path`` is a file, or a folder (an existing directory, or a path ending with ``/``), in
+    which case the file is ``path/step_<step>.safetensors``. ``metadata`` is a JSON dict kept
+    in the header. The file is written to a temporary name and renamed, so a reader never sees
+    half a dump.
+
+    Example:
+      >>> import tempfile, numpy as np
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     p = dump({"loss": {"primal": np.float32(0.5)}}, d + "/run/", step=3)
+      ...     (p.parent.name, p.name)
+      ('run', 'step_3.safetensors')
+    """
+    _check_intermediates(intermediates, "intermediates")
+    if step is not None:
+        step = _check_step(step)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict (JSON object), got {type(metadata).__name__}")
+    _check_json(metadata, "")
+    try:
+        from safetensors.numpy import save_file
+    except ImportError as e:
+        raise ImportError(
+            f"sowtel.dump needs safetensors: pip install 'sowtel[dumps]' ({e})"
+        ) from e
+
+    encoder = _Encoder()
+    sites = [
+        [name, [[mode, encoder.node(value, name, mode, ())] for mode, value in modes.items()]]
+        for name, modes in intermediates.items()
+    ]
+    fields = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "sowtel_version": _sowtel_version(),
+        "created": repr(time.time()),
+        "step": json.dumps(step),
+        "metadata": json.dumps(metadata),
+        "sites": json.dumps(sites),
+    }
+    table = {k: (a.dtype.name, list(a.shape)) for k, a in encoder.tensors.items()}
+    checksums = {"header": _header_crc(fields, table),
+                 "tensors": {k: _array_crc(a) for k, a in encoder.tensors.items()}}
+    target = _target(path, step)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        save_file(encoder.tensors, tmp, metadata={**fields, "checksums": json.dumps(checksums)})
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return target
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _describe_foreign(path: Path, head: bytes) -> str | None:
+    """Names what a non-dump file is, reading headers only (never unpickling)."""
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "a Python pickle; sowtel never unpickles files, since that runs code from the file"
+    if path.suffix.lower() in (".pkl", ".pickle", ".pt", ".pth", ".ckpt") and head[:2] != b"PK":
+        return "a pickle file by its name; sowtel never unpickles files"
+    if head[:6] == b"\x93NUMPY":
+        with open(path, "rb") as f:
+            pickled = _npy_has_object(f)
+        return ("a NumPy .npy file holding pickled objects; rejected without unpickling"
+                if pickled else "a NumPy .npy file")
+    if head[:4] == b"PK\x03\x04":
+        return _describe_zip(path)
+    return None
+
+
+def _npy_has_object(f: Any) -> bool:
+    # read_array_header_* parse the header with ast.literal_eval: data, never code.
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            _, _, dtype = np.lib.format.read_array_header_1_0(f)
+        else:
+            _, _, dtype = np.lib.format.read_array_header_2_0(f)
+        return bool(dtype.hasobject)
+    except Exception:
+        return False
+
+
+def _describe_zip(path: Path) -> str:
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            pickles = [n for n in names if n.endswith((".pkl", ".pickle"))]
+            if pickles:
+                return (f"a zip archive containing the pickle {pickles[0]!r} (a PyTorch "
+                        "checkpoint?); rejected without unpickling")
+            for n in names:
+                if n.endswith(".npy"):
+                    with z.open(n) as f:
+                        if _npy_has_object(f):
+                            return (f"a NumPy .npz archive whose member {n!r} holds pickled "
+                                    "objects; rejected without unpickling")
+            if any(n.endswith(".npy") for n in names):
+                return "a NumPy .npz archive"
+            return "a zip archive"
+    except zipfile.BadZipFile:
+        return "a truncated or corrupted zip archive"
+
+
+class _DumpFile:
+    """A parsed, validated dump header, and access to its arrays."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(os.fspath(path))
+        p = self.path
+        if not p.exists():
+            raise FileNotFoundError(f"{str(p)!r} does not exist: give the path of a sowtel dump")
+        if p.is_dir():
+            raise IsADirectoryError(f"{str(p)!r} is a folder: open its step_<k>.safetensors files")
+        self.size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(16)
+            foreign = _describe_foreign(p, head)
+            if foreign is not None:
+                raise ValueError(f"{str(p)!r} is not a sowtel dump: it is {foreign}")
+            if len(head) < 9:
+                raise ValueError(
+                    f"{str(p)!r} is truncated or not a sowtel dump: {self.size} bytes is too short "
+                    "for a safetensors header"
+                )
+            n = int.from_bytes(head[:8], "little")
+            if head[8:9] != b"{" or n > _MAX_HEADER:
+                raise ValueError(
+                    f"{str(p)!r} is not a sowtel dump (nor a safetensors file): it does not start "
+                    "with a safetensors header; dumps are written by sowtel.dump"
+                )
+            if 8 + n > self.size:
+                raise ValueError(
+                    f"{str(p)!r} is truncated: its header claims {n} bytes but the file has only "
+                    f"{self.size - 8} after the length field"
+                )
+            f.seek(8)
+            raw = f.read(n)
+        self.data_start = 8 + n
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{str(p)!r} is corrupted: its header is not valid JSON ({e})") from e
+        if not isinstance(header, dict):
+            raise ValueError(f"{str(p)!r} is corrupted: its header is not a JSON object")
+        self._parse(header)
+
+    def _bad(self, why: str) -> ValueError:
+        return ValueError(f"{str(self.path)!r} is corrupted: {why}")
+
+    def _parse(self, header: dict[str, Any]) -> None:
+        fields = header.pop("__metadata__", None)
+        if not isinstance(fields, dict) or fields.get("format") != FORMAT:
+            raise ValueError(
+                f"{str(self.path)!r} is a safetensors file but not a sowtel dump (its header has "
+                f"no format={FORMAT!r}): sowtel inspect/diff read files written by sowtel.dump; "
+                "open other safetensors files with safetensors.safe_open"
+            )
+        version = fields.get("format_version")
+        if version != str(FORMAT_VERSION):
+            raise ValueError(
+                f"{str(self.path)!r} is a sowtel dump of format version {version!r}, which this "
+                f"sowtel ({_sowtel_version()}) does not read (it reads {FORMAT_VERSION}): "
+                "upgrade sowtel"
+            )
+        # Tensor table: dtypes, shapes, and spans that tile the data section exactly.
+        self.spans: dict[str, tuple[int, int, np.dtype, tuple[int, ...]]] = {}
+        table: dict[str, tuple[str, list[int]]] = {}
+        for key, t in header.items():
+            try:
+                dtype = _CODE_TO_DTYPE[t["dtype"]]
+                shape = tuple(int(d) for d in t["shape"])
+                begin, end = (int(o) for o in t["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise self._bad(f"the entry of tensor {key!r} is malformed ({e!r})") from e
+            if any(d < 0 for d in shape) or begin < 0 or end < begin:
+                raise self._bad(f"tensor {key!r} has shape {shape} and offsets {[begin, end]}")
+            if end - begin != math.prod(shape) * dtype.itemsize:
+                raise self._bad(
+                    f"tensor {key!r} of shape {shape} and dtype {dtype.name} should span "
+                    f"{math.prod(shape) * dtype.itemsize} bytes, its offsets give {end - begin}"
+                )
+            self.spans[key] = (begin, end, dtype, shape)
+            table[key] = (dtype.name, list(shape))
+        covered = 0
+        for begin, end, *_ in sorted(self.spans.values(), key=lambda s: (s[0], s[1])):
+            if begin != covered:
+                raise self._bad(f"tensor data overlaps or leaves a gap at byte {covered}")
+            covered = end
+        data_len = self.size - self.data_start
+        if data_len != covered:
+            what = "truncated" if data_len < covered else "corrupted"
+            raise ValueError(
+                f"{str(self.path)!r} is {what}: its tensors need {covered} bytes of data, the "
+                f"file holds {data_len}"
+            )
+        try:
+            checksums = json.loads(fields.pop("checksums"))
+            self.crcs: dict[str, int] = {k: int(v) for k, v in checksums["tensors"].items()}
+            header_crc = int(checksums["header"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise self._bad(f"its checksums are missing or malformed ({e!r})") from e
+        if _header_crc(fields, table) != header_crc:
+            raise self._bad("the header checksum does not match (the header was altered)")
+        try:
+            self.step: int | None = json.loads(fields["step"])
+            self.metadata: dict[str, Any] = json.loads(fields["metadata"])
+            self.sowtel_version = str(fields["sowtel_version"])
+            self.created = float(fields["created"])
+            self.sites = json.loads(fields["sites"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise self._bad(f"a header field is missing or malformed ({e!r})") from e
+        self.entries = self._entries()
+
+    def _entries(self) -> tuple[DumpEntry, ...]:
+        out: list[DumpEntry] = []
+        used: set[str] = set()
+
+        def walk(node: Any, site: str, mode: str, leaf: tuple[Any, ...]) -> None:
+            if node is None:
+                return
+            if not isinstance(node, dict) or len(node) != 1:
+                raise self._bad(f"the structure of {site!r} ({mode}) has a malformed node")
+            ((kind, body),) = node.items()
+            if kind == "leaf":
+                if body not in self.spans or body in used:
+                    raise self._bad(f"the structure names tensor {body!r}, absent or used twice")
+                used.add(body)
+                _, _, dtype, shape = self.spans[body]
+                out.append(DumpEntry(leaf_name(site, leaf), site, mode, leaf, shape,
+                                     dtype.name, body))
+            elif kind in ("list", "tuple") and isinstance(body, list):
+                for i, child in enumerate(body):
+                    walk(child, site, mode, (*leaf, i))
+            elif kind == "dict" and isinstance(body, list):
+                for item in body:
+                    if not (isinstance(item, list) and len(item) == 2):
+                        raise self._bad(f"the structure of {site!r} ({mode}) has a bad dict item")
+                    walk(item[1], site, mode, (*leaf, item[0]))
+            else:
+                raise self._bad(f"the structure of {site!r} ({mode}) has a node {kind!r}")
+
+        if not isinstance(self.sites, list):
+            raise self._bad("its site list is not a list")
+        for item in self.sites:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], list)):
+                raise self._bad("its site list has a malformed site")
+            for pair in item[1]:
+                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                    raise self._bad(f"site {item[0]!r} has a malformed mode")
+                walk(pair[1], item[0], pair[0], ())
+        if used != set(self.spans):
+            raise self._bad(f"tensors {sorted(set(self.spans) - used)} belong to no site")
+        return tuple(out)
+
+    def info(self) -> DumpInfo:
+        return DumpInfo(
+            path=self.path, step=self.step, metadata=self.metadata,
+            sowtel_version=self.sowtel_version, created=self.created,
+            sites=tuple(s[0] for s in self.sites), entries=self.entries,
+            nbytes=self.size - self.data_start,
+        )
+
+    def buffer(self, lazy: bool) -> np.ndarray:
+        """The whole file as uint8: memory-mapped (lazy) or read into memory (writable)."""
+        if lazy:
+            return np.asarray(np.memmap(self.path, dtype=np.uint8, mode="r"))
+        buf = np.empty(self.size, dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            got = f.readinto(buf.data)
+        if got != self.size:
+            raise ValueError(f"{str(self.path)!r} changed while being read ({got} of {self.size})")
+        return buf
+
+    def array(self, buf: np.ndarray, key: str, verify: bool) -> np.ndarray:
+        begin, end, dtype, shape = self.spans[key]
+        raw = buf[self.data_start + begin: self.data_start + end]
+        if verify:
+            crc = 0
+            for i in range(0, raw.size, _CHUNK):
+                crc = zlib.crc32(raw[i: i + _CHUNK].data, crc)
+            if (crc & 0xFFFFFFFF) != self.crcs.get(key):
+                raise self._bad(f"the data of tensor {key!r} fails its checksum")
+        return raw.view(dtype).reshape(shape)
+
+    def tree(self, lazy: bool, verify: bool | None = None) -> dict[str, dict[str, Any]]:
+        buf = self.buffer(lazy)
+        verify = (not lazy) if verify is None else verify
+
+        def build(node: Any) -> Any:
+            if node is None:
+                return None
+            ((kind, body),) = node.items()
+            if kind == "leaf":
+                return self.array(buf, body, verify)
+            if kind == "list":
+                return [build(c) for c in body]
+            if kind == "tuple":
+                return tuple(build(c) for c in body)
+            return {k: build(c) for k, c in body}
+
+        return {name: {mode: build(node) for mode, node in modes} for name, modes in self.sites}
+
+
+def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
+    """The dumps of a folder of dumps, ``{step: path}`` in step order.
+
+    Example:
+      >>> import tempfile, numpy as np
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     for k in (10, 2):
+      ...         _ = dump({"h": {"primal": np.zeros(1)}}, d, step=k)
+      ...     list(find_dumps(d))
+      [2, 10]
+    """
+    p = Path(os.fspath(folder))
+    if not p.exists():
+        raise FileNotFoundError(f"{str(p)!r} does not exist: give a folder of sowtel dumps")
+    if not p.is_dir():
+        raise NotADirectoryError(f"{str(p)!r} is a file, not a folder of dumps")
+    found = {}
+    for child in p.iterdir():
+        m = _STEP_FILE.match(child.name)
+        if m and child.is_file():
+            found[int(m.group(1))] = child
+    if not found:
+        raise ValueError(
+            f"{str(p)!r} holds no dumps (files named step_<k>.safetensors): write them with "
+            "sowtel.dump(intermediates, folder, step=k)"
+        )
+    return dict(sorted(found.items()))
+
+
+def _open_step(step: int, path: Path) -> _DumpFile:
+    f = _DumpFile(path)
+    if f.step is not None and f.step != step:
+        raise ValueError(
+            f"{str(path)!r} is named for step {step} but its header says step {f.step}: "
+            "rename the file to match its step"
+        )
+    return f
+
+
+def info(path: str | os.PathLike[str]) -> DumpInfo:
+    """Reads a dump's header (step, metadata, sites, shapes, dtypes) without reading its data.
+
+    Example:
+      >>> import tempfile, numpy as np
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     p = dump({"h": {"primal": np.zeros((2, 3), np.float16)}}, d + "/a.safetensors",
+      ...              metadata={"seed": 0})
+      ...     i = info(p)
+      >>> (i.metadata, i.entries[0].dtype, i.entries[0].shape)
+      ({'seed': 0}, 'float16', (2, 3))
+    """
+    return _DumpFile(path).info()
+
+
+def load(path: str | os.PathLike[str], *, lazy: bool = False) -> dict[Any, Any]:
+    """Reads a dump back: ``{name: {mode: value}}`` exactly as it was dumped.
+
+    Sites come back in program order, every leaf as a numpy array of the stored dtype (a
+    Python or numpy scalar comes back as a 0-d array), dicts/lists/tuples/``None`` as they were.
+    With ``lazy=False`` the file is read once, checked against its checksums, and the arrays are
+    writable. With ``lazy=True`` the file is memory-mapped: nothing is read until an array is
+    used, the arrays are read-only, and checksums are not checked (``sowtel inspect`` checks
+    them). ``path`` may be a folder of dumps: the result is then ``{step: intermediates}`` in
+    step order. Truncated, corrupted and foreign files raise ``ValueError`` naming the path;
+    nothing is ever unpickled.
+
+    Example:
+      >>> import tempfile, numpy as np
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     _ = dump({"h": {"primal": np.arange(3)}}, d, step=0)
+      ...     _ = dump({"h": {"primal": np.arange(3) + 1}}, d, step=1)
+      ...     by_step = load(d)
+      >>> {k: v["h"]["primal"].tolist() for k, v in by_step.items()}
+      {0: [0, 1, 2], 1: [1, 2, 3]}
+    """
+    p = Path(os.fspath(path))
+    if p.is_dir():
+        return {step: _open_step(step, f).tree(lazy) for step, f in find_dumps(p).items()}
+    return _DumpFile(p).tree(lazy)
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def _site_leaves(value: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """(leaf path, leaf) pairs of a sown value; dict/list/tuple in stored order, else jax's."""
+    out: list[tuple[tuple[Any, ...], Any]] = []
+
+    def walk(x: Any, leaf: tuple[Any, ...]) -> None:
+        if x is None:
+            return
+        if type(x) is dict:
+            for k, v in x.items():
+                walk(v, (*leaf, k))
+        elif type(x) is list or type(x) is tuple:
+            for i, v in enumerate(x):
+                walk(v, (*leaf, i))
+        elif _is_leaf(x):
+            out.append((leaf, x))
+        else:
+            # Registered pytree nodes (namedtuples, flax structs, dataclasses): jax knows them.
+            import jax
+
+            for kp, v in jax.tree_util.tree_flatten_with_path(x)[0]:
+                walk(v, (*leaf, *(_key_part(k) for k in kp)))
+
+    walk(value, ())
+    return out
+
+
+def _key_part(k: Any) -> Any:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return str(k)
+
+
+def _process_index() -> int:
+    try:
+        import jax
+
+        return int(jax.process_index())
+    except Exception:  # no backend: records made on a plain host are process 0
+        return 0
+
+
+def records_from_intermediates(
+    intermediates: Mapping[str, Mapping[str, Any]],
+    *,
+    step: int,
+    summary: str = "stats",
+    tag: str = "intermediates",
+) -> list[Record]:
+    """Turns a ``save_intermediates`` result into the records streaming would produce.
+
+    One record per array leaf, in program order (sites in dict order, then modes, then leaves);
+    a pytree sown at one site gives records named ``name/<leaf path>`` (``"pair/0"``,
+    ``"params/w"``). Summaries are computed on the host with
+    :func:`sowtel.summaries.host_summary`, the same definitions the device uses. A value stacked
+    by ``scan`` or ``shard_map`` gives one record for the whole stack (``index=None``).
+    :func:`sowtel.export` calls this and hands the records to the active exporters.
+
+    Example:
+      >>> import numpy as np
+      >>> recs = records_from_intermediates(
+      ...     {"pair": {"primal": (np.array([1.0, 3.0]), np.array(2))}}, step=5)
+      >>> [(r.name, r.step, r.stats["mean"]) for r in recs]
+      [('pair/0', 5, 2.0), ('pair/1', 5, 2.0)]
+    """
+    _check_intermediates(intermediates, "intermediates")
+    step = _check_step(step)
+    check_summary(summary)
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"tag={tag!r} must be a non-empty string")
+    wall_time = time.time()
+    process_index = _process_index()
+    records: list[Record] = []
+    for site, modes in intermediates.items():
+        for mode, value in modes.items():
+            for leaf, x in _site_leaves(value):
+                arr = np.asarray(x)
+                s = host_summary(arr, summary)
+                records.append(Record(
+                    name=leaf_name(site, leaf), mode=mode, tag=tag, step=step, index=None,
+                    wall_time=wall_time, summary=summary, shape=tuple(arr.shape),
+                    dtype=arr.dtype.name, value=arr if summary == "full" else None,
+                    stats=s["stats"], histogram=s["histogram"], process_index=process_index,
+                    seq=len(records),
+                ))
+    return records
