@@ -1,0 +1,178 @@
+"""The one place sowtel touches JAX's private API.
+
+Checked on JAX 0.10.2 (jaxlib 0.10.2). Everything else in sowtel imports JAX internals from here,
+so a JAX upgrade is a change to this file alone. Each function says what it relies on and what
+happens when that is gone.
+
+- ``emit_host_callback``: the fast host callback (``jax._src.callback.emit_python_callback``,
+  ~2 µs a call); ``SOWTEL_CALLBACK=debug`` (or the private API missing) selects the public
+  ``jax.debug.callback`` instead (~30 µs a call, same records).
+- ``in_transpose``: whether user code runs inside a backward pass (custom_vjp ``bwd``), read from
+  the name stack that JAX's ``backward_pass`` extends with ``transpose(...)``.
+- ``enclosing_loops``: the lengths of the ``lax.scan`` calls tracing the current code, read from
+  their frames, so host-side records can carry iteration indices.
+- ``traced_for``: what the innermost trace is tracing (``"while_cond"``, ``"scan"``, ...).
+- ``manual_axes``: the mesh axes that are manual here (inside ``shard_map`` / ``pmap``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import core as core
+from jax._src import effects as effects
+from jax._src import source_info_util
+from jax._src.interpreters import ad as ad
+from jax._src.interpreters import batching as batching
+from jax._src.interpreters import mlir as mlir
+from jax._src.interpreters import partial_eval as pe
+from jax._src.lax.control_flow import loops as _loops
+
+try:  # The fast path; absent or renamed in other JAX versions.
+    from jax._src import callback as _callback
+    from jax._src import sharding_impls as _sharding_impls
+    from jax._src.lib import xla_client as _xc
+
+    _HAVE_FAST_CALLBACK = hasattr(_callback, "emit_python_callback")
+except ImportError:  # pragma: no cover - depends on the JAX version
+    _HAVE_FAST_CALLBACK = False
+
+__all__ = [
+    "ad", "batching", "core", "effects", "mlir", "pe",
+    "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
+    "manual_axes", "traced_for",
+]
+
+JAX_VERSIONS_CHECKED = ("0.10.2",)
+
+
+def callback_path() -> str:
+    """``"fast"`` (emit_python_callback) or ``"debug"`` (jax.debug.callback), per SOWTEL_CALLBACK."""
+    choice = os.environ.get("SOWTEL_CALLBACK", "fast").strip().lower()
+    if choice not in ("fast", "debug"):
+        raise ValueError(
+            f"SOWTEL_CALLBACK={choice!r} is not a callback path: use 'fast' or 'debug'"
+        )
+    return "fast" if (choice == "fast" and _HAVE_FAST_CALLBACK) else "debug"
+
+
+def allow_effect(effect_type: type) -> None:
+    """Lets an effect be lowered and appear in control flow, remat and custom derivatives."""
+    for effect_set in (
+        effects.lowerable_effects,
+        effects.control_flow_allowed_effects,
+        effects.remat_allowed_effects,
+        effects.custom_derivatives_allowed_effects,
+        effects.partial_eval_kept_effects,
+    ):
+        effect_set.add_type(effect_type)
+
+
+def _callback_sharding(ctx: Any) -> tuple[Any, bool]:
+    """The sharding a host callback needs here, and whether to use the fallback instead.
+
+    Under automatic SPMD partitioning the callback runs once, on device 0 (its operands, already
+    reduced on device, are gathered there); inside a fully manual shard_map it runs per device.
+    """
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, _sharding_impls.SPMDAxisContext):
+        if set(axis_context.manual_axes) != set(axis_context.mesh.axis_names):
+            return None, True  # partial-manual shard_map: jax.debug.callback handles it
+        if jax.config.jax_use_shardy_partitioner:
+            return _callback._get_sdy_array_list_for_callbacks(ctx.avals_out), False
+        op = _xc.OpSharding()
+        op.type = _xc.OpSharding.Type.MANUAL
+        return op, False
+    if isinstance(axis_context, _sharding_impls.ShardingContext):
+        if jax.config.jax_use_shardy_partitioner:
+            arr = _sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,))
+            return _sharding_impls.SdyArrayList((arr,)), False
+        op = _xc.OpSharding()
+        op.type = _xc.OpSharding.Type.MAXIMAL
+        op.tile_assignment_dimensions = [1]
+        op.tile_assignment_devices = [0]
+        return op, False
+    return None, False
+
+
+def emit_host_callback(
+    ctx: Any, callback: Callable[..., None], operands: Sequence[Any], avals: Sequence[Any]
+) -> None:
+    """Emits, inside a lowering rule, a call of ``callback(*numpy_arrays)`` with no results.
+
+    The callback receives host numpy arrays. It must not raise (sowtel's receiver never does).
+    """
+    use_fallback = callback_path() == "debug"
+    sharding = None
+    if not use_fallback:
+        sharding, use_fallback = _callback_sharding(ctx)
+    if use_fallback:
+        def via_debug_callback(*args: Any) -> list[Any]:
+            jax.debug.callback(callback, *args)
+            return []
+
+        mlir.lower_fun(via_debug_callback, multiple_results=True)(ctx, *operands)
+        return
+
+    def host_call(*args: Any) -> tuple[()]:
+        callback(*args)
+        return ()
+
+    _callback.emit_python_callback(
+        ctx, host_call, None, list(operands), list(avals), [],
+        has_side_effect=True, returns_token=True, partitioned=False, sharding=sharding,
+    )
+
+
+def in_transpose() -> bool:
+    """True while JAX runs a backward pass (a custom_vjp ``bwd`` is being called)."""
+    stack = source_info_util.current_name_stack().stack
+    return any(
+        isinstance(s, source_info_util.Transform) and s.name == "transpose" for s in stack
+    )
+
+
+def traced_for() -> str | None:
+    """What the innermost trace traces (``"scan"``, ``"while_cond"``, ``"jit"``, ...), if known."""
+    trace = core.trace_ctx.trace
+    frame = getattr(trace, "frame", None)
+    dbg = getattr(frame, "debug_info", None)
+    return getattr(dbg, "traced_for", None)
+
+
+_SCAN_CODE = _loops.scan.__code__
+_WHILE_CODE = _loops.while_loop.__code__
+
+
+def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
+    """``((length, reverse), ...)`` of the scans tracing this code, outermost first.
+
+    ``None`` when a ``while_loop`` encloses the code (its iteration count is not static, so
+    records get no index). Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame.
+    """
+    loops: list[tuple[int, bool]] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code is _WHILE_CODE:
+            return None
+        if code is _SCAN_CODE:
+            length = frame.f_locals.get("length")
+            if not isinstance(length, int):
+                return None
+            loops.append((length, bool(frame.f_locals.get("reverse", False))))
+        frame = frame.f_back  # type: ignore[assignment]
+    return tuple(reversed(loops))
+
+
+def manual_axes() -> tuple[str, ...]:
+    """Mesh axes that are manual where this code is traced (inside shard_map or pmap)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    manual = set(mesh.manual_axes)
+    return tuple(a for a in mesh.axis_names if a in manual)

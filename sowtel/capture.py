@@ -1,0 +1,512 @@
+"""``save_intermediates``: every sown value and derivative, returned as arrays.
+
+``save_intermediates(fn)`` traces ``fn`` (with its ``grad``, ``jvp``, ``vmap``... applied inside)
+to a jaxpr in which each sow is a ``sow_p`` equation marked for capture, then evaluates that
+jaxpr again with each captured sow turned into an extra output. Inside control flow the extra
+outputs are threaded through with the public API:
+
+==================================  ===================================================
+construct                           what ``intermediates[name][mode]`` holds
+==================================  ===================================================
+``lax.scan`` / ``fori_loop`` (static bounds) / ``lax.map``
+                                    every iteration, stacked on a new leading axis
+                                    (nested scans nest: ``[outer, inner, ...]``)
+``lax.while_loop`` body             the last iteration's value (NaN / 0 if it never ran)
+``lax.while_loop`` cond             not allowed: ``ValueError``
+``lax.cond`` / ``lax.switch``       the taken branch's value; a site only in untaken
+                                    branches is NaN (floating) or 0 (other dtypes)
+``jax.checkpoint``                  the primal once (not per recomputation), the cotangent
+``custom_jvp`` / ``custom_vjp``     sows in the primal / ``fwd``: primal;
+                                    sows in ``bwd``: cotangent
+``shard_map`` / ``pmap``            per-shard values stacked on a new leading axis of shards
+``vmap`` (inside or outside)        the batch axis leading
+==================================  ===================================================
+
+Example:
+    >>> import jax, jax.numpy as jnp, sowtel
+    >>> def f(x):
+    ...     return (sowtel.sow(x * 3.0, "y") ** 2).sum()
+    >>> grads, inter = sowtel.save_intermediates(jax.grad(f))(jnp.ones(2))
+    >>> inter["y"]["primal"], inter["y"]["cotangent"]
+    (Array([3., 3.], dtype=float32), Array([6., 6.], dtype=float32))
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from sowtel import _jax_compat as jc
+from sowtel.primitive import CONTEXT, Context, current_context, sow_p
+
+__all__ = ["save_intermediates"]
+
+DUPLICATE_POLICIES = ("error", "number")
+
+
+@dataclasses.dataclass
+class _Captured:
+    name: str
+    mode: str
+    treedef: Any
+    leaves: list[Any]
+
+    def with_leaves(self, leaves: list[Any]) -> _Captured:
+        return dataclasses.replace(self, leaves=list(leaves))
+
+
+def _flat(caps: list[_Captured]) -> list[Any]:
+    return [leaf for c in caps for leaf in c.leaves]
+
+
+def _unflat(meta: list[_Captured], flat: list[Any]) -> list[_Captured]:
+    out, i = [], 0
+    for c in meta:
+        n = len(c.leaves)
+        out.append(c.with_leaves(flat[i:i + n]))
+        i += n
+    return out
+
+
+def _fill_like(aval: Any) -> Any:
+    """NaN for floating (and complex) dtypes, 0 otherwise: a site whose code did not run."""
+    if jnp.issubdtype(aval.dtype, jnp.inexact):
+        return jnp.full(aval.shape, jnp.nan, aval.dtype)
+    return jnp.zeros(aval.shape, aval.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which jaxprs hold a captured sow.
+
+
+def _subjaxprs(eqn: Any) -> list[Any]:
+    found = []
+    for value in eqn.params.values():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for item in items:
+            if isinstance(item, jc.core.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jc.core.Jaxpr):
+                found.append(item)
+    return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _has_capture(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p:
+            if eqn.params["capture"] and not eqn.params["recompute"]:
+                return True
+        elif any(_has_capture(j) for j in _subjaxprs(eqn)):
+            return True
+    return False
+
+
+def _first_capture_name(jaxpr: Any) -> str:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p and eqn.params["capture"]:
+            return eqn.params["site"].name
+        for j in _subjaxprs(eqn):
+            if _has_capture(j):
+                return _first_capture_name(j)
+    return "?"
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluator: runs a jaxpr, returning its outputs and the captured sows, in trace order.
+
+
+def _eval(jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured]]:
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jc.core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    captured: list[_Captured] = []
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        with eqn.ctx.manager:
+            outs, caps = _eval_eqn(eqn, invals)
+        captured.extend(caps)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars], captured
+
+
+def _bind_plain(eqn: Any, invals: list[Any]) -> list[Any]:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _eval_eqn(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    prim = eqn.primitive
+    if prim is sow_p:
+        return _eval_sow(eqn, invals)
+    rule = _RULES.get(prim.name)
+    subs = _subjaxprs(eqn)
+    if not any(_has_capture(j) for j in subs):
+        return _bind_plain(eqn, invals), []
+    if rule is None:
+        name = next(_first_capture_name(j) for j in subs if _has_capture(j))
+        raise NotImplementedError(
+            f"save_intermediates cannot capture sow {name!r} inside a {prim.name!r} "
+            "primitive: its values could not be returned, and sowtel never drops them silently. "
+            f"Supported: {', '.join(sorted(_RULES))}; move the sow outside it."
+        )
+    return rule(eqn, invals)
+
+
+def _eval_sow(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    p = eqn.params
+    site = p["site"]
+    n = len(invals) - len(site.extras)
+    outs = invals[:n]
+    if p["stream"] is not None and not p["recompute"]:
+        outs = sow_p.bind(*invals, **{**p, "capture": False})  # keeps streaming live
+    if not p["capture"] or p["recompute"]:
+        return list(outs), []
+    return list(outs), [_Captured(site.name, p["mode"], site.treedef, list(outs))]
+
+
+def _inline(key: str) -> Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]:
+    def rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+        closed = eqn.params[key]
+        if isinstance(closed, jc.core.ClosedJaxpr):
+            return _eval(closed.jaxpr, closed.consts, invals)
+        return _eval(closed, (), invals)
+
+    return rule
+
+
+def _remat_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    jaxpr = eqn.params["jaxpr"]
+    meta: list[_Captured] = []
+
+    def body(*args: Any) -> tuple[list[Any], list[Any]]:
+        outs, caps = _eval(jaxpr, (), args)
+        meta[:] = caps
+        return outs, _flat(caps)
+
+    fn = jax.checkpoint(body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+    outs, flat = fn(*invals)
+    return list(outs), _unflat(meta, flat)
+
+
+def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    p = eqn.params
+    closed = p["jaxpr"]
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[
+        n_consts + n_carry:]
+    meta: list[_Captured] = []
+
+    def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
+        outs, caps = _eval(closed.jaxpr, closed.consts, [*consts, *carry, *x])
+        meta[:] = caps
+        return outs[:n_carry], (outs[n_carry:], _flat(caps))
+
+    carry, (ys, flat) = jax.lax.scan(
+        body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
+    return [*carry, *ys], _unflat(meta, flat)
+
+
+def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    p = eqn.params
+    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    if _has_capture(cond.jaxpr):
+        raise ValueError(
+            f"sow {_first_capture_name(cond.jaxpr)!r} is inside a while_loop cond function: it "
+            "can never be captured there; sow it in the body instead"
+        )
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
+    meta: list[_Captured] = []
+
+    def body_fn(state: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
+        outs, caps = _eval(body.jaxpr, body.consts, [*body_consts, *state[0]])
+        meta[:] = caps
+        return outs, _flat(caps)
+
+    def cond_fn(state: tuple[list[Any], list[Any]]) -> Any:
+        return _eval(cond.jaxpr, cond.consts, [*cond_consts, *state[0]])[0][0]
+
+    shapes = jax.eval_shape(body_fn, (list(init), []))[1]
+    state = jax.lax.while_loop(cond_fn, body_fn, (list(init), [_fill_like(s) for s in shapes]))
+    return list(state[0]), _unflat(meta, state[1])
+
+
+def _cond_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    branches = eqn.params["branches"]
+    index, operands = invals[0], invals[1:]
+    metas: list[list[_Captured]] = [[] for _ in branches]
+
+    def make(i: int) -> Callable[..., Any]:
+        def branch(*ops: Any) -> tuple[list[Any], list[Any]]:
+            outs, caps = _eval(branches[i].jaxpr, branches[i].consts, ops)
+            metas[i][:] = caps
+            return outs, _flat(caps)
+
+        return branch
+
+    fns = [make(i) for i in range(len(branches))]
+    # Union of the branches' sites by (name, mode, occurrence), in order of first appearance.
+    union: collections.OrderedDict[tuple[str, str, int], tuple[_Captured, list[Any]]] = (
+        collections.OrderedDict())
+    per_branch_keys: list[list[tuple[str, str, int]]] = []
+    for i, fn in enumerate(fns):
+        flat_shapes = jax.eval_shape(fn, *operands)[1]
+        seen: collections.Counter[tuple[str, str]] = collections.Counter()
+        keys = []
+        for c in _unflat(metas[i], flat_shapes):
+            k = (c.name, c.mode, seen[(c.name, c.mode)])
+            seen[(c.name, c.mode)] += 1
+            keys.append(k)
+            if k in union:
+                prev_shapes = [(s.shape, s.dtype) for s in union[k][1]]
+                if prev_shapes != [(s.shape, s.dtype) for s in c.leaves]:
+                    raise ValueError(
+                        f"sow {c.name!r} ({c.mode}) has different shapes or dtypes in the "
+                        f"branches of a cond/switch ({prev_shapes} vs "
+                        f"{[(s.shape, s.dtype) for s in c.leaves]}): give the sites distinct names"
+                    )
+            else:
+                union[k] = (c, list(c.leaves))
+        per_branch_keys.append(keys)
+
+    def widen(i: int) -> Callable[..., Any]:
+        def branch(*ops: Any) -> tuple[list[Any], list[Any]]:
+            outs, flat = fns[i](*ops)
+            mine = dict(zip(per_branch_keys[i], _unflat(metas[i], flat), strict=True))
+            full = []
+            for k, (_, shapes) in union.items():
+                full.extend(mine[k].leaves if k in mine else [_fill_like(s) for s in shapes])
+            return outs, full
+
+        return branch
+
+    outs, flat = jax.lax.switch(index, [widen(i) for i in range(len(branches))], *operands)
+    meta = [c for c, _ in union.values()]
+    return list(outs), _unflat(meta, flat)
+
+
+def _shard_map_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    p = eqn.params
+    mesh, jaxpr = p["mesh"], p["jaxpr"]
+    manual = tuple(a for a in mesh.axis_names if a in p["newly_manual_axes"])
+    meta: list[_Captured] = []
+
+    def inner(*args: Any) -> tuple[tuple[Any, ...], list[Any]]:
+        outs, caps = _eval(jaxpr, (), args)
+        meta[:] = caps
+        return tuple(outs), [jnp.expand_dims(leaf, 0) for leaf in _flat(caps)]
+
+    fn = jax.shard_map(
+        inner, mesh=mesh, in_specs=tuple(p["in_specs"]),
+        out_specs=(tuple(p["out_specs"]), PartitionSpec(manual)),
+        axis_names=set(p["newly_manual_axes"]), check_vma=p["check_vma"],
+    )
+    outs, flat = fn(*invals)
+    return list(outs), _unflat(meta, flat)
+
+
+_RULES: dict[str, Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]] = {
+    "jit": _inline("jaxpr"),
+    "pjit": _inline("jaxpr"),
+    "closed_call": _inline("call_jaxpr"),
+    "core_call": _inline("call_jaxpr"),
+    "custom_jvp_call": _inline("call_jaxpr"),
+    "custom_vjp_call": _inline("call_jaxpr"),
+    "custom_vjp_call_jaxpr": _inline("fun_jaxpr"),
+    "remat2": _remat_rule,
+    "checkpoint": _remat_rule,
+    "scan": _scan_rule,
+    "while": _while_rule,
+    "cond": _cond_rule,
+    "shard_map": _shard_map_rule,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Assembling {name: {mode: value}}.
+
+
+def _order_key(mode: str) -> bool:
+    # Backward passes run sites in reverse, so cotangent occurrences are numbered from the end.
+    return "cotangent" in mode.split(".")
+
+
+def _mode_rank(mode: str) -> tuple[int, int, str]:
+    base = {"primal": 0, "tangent": 1, "cotangent": 2}
+    parts = mode.split(".")
+    return (len(parts), base.get(parts[0], 3), mode)
+
+
+def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any]]:
+    by_key: collections.OrderedDict[tuple[str, str], list[_Captured]] = collections.OrderedDict()
+    for c in caps:
+        by_key.setdefault((c.name, c.mode), []).append(c)
+    names: list[str] = []
+    for c in caps:
+        if c.name not in names:
+            names.append(c.name)
+    result: dict[str, dict[str, Any]] = {}
+    for name in names:
+        modes = sorted(((m, group) for (n, m), group in by_key.items() if n == name),
+                       key=lambda item: _mode_rank(item[0]))
+        repeated = any(len(group) > 1 for _, group in modes)
+        if repeated and duplicates == "error":
+            count = max(len(group) for _, group in modes)
+            raise ValueError(
+                f"sow name {name!r} is used {count} times; names must be unique under "
+                "duplicates='error': rename the sites, or pass "
+                "save_intermediates(..., duplicates='number') to get "
+                f"{name}_0, {name}_1, ..."
+            )
+        for mode, group in modes:
+            ordered = list(reversed(group)) if _order_key(mode) else group
+            for i, c in enumerate(ordered):
+                key = f"{name}_{i}" if repeated else name
+                value = jax.tree_util.tree_unflatten(c.treedef, c.leaves)
+                result.setdefault(key, {})[mode] = value
+    # Keep program order: numbered names in occurrence order.
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The public wrapper.
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "aval")
+
+
+class _StaticKey:
+    """Hashable wrapper of static leaves; falls back to identity for unhashable ones."""
+
+    __slots__ = ("items", "_hash")
+
+    def __init__(self, items: tuple[Any, ...]) -> None:
+        self.items = items
+        try:
+            self._hash = hash(items)
+        except TypeError:
+            self._hash = hash(tuple(id(x) for x in items))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _StaticKey) or len(other.items) != len(self.items):
+            return False
+        try:
+            return bool(self.items == other.items)
+        except Exception:  # noqa: BLE001 - arbitrary user objects
+            return all(a is b for a, b in zip(self.items, other.items, strict=True))
+
+
+def save_intermediates(
+    fn: Callable[..., Any], *, tag: str = "intermediates", duplicates: str = "error"
+) -> Callable[..., tuple[Any, dict[str, dict[str, Any]]]]:
+    """Wraps ``fn`` to also return every value sown in it, with its derivatives.
+
+    ``wrapped(*args, **kwargs)`` returns ``(fn(*args, **kwargs), intermediates)`` where
+    ``intermediates[name][mode]`` has the pytree structure that was sown. ``mode`` is
+    ``"primal"``, ``"tangent"``, ``"cotangent"`` or a composition (``"cotangent.tangent"``
+    under ``jax.hessian``):
+
+    =================================================  ==================================
+    wrapped function                                   keys
+    =================================================  ==================================
+    plain call                                         primal
+    ``jax.grad`` / ``jax.vjp`` / ``jax.value_and_grad``  primal, cotangent
+    ``jax.jvp`` / ``jax.linearize``                    primal, tangent
+    =================================================  ==================================
+
+    ``save_intermediates`` is the outermost transformation (put ``grad`` and friends inside
+    ``fn``); the wrapper is itself jittable and compiles ``fn`` once per argument shapes.
+    Arguments that are not arrays (ints, strings, ...) act as static arguments. Dict order is
+    the order in which sites ran.
+
+    Args:
+      fn: the function to run.
+      tag: capture only sites sown with this tag.
+      duplicates: ``"error"``: a name sown twice raises ``ValueError``; ``"number"``: every
+        occurrence of a repeated name becomes ``name_0``, ``name_1``, ... in trace order.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, sowtel
+        >>> def f(x):
+        ...     return jnp.sum(sowtel.sow(jnp.sin(x), "s") ** 2)
+        >>> (y, t), inter = sowtel.save_intermediates(
+        ...     lambda x, t: jax.jvp(f, (x,), (t,)))(jnp.zeros(2), jnp.ones(2))
+        >>> inter["s"]["tangent"]
+        Array([1., 1.], dtype=float32)
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"save_intermediates needs a callable, got {type(fn).__name__} {fn!r:.60}: "
+            "pass the function itself, e.g. save_intermediates(jax.grad(loss))"
+        )
+    if duplicates not in DUPLICATE_POLICIES:
+        raise ValueError(
+            f"duplicates={duplicates!r} is not a duplicate policy: use 'error' or 'number'"
+        )
+    from sowtel.primitive import check_tag
+
+    check_tag(tag)
+    cache: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
+
+    def build(treedef: Any, static: dict[int, Any], n_leaves: int) -> Callable[..., Any]:
+        def merged(dyn: list[Any]) -> tuple[Any, Any]:
+            it = iter(dyn)
+            leaves = [static[i] if i in static else next(it) for i in range(n_leaves)]
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+            return fn(*args, **kwargs)
+
+        def run(*dyn: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
+            ctx = current_context() or Context()
+            out_store: list[Any] = []
+
+            def flat_fn(*d: Any) -> list[Any]:
+                out = merged(list(d))
+                leaves, out_tree = jax.tree_util.tree_flatten(out)
+                out_store.append(out_tree)
+                return leaves
+
+            with CONTEXT(Context(session=ctx.session, capture=tag)):
+                closed = jax.make_jaxpr(flat_fn)(*dyn)
+            outs, caps = _eval(closed.jaxpr, closed.consts, list(dyn))
+            result = jax.tree_util.tree_unflatten(out_store[-1], outs)
+            return result, _assemble(caps, duplicates)
+
+        return jax.jit(run)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        static = {i: x for i, x in enumerate(leaves) if not _is_dynamic(x)}
+        dyn = [x for x in leaves if _is_dynamic(x)]
+        key = (treedef, tuple(static), _StaticKey(tuple(static.values())))
+        runner = cache.get(key)
+        if runner is None:
+            runner = build(treedef, static, len(leaves))
+            cache[key] = runner
+            while len(cache) > 64:
+                cache.popitem(last=False)
+        return runner(*dyn)  # type: ignore[no-any-return]
+
+    return wrapped

@@ -1,0 +1,536 @@
+"""``sow``: tag an intermediate value, and ``sow_p``, the primitive behind it, with all its rules.
+
+A sow is the identity. What it does beyond that depends on what is switched on where the
+function is traced:
+
+- nothing (the default): ``sow`` returns its argument untouched and binds no primitive, so the
+  compiled program is byte-identical to one without sows;
+- :func:`sowtel.save_intermediates`: the sow binds ``sow_p`` with ``capture=True`` and the
+  capture pass turns it into extra outputs;
+- :func:`sowtel.enable`: the sow binds ``sow_p`` with ``stream=<session>``; its lowering computes
+  the session's summary on the device and sends it to the host in one callback.
+
+Under ``jvp`` the tangent flows through a second ``sow_p`` in mode ``"tangent"``; transposing
+that one (``grad``, ``vjp``) gives a ``sow_p`` in mode ``"cotangent"`` on the cotangent. Modes
+compose (``"cotangent.tangent"`` under ``jax.hessian``), so a site reports each derivative once.
+
+Example:
+    >>> import jax, jax.numpy as jnp, sowtel
+    >>> def f(x):
+    ...     h = sowtel.sow(jnp.sin(x), "h")
+    ...     return (h ** 2).sum()
+    >>> loss, inter = sowtel.save_intermediates(jax.value_and_grad(f))(jnp.ones(3))
+    >>> sorted(inter["h"])
+    ['cotangent', 'primal']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sowtel import _jax_compat as jc
+from sowtel.records import SUMMARIES
+from sowtel.summaries import DEFAULT_BINS, device_summary
+
+__all__ = ["sow", "sow_p", "at_step", "Context", "SiteStatic", "StreamSite"]
+
+# ---------------------------------------------------------------------------------------------
+# What is switched on: a jit-cache-keyed context, read whenever a sow is bound.
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What sows bound now should do: stream to ``session``, and/or be captured for ``capture``."""
+
+    session: int | None = None
+    capture: str | None = None
+
+
+# Part of every jit cache key: toggling enable() or entering save_intermediates retraces.
+CONTEXT = jax.make_user_context(None)
+
+
+class StreamPolicy(Protocol):
+    """What a streaming session tells the primitive (implemented by ``sowtel.session.Session``)."""
+
+    def selects(self, name: str, tag: str) -> bool: ...
+
+    def wants(self, mode: str) -> bool: ...
+
+    def summary_for(self, site_summary: str | None) -> str: ...
+
+    def every_for(self, site_every: int | None) -> int: ...
+
+    def receive(self, site: StreamSite, arrays: tuple[np.ndarray, ...]) -> None: ...
+
+
+# session id -> the live session; written by enable()/disable(), read at bind time and by callbacks.
+STREAMS: dict[int, StreamPolicy] = {}
+
+
+def current_context() -> Context | None:
+    value = CONTEXT.value
+    return value if isinstance(value, Context) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation.
+
+_NAME_CHARS = re.compile(r"^[A-Za-z0-9_\-./]+$")
+
+
+def check_name(name: Any) -> str:
+    """Returns ``name`` if it is a valid site name, else raises ValueError naming the rule."""
+    if not isinstance(name, str):
+        raise ValueError(f"sow name must be a str, got {type(name).__name__} {name!r}")
+    if not name:
+        raise ValueError("sow name must be non-empty, got ''")
+    if not _NAME_CHARS.match(name):
+        bad = sorted({c for c in name if not re.match(r"[A-Za-z0-9_\-./]", c)})
+        raise ValueError(
+            f"sow name {name!r} has the character(s) {''.join(bad)!r}: use only letters, digits "
+            "and _ - . / ('/' makes hierarchy, as in 'block0/attn')"
+        )
+    if name.startswith("/"):
+        raise ValueError(f"sow name {name!r} starts with '/': names are relative, as 'block0/attn'")
+    for segment in name.split("/"):
+        if segment == "":
+            raise ValueError(f"sow name {name!r} has an empty segment ('//' or a trailing '/')")
+        if segment in (".", ".."):
+            raise ValueError(f"sow name {name!r} has a {segment!r} segment, which is not allowed")
+    return name
+
+
+def check_tag(tag: Any) -> str:
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"sow tag must be a non-empty str, got {tag!r}")
+    return tag
+
+
+def check_positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _as_array_leaf(leaf: Any, path: str, name: str) -> Any:
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or (
+        hasattr(leaf, "aval") and hasattr(leaf, "dtype")
+    ):
+        return leaf
+    if isinstance(leaf, (bool, int, float, complex)):
+        return jnp.asarray(leaf)
+    raise ValueError(
+        f"sow {name!r}: the leaf at {path or '<root>'} is a {type(leaf).__name__} ({leaf!r:.60}), "
+        "not an array: sow pytrees of arrays only (mark other values static)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps.
+
+_STEP = threading.local()
+
+
+@contextmanager
+def at_step(step: Any) -> Iterator[None]:
+    """Records of sows traced inside carry ``step`` (a device value) as their step.
+
+    ``step`` is an integer scalar: a Python int or an integer array or tracer. With it,
+    ``every=N`` is decided on the device, so steps that do not log do no host work.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, sowtel
+        >>> @jax.jit
+        ... def train_step(params, step):
+        ...     with sowtel.at_step(step):
+        ...         h = sowtel.sow(params * 2, "h", every=10)
+        ...     return h.sum()
+    """
+    if isinstance(step, bool) or not (
+        isinstance(step, (int, np.integer))
+        or (hasattr(step, "dtype") and jnp.issubdtype(step.dtype, jnp.integer))
+    ):
+        raise ValueError(
+            f"at_step step must be an integer scalar (Python int or integer array), got {step!r}"
+        )
+    if hasattr(step, "shape") and tuple(step.shape) != ():
+        raise ValueError(f"at_step step must be a scalar, got shape {tuple(step.shape)}")
+    stack = _STEP.__dict__.setdefault("stack", [])
+    stack.append(step)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _current_step() -> Any | None:
+    stack = _STEP.__dict__.get("stack")
+    return stack[-1] if stack else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The primitive.
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteStatic:
+    """What a sow site is, fixed when ``sow`` is called and carried through every rule."""
+
+    name: str
+    tag: str
+    treedef: Any
+    summary: str | None
+    every: int | None
+    uid: int
+    # ((length, reverse), ...) of enclosing scans, outermost first; None inside a while_loop.
+    loops: tuple[tuple[int, bool], ...] | None
+    extras: tuple[str, ...] = ()  # extra operands after the leaves: "step", "shard"
+
+    def transposed(self) -> SiteStatic:
+        loops = None if self.loops is None else tuple((n, not r) for n, r in self.loops)
+        return dataclasses.replace(self, loops=loops)
+
+
+class SowEffect(jc.effects.Effect):
+    __str__ = lambda self: "Sow"  # noqa: E731
+
+
+sow_effect = SowEffect()
+jc.allow_effect(SowEffect)
+
+sow_p = jc.core.Primitive("sow")
+sow_p.multiple_results = True
+
+_uids = itertools.count()
+
+
+def jvp_mode(mode: str) -> str:
+    return "tangent" if mode == "primal" else mode + ".tangent"
+
+
+def transpose_mode(mode: str) -> str:
+    if mode == "primal":
+        return "cotangent"
+    head, _, last = mode.rpartition(".")
+    if last == "tangent":
+        return (head + "." if head else "") + "cotangent"
+    return mode + ".cotangent"
+
+
+def _bind(leaves: list[Any], extras: list[Any], site: SiteStatic, mode: str) -> list[Any]:
+    """Binds ``sow_p``, deciding from the current context whether it captures and/or streams."""
+    ctx = current_context()
+    capture = bool(ctx is not None and ctx.capture == site.tag)
+    stream, summary, every = None, "stats", 1
+    if ctx is not None and ctx.session is not None:
+        policy = STREAMS.get(ctx.session)
+        if policy is not None and policy.selects(site.name, site.tag) and policy.wants(mode):
+            stream = ctx.session
+            summary = policy.summary_for(site.summary)
+            every = policy.every_for(site.every)
+    return sow_p.bind(
+        *leaves, *extras, site=site, mode=mode, capture=capture, stream=stream,
+        summary=summary, every=every, recompute=False,
+    )
+
+
+def sow(
+    value: Any,
+    name: str,
+    *,
+    tag: str = "intermediates",
+    summary: str | None = None,
+    every: int | None = None,
+) -> Any:
+    """Tags ``value`` (any pytree of arrays) as ``name`` and returns it unchanged.
+
+    Args:
+      value: a pytree of arrays; returned as it is.
+      name: letters, digits and ``_ - . /``; ``/`` makes hierarchy (``"block0/attn"``). No empty,
+        ``.`` or ``..`` segment and no leading ``/``.
+      tag: sites are selected by tag (``save_intermediates(tag=...)``, ``enable(tags=...)``).
+      summary: what streaming sends for this site (``"full"``, ``"stats"``, ``"histogram"``,
+        ``"health"``, ``"shape"``); ``None`` takes the session's default.
+      every: stream this site only on steps divisible by ``every`` (``None``: the session's).
+
+    Returns:
+      ``value``. With nothing enabled no primitive is bound at all: a jitted function with sows
+      compiles to exactly the program of the same function without them.
+
+    Under transformations, a site reports:
+
+      ============================  ==========================================
+      around the sow                what is captured / streamed
+      ============================  ==========================================
+      plain call, ``jit``           primal
+      ``grad``, ``vjp``             primal, cotangent (during the backward pass)
+      ``jvp``, ``linearize``        primal, tangent
+      ``jax.hessian``               primal, tangent, cotangent, cotangent.tangent
+      ``vmap``                      the whole batch (batch axis leading)
+      ``scan`` / ``fori_loop``      every iteration (captured: stacked)
+      ``custom_vjp`` ``bwd``        cotangent
+      ============================  ==========================================
+
+    Example:
+        >>> import jax, jax.numpy as jnp, sowtel
+        >>> def layer(x):
+        ...     h = sowtel.sow(jnp.tanh(x), "layer/h")
+        ...     return h.sum()
+        >>> out, inter = sowtel.save_intermediates(layer)(jnp.zeros(2))
+        >>> inter["layer/h"]["primal"]
+        Array([0., 0.], dtype=float32)
+    """
+    check_name(name)
+    check_tag(tag)
+    if summary is not None and summary not in SUMMARIES:
+        raise ValueError(f"sow summary={summary!r} is not a summary: use one of {SUMMARIES}")
+    if every is not None:
+        check_positive_int(every, "sow every")
+    ctx = current_context()
+    if ctx is None:
+        return value
+    capture = ctx.capture == tag
+    policy = STREAMS.get(ctx.session) if ctx.session is not None else None
+    streams = policy is not None and policy.selects(name, tag)
+    if not (capture or streams):
+        return value
+    if jc.traced_for() == "while_cond":
+        raise ValueError(
+            f"sow {name!r} is inside a while_loop cond function: its value can never be captured "
+            "or streamed there; sow it in the body (or before the loop) instead"
+        )
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
+    leaves = [
+        _as_array_leaf(leaf, jax.tree_util.keystr(path), name) for path, leaf in paths_leaves
+    ]
+    if not leaves:
+        return value
+    extras: list[Any] = []
+    kinds: list[str] = []
+    step = _current_step()
+    if step is not None:
+        extras.append(jnp.asarray(step))
+        kinds.append("step")
+    axes = jc.manual_axes() if streams else ()
+    if axes:
+        extras.append(jax.lax.axis_index(axes))
+        kinds.append("shard")
+    site = SiteStatic(
+        name=name, tag=tag, treedef=treedef, summary=summary, every=every, uid=next(_uids),
+        loops=jc.enclosing_loops(), extras=tuple(kinds),
+    )
+    mode = "cotangent" if jc.in_transpose() else "primal"
+    outs = _bind(leaves, extras, site, mode)
+    return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _split(args: Any, site: SiteStatic) -> tuple[list[Any], list[Any]]:
+    n = len(args) - len(site.extras)
+    return list(args[:n]), list(args[n:])
+
+
+def _sow_impl(*args: Any, site: SiteStatic, stream: int | None, recompute: bool,
+              **params: Any) -> list[Any]:
+    leaves, _ = _split(args, site)
+    if stream is None or recompute:
+        return leaves
+    # Called eagerly (outside jit) while streaming: compile the sow alone so it streams too.
+    return jax.jit(
+        lambda *a: sow_p.bind(*a, site=site, stream=stream, recompute=recompute, **params)
+    )(*args)
+
+
+sow_p.def_impl(_sow_impl)
+
+
+def _sow_abstract_eval(*avals: Any, site: SiteStatic, capture: bool, stream: int | None,
+                       recompute: bool, **params: Any) -> tuple[list[Any], Any]:
+    leaves, _ = _split(avals, site)
+    active = (capture or stream is not None) and not recompute
+    return leaves, ({sow_effect} if active else jc.effects.no_effects)
+
+
+sow_p.def_effectful_abstract_eval(_sow_abstract_eval)
+
+
+def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str,
+             **params: Any) -> tuple[list[Any], list[Any]]:
+    out = sow_p.bind(*primals, site=site, mode=mode, **params)
+    leaves_t, _ = _split(tangents, site)
+    _, extras = _split(primals, site)
+    if not all(jnp.issubdtype(jnp.result_type(p), jnp.inexact) for p in primals[: len(leaves_t)]):
+        return out, leaves_t  # integer leaves have no tangent to report
+    leaves_t = [jc.ad.instantiate_zeros(t) for t in leaves_t]
+    return out, _bind(leaves_t, extras, site, jvp_mode(mode))
+
+
+jc.ad.primitive_jvps[sow_p] = _sow_jvp
+
+
+def _sow_transpose(cts: Any, *args: Any, site: SiteStatic, mode: str,
+                   **params: Any) -> list[Any]:
+    leaves, extras = _split(args, site)
+    cts = [jc.ad.instantiate_zeros(ct) for ct in cts]
+    outs = _bind(cts, extras, site.transposed(), transpose_mode(mode))
+    return list(outs) + [None] * len(extras)
+
+
+jc.ad.primitive_transposes[sow_p] = _sow_transpose
+
+
+def _sow_batch(args: Any, dims: Any, *, site: SiteStatic, **params: Any) -> tuple[Any, Any]:
+    leaves, extras = _split(args, site)
+    leaf_dims, extra_dims = _split(dims, site)
+    not_mapped = None
+    if any(d is not not_mapped for d in extra_dims):
+        raise ValueError(
+            f"sow {site.name!r}: the at_step step (or shard index) is batched by vmap; "
+            "enter at_step outside the vmapped function"
+        )
+    sizes = [x.shape[d] for x, d in zip(leaves, leaf_dims, strict=True) if d is not not_mapped]
+    if not sizes:
+        return sow_p.bind(*args, site=site, **params), list(dims[: len(leaves)])
+    size = sizes[0]
+    moved = [
+        jc.batching.moveaxis(x, d, 0) if d is not not_mapped
+        else jnp.broadcast_to(x, (size, *x.shape))
+        for x, d in zip(leaves, leaf_dims, strict=True)
+    ]
+    outs = sow_p.bind(*moved, *extras, site=site, **params)
+    return outs, [0] * len(outs)
+
+
+jc.batching.primitive_batchers[sow_p] = _sow_batch
+
+
+def _sow_partial_eval_custom(saveable: Any, unks_in: Any, inst_in: Any, eqn: Any) -> Any:
+    """Keeps ``jax.checkpoint`` from saving sown values as residuals, and reports primals once.
+
+    With all inputs known the sow runs in the known (forward) jaxpr, and the staged jaxpr gets a
+    silent copy (``recompute=True``: no effect, no capture, no stream) to rematerialise its
+    output for free, since a sow is the identity.
+    """
+    n_out = len(eqn.outvars)
+    if any(unks_in):
+        residuals = [v for v, inst in zip(eqn.invars, inst_in, strict=True) if not inst]
+        return None, eqn, [True] * n_out, [True] * n_out, residuals
+    silent = eqn.replace(params={**eqn.params, "recompute": True},
+                         effects=jc.effects.no_effects)
+    return eqn, silent, [False] * n_out, [True] * n_out, []
+
+
+jc.pe.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming lowering: on-device summary, then one host callback per site.
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSite:
+    """A streaming site as the host sees it; built once per compilation, shared by its records."""
+
+    session: int
+    name: str
+    mode: str
+    tag: str
+    leaf_names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    summary: str
+    every: int
+    bins: int
+    loops: tuple[tuple[int, bool], ...] | None
+    extras: tuple[str, ...]
+    uid: int
+
+    @property
+    def period(self) -> int:
+        """Callbacks per execution of the enclosing scans (1 outside scans)."""
+        n = 1
+        for length, _ in self.loops or ():
+            n *= max(length, 1)
+        return n
+
+    def arrays_per_leaf(self) -> int:
+        return {"full": 1, "stats": 2, "histogram": 3, "health": 1, "shape": 0}[self.summary]
+
+
+def _leaf_names(site: SiteStatic) -> tuple[str, ...]:
+    skeleton = jax.tree_util.tree_unflatten(site.treedef, range(site.treedef.num_leaves))
+    paths = jax.tree_util.tree_flatten_with_path(skeleton)[0]
+    names = []
+    for path, _ in paths:
+        parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        names.append("/".join([site.name, *parts]) if parts else site.name)
+    return tuple(names)
+
+
+sow_emit_p = jc.core.Primitive("sow_emit")
+sow_emit_p.multiple_results = True
+
+
+def _emit_abstract_eval(*avals: Any, site: StreamSite) -> tuple[list[Any], Any]:
+    return [], {sow_effect}
+
+
+sow_emit_p.def_effectful_abstract_eval(_emit_abstract_eval)
+
+
+def _deliver(site: StreamSite, *arrays: np.ndarray) -> None:
+    policy = STREAMS.get(site.session)
+    if policy is not None:
+        policy.receive(site, arrays)
+
+
+def _emit_lowering(ctx: Any, *args: Any, site: StreamSite) -> list[Any]:
+    jc.emit_host_callback(ctx, lambda *a: _deliver(site, *a), args, ctx.avals_in)
+    return []
+
+
+jc.mlir.register_lowering(sow_emit_p, _emit_lowering)
+
+
+def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
+                  stream: int | None, summary: str, every: int, recompute: bool) -> list[Any]:
+    leaves, _ = _split(args, site)
+    if stream is None or recompute:
+        return leaves
+    leaf_avals, _ = _split(ctx.avals_in, site)
+    info = StreamSite(
+        session=stream, name=site.name, mode=mode, tag=site.tag, leaf_names=_leaf_names(site),
+        shapes=tuple(tuple(a.shape) for a in leaf_avals),
+        dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
+        bins=DEFAULT_BINS, loops=site.loops, extras=site.extras, uid=site.uid,
+    )
+
+    def on_device(*operands: Any) -> list[Any]:
+        values, extras = _split(operands, site)
+
+        def emit() -> None:
+            arrays = [a for v in values for a in device_summary(v, summary, info.bins)]
+            sow_emit_p.bind(*arrays, *extras, site=info)
+
+        if every > 1 and "step" in site.extras:
+            step = extras[site.extras.index("step")]
+            jax.lax.cond(step % every == 0, emit, lambda: None)
+        else:
+            emit()
+        return []
+
+    jc.mlir.lower_fun(on_device, multiple_results=True)(ctx, *args)
+    return leaves
+
+
+jc.mlir.register_lowering(sow_p, _sow_lowering)
