@@ -1,7 +1,35 @@
-"""sowtel: observability for JAX."""
+"""sowtel: observability for JAX.
+
+Tag any intermediate value with :func:`sow`; then either stream it, with its tangent or
+cotangent, live out of the compiled program (:func:`enable`), or capture it as returned arrays
+(:func:`save_intermediates`). With nothing enabled a sow costs nothing: the compiled program is
+the same as without it.
+
+Example:
+    >>> import jax, jax.numpy as jnp, sowtel
+    >>> def loss(w, x):
+    ...     h = sowtel.sow(jnp.tanh(x @ w), "hidden")
+    ...     return jnp.mean(h ** 2)
+    >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    >>> grads, inter = sowtel.save_intermediates(jax.grad(loss))(w, x)
+    >>> sorted(inter["hidden"])
+    ['cotangent', 'primal']
+    >>> with sowtel.enable(exporter="memory") as session:
+    ...     _ = jax.jit(jax.grad(loss))(w, x)
+    ...     _ = sowtel.flush()
+    >>> sorted({r.mode for r in session.exporters[0].records})
+    ['cotangent', 'primal']
+"""
 
 from sowtel.capture import save_intermediates
+from sowtel.dumps import dump, load
 from sowtel.primitive import at_step, sow
 from sowtel.records import Record
+from sowtel.session import Session, disable, enable, export, flush, status
 
-__all__ = ["Record", "at_step", "save_intermediates", "sow"]
+__version__ = "0.1.0"
+
+__all__ = [
+    "Record", "Session", "at_step", "disable", "dump", "enable", "export", "flush", "load",
+    "save_intermediates", "sow", "status",
+]

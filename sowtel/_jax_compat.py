@@ -17,6 +17,7 @@ happens when that is gone.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -144,8 +145,9 @@ def traced_for() -> str | None:
     return getattr(dbg, "traced_for", None)
 
 
-_SCAN_CODE = _loops.scan.__code__
-_WHILE_CODE = _loops.while_loop.__code__
+# The functions are wrapped by JAX's traceback filtering; the frames are those of the originals.
+_SCAN_CODE = inspect.unwrap(_loops.scan).__code__
+_WHILE_CODE = inspect.unwrap(_loops.while_loop).__code__
 
 
 def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:

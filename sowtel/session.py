@@ -1,0 +1,383 @@
+"""Streaming sessions: ``enable``, ``disable``, ``flush``, ``status``, ``export``.
+
+A session holds what to stream (tags, modes, name filters, summary, stride), the exporters and
+the dispatcher that feeds them. Enabling is process-wide: it sets the global value of a
+jit-cache-keyed context, so every function traced afterwards (in any thread) streams, and a
+function compiled before is recompiled on its next call, and stops streaming after
+``disable()`` the same way.
+
+The receiver, called by the host callbacks of running programs, does only this: count the
+occurrence, copy the arrays and enqueue them. Building records happens on the dispatcher thread.
+
+Example:
+    >>> import jax, jax.numpy as jnp, sowtel
+    >>> @jax.jit
+    ... def f(x):
+    ...     return sowtel.sow(x * 2, "y").sum()
+    >>> with sowtel.enable(exporter="memory") as session:
+    ...     _ = f(jnp.arange(4.0))
+    ...     sowtel.flush()
+    ...     [r] = session.exporters[0].records
+    >>> r.name, r.mode, r.stats["mean"]
+    ('y', 'primal', 3.0)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from sowtel import primitive
+from sowtel.dispatcher import Dispatcher
+from sowtel.exporters import Exporter, resolve
+from sowtel.primitive import CONTEXT, STREAMS, Context, StreamSite, check_positive_int
+from sowtel.records import BASE_MODES, Record
+from sowtel.summaries import check_summary, decode_device_summary, host_summary
+
+__all__ = ["Session", "enable", "disable", "flush", "status", "export", "active_session"]
+
+logger = logging.getLogger("sowtel")
+
+ON_FULL = ("drop", "block")
+_ids = itertools.count(1)
+_lock = threading.RLock()
+_stack: list[Session] = []  # enabled sessions, innermost last; the last one streams
+
+
+def _check_patterns(value: Any, what: str) -> Callable[[str], bool] | None:
+    if value is None:
+        return None
+    if callable(value):
+        return value  # type: ignore[no-any-return]
+    patterns = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(p, str) for p in patterns):
+        raise ValueError(
+            f"{what}={value!r} must be a glob pattern, a list of them, or a callable on the name"
+        )
+    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _check_strings(value: Any, what: str) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else tuple(value)
+    if not items or not all(isinstance(v, str) and v for v in items):
+        raise ValueError(f"{what}={value!r} must be a non-empty list of non-empty strings")
+    return items
+
+
+class Session:
+    """One ``enable()``: what is streamed, and where to.
+
+    Use :func:`enable` to make one. A session is a context manager: leaving the block disables
+    it and resumes the session that was active before, if any.
+
+    Attributes:
+      exporters: the exporter instances records go to.
+      dispatcher: the queue and threads between the receiver and the exporters.
+    """
+
+    def __init__(
+        self,
+        exporters: list[Exporter],
+        *,
+        summary: str,
+        tags: tuple[str, ...],
+        modes: tuple[str, ...],
+        include: Callable[[str], bool] | None,
+        exclude: Callable[[str], bool] | None,
+        every: int,
+        queue_size: int,
+        on_full: str,
+        max_bytes: int,
+    ) -> None:
+        self.id = next(_ids)
+        self.summary = summary
+        self.tags = tags
+        self.modes = modes
+        self.include = include
+        self.exclude = exclude
+        self.every = every
+        self.exporters = exporters
+        self.process_index = jax.process_index()
+        self.dispatcher = Dispatcher(
+            exporters, convert=self._convert, queue_size=queue_size, max_bytes=max_bytes,
+            on_full=on_full,
+        )
+        self._counters: dict[Any, Iterable[int]] = {}
+        self._seq = itertools.count()
+        self._closed = False
+
+    # -- what the primitive asks at bind time ------------------------------------------------
+
+    def selects(self, name: str, tag: str) -> bool:
+        if tag not in self.tags:
+            return False
+        if self.include is not None and not self.include(name):
+            return False
+        return not (self.exclude is not None and self.exclude(name))
+
+    def wants(self, mode: str) -> bool:
+        return mode in self.modes or mode.split(".")[-1] in self.modes
+
+    def summary_for(self, site_summary: str | None) -> str:
+        return site_summary or self.summary
+
+    def every_for(self, site_every: int | None) -> int:
+        return site_every or self.every
+
+    # -- the receiver: host callback threads -------------------------------------------------
+
+    def receive(self, site: StreamSite, arrays: tuple[np.ndarray, ...]) -> None:
+        """Counts, copies and enqueues one callback's arrays. Never raises."""
+        try:
+            shard = int(arrays[-1]) if site.extras and site.extras[-1] == "shard" else None
+            key = (site.name, site.mode, site.loops, shard)
+            counter = self._counters.get(key)
+            if counter is None:
+                counter = self._counters.setdefault(key, itertools.count())
+            occurrence = next(counter)  # type: ignore[call-overload]
+            if "step" not in site.extras and site.every > 1:
+                if (occurrence // site.period) % site.every:
+                    return
+            copied = tuple(np.array(a, copy=True) for a in arrays)
+            nbytes = sum(a.nbytes for a in copied) if site.summary == "full" else 0
+            self.dispatcher.put((site, copied, occurrence, next(self._seq), time.time()), nbytes)
+        except Exception:  # noqa: BLE001 - a callback must never raise into XLA
+            logger.exception("sowtel: dropping a record of %r that could not be received",
+                             site.name)
+
+    # -- the dispatcher thread ---------------------------------------------------------------
+
+    def _convert(self, items: list[Any]) -> list[Record]:
+        records: list[Record] = []
+        for site, arrays, occurrence, seq, wall_time in items:
+            records.extend(self._records_of(site, arrays, occurrence, seq, wall_time))
+        return records
+
+    def _records_of(self, site: StreamSite, arrays: tuple[np.ndarray, ...], occurrence: int,
+                    seq: int, wall_time: float) -> list[Record]:
+        per_leaf = site.arrays_per_leaf()
+        n_leaves = len(site.leaf_names)
+        extras = dict(zip(site.extras, arrays[n_leaves * per_leaf:], strict=True))
+        index: list[int] = []
+        if "shard" in extras:
+            index.append(int(extras["shard"]))
+        rest = occurrence
+        loop_index: list[int] = []
+        for length, reverse in reversed(site.loops or ()):
+            i = rest % length if length else 0
+            rest = rest // length if length else rest
+            loop_index.append(length - 1 - i if reverse else i)
+        index.extend(reversed(loop_index))
+        step = int(extras["step"]) if "step" in extras else occurrence // site.period
+        idx: int | tuple[int, ...] | None = (
+            None if not index else index[0] if len(index) == 1 else tuple(index))
+        out = []
+        for k, leaf_name in enumerate(site.leaf_names):
+            leaf_arrays = list(arrays[k * per_leaf:(k + 1) * per_leaf])
+            size = int(np.prod(site.shapes[k], dtype=np.int64))
+            decoded = decode_device_summary(leaf_arrays, site.summary, size, site.bins)
+            value = leaf_arrays[0] if site.summary == "full" else None
+            if value is not None:
+                decoded = host_summary(value, "stats")
+            out.append(Record(
+                name=leaf_name, mode=site.mode, tag=site.tag, step=step, index=idx,
+                wall_time=wall_time, summary=site.summary, shape=site.shapes[k],
+                dtype=site.dtypes[k], value=value, stats=decoded["stats"],
+                histogram=decoded["histogram"], process_index=self.process_index, seq=seq,
+            ))
+        return out
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Blocks until every record accepted so far reached every exporter; False on timeout."""
+        jax.effects_barrier()
+        return self.dispatcher.flush(timeout)
+
+    def status(self) -> dict[str, Any]:
+        s = dict(self.dispatcher.status())
+        s.update(enabled=not self._closed, session=self.id)
+        return s
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Flushes and closes this session (and resumes the one enabled before it)."""
+        with _lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self in _stack:
+                _stack.remove(self)
+            _activate(_stack[-1] if _stack else None)
+        try:
+            jax.effects_barrier()
+        finally:
+            STREAMS.pop(self.id, None)
+            self.dispatcher.close(timeout)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Session(id={self.id}, exporters={[type(e).__name__ for e in self.exporters]}, "
+                f"summary={self.summary!r}, tags={self.tags}, modes={self.modes})")
+
+
+def _activate(session: Session | None) -> None:
+    CONTEXT.set_global(Context(session=session.id) if session is not None else None)
+
+
+def enable(
+    exporter: Any = "memory",
+    *,
+    summary: str = "stats",
+    tags: Sequence[str] | str = ("intermediates",),
+    modes: Sequence[str] | str = BASE_MODES,
+    include: Any = None,
+    exclude: Any = None,
+    every: int = 1,
+    queue_size: int = 10_000,
+    on_full: str = "drop",
+    max_bytes: int = 1 << 30,
+    **exporter_options: Any,
+) -> Session:
+    """Streams every selected sow, in every program traced from now on, to ``exporter``.
+
+    Args:
+      exporter: ``"tensorboard"``, ``"otel"``, ``"jsonl"``, ``"memory"``, ``"console"``, a name
+        registered under the ``sowtel.exporters`` entry-point group, an exporter instance, or a
+        list of these.
+      summary: what crosses to the host per site (``"stats"``, ``"histogram"``, ``"full"``,
+        ``"health"``, ``"shape"``); a site's own ``summary=`` wins.
+      tags: stream sites with these tags.
+      modes: stream these modes (``"primal"``, ``"tangent"``, ``"cotangent"``); a composed mode
+        such as ``"cotangent.tangent"`` streams if its last part is listed.
+      include, exclude: glob patterns (or a list, or a callable on the name) on site names.
+      every: stream only steps divisible by ``every`` (a site's own ``every=`` wins).
+      queue_size: records waiting for the exporters at most; beyond it ``on_full`` decides.
+      on_full: ``"drop"`` (count and drop) or ``"block"`` (back-pressure; nothing is lost).
+      max_bytes: bytes of full values waiting at most.
+      **exporter_options: passed to exporters named by string (``logdir=...``).
+
+    Returns:
+      The :class:`Session`; also a context manager that disables it on exit.
+
+    Example:
+        >>> import sowtel
+        >>> session = sowtel.enable(exporter="memory", summary="health")
+        >>> sowtel.disable()
+    """
+    summary = check_summary(summary, "enable summary")
+    tags_t = _check_strings(tags, "enable tags")
+    modes_t = _check_strings(modes, "enable modes")
+    for m in modes_t:
+        if m not in BASE_MODES:
+            raise ValueError(f"enable modes: {m!r} is not a mode; use some of {BASE_MODES}")
+    every = check_positive_int(every, "enable every")
+    queue_size = check_positive_int(queue_size, "enable queue_size")
+    max_bytes = check_positive_int(max_bytes, "enable max_bytes")
+    if on_full not in ON_FULL:
+        raise ValueError(f"on_full={on_full!r} is not a policy: use 'drop' or 'block'")
+    include_fn = _check_patterns(include, "include")
+    exclude_fn = _check_patterns(exclude, "exclude")
+    exporters = resolve(exporter, **exporter_options)
+    session = Session(
+        exporters, summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
+        exclude=exclude_fn, every=every, queue_size=queue_size, on_full=on_full,
+        max_bytes=max_bytes,
+    )
+    with _lock:
+        STREAMS[session.id] = session
+        _stack.append(session)
+        _activate(session)
+    return session
+
+
+def active_session() -> Session | None:
+    """The session that streams now, or None."""
+    with _lock:
+        return _stack[-1] if _stack else None
+
+
+def disable(timeout: float | None = 30.0) -> None:
+    """Flushes and closes the active session; the one enabled before it (if any) resumes.
+
+    Example:
+        >>> import sowtel
+        >>> _ = sowtel.enable(exporter="memory")
+        >>> sowtel.disable()
+        >>> sowtel.status()["enabled"]
+        False
+    """
+    session = active_session()
+    if session is not None:
+        session.close(timeout)
+
+
+def flush(timeout: float | None = 30.0) -> bool:
+    """Blocks until every record accepted so far has reached every exporter.
+
+    Returns False if ``timeout`` seconds passed first; True (and does nothing) with nothing
+    enabled.
+
+    Example:
+        >>> import sowtel
+        >>> sowtel.flush()
+        True
+    """
+    session = active_session()
+    return True if session is None else session.flush(timeout)
+
+
+def status() -> dict[str, Any]:
+    """Counters of the active session: received, exported per exporter, dropped, errors, and
+    the first non-finite record (step, name, mode). With nothing enabled: ``enabled=False`` and
+    zero counts.
+
+    Example:
+        >>> import sowtel
+        >>> sowtel.status()["enabled"]
+        False
+    """
+    session = active_session()
+    if session is None:
+        return {"enabled": False, "received": 0, "dropped": 0, "queued": 0, "exported": {},
+                "errors": {}, "stalled": [], "first_nonfinite": None}
+    return session.status()
+
+
+def export(intermediates: dict[str, dict[str, Any]], *, step: int,
+           summary: str | None = None) -> int:
+    """Sends ``save_intermediates`` results through the active session's exporters.
+
+    Records are the same as streaming would give (summaries computed on the host). Returns the
+    number of records handed over.
+
+    Example:
+        >>> import jax.numpy as jnp, sowtel
+        >>> with sowtel.enable(exporter="memory") as s:
+        ...     sowtel.export({"h": {"primal": jnp.ones(3)}}, step=7)
+        1
+    """
+    from sowtel.dumps import records_from_intermediates
+
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise ValueError(f"export step must be an int, got {step!r}")
+    session = active_session()
+    if session is None:
+        raise RuntimeError("sowtel.export needs an active session: call sowtel.enable(...) first")
+    records = records_from_intermediates(
+        intermediates, step=int(step), summary=summary or session.summary,
+    )
+    session.dispatcher.put_records(records)
+    return len(records)
