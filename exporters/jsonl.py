@@ -1,0 +1,266 @@
+"""The ``jsonl`` exporter: one JSON object per record, full values in ``.npy`` sidecar files.
+
+Each line of ``<logdir>/<filename>`` is a JSON object with the fields of
+:class:`~sowtel.records.Record`: ``name``, ``mode``, ``tag``, ``step``, ``index`` (null, an
+integer, or a list for nested scans), ``wall_time``, ``summary``, ``shape`` (a list), ``dtype``,
+``stats`` (an object), ``histogram`` (``{"edges": [...], "counts": [...]}`` or null),
+``process_index``, ``seq``, and ``value_file``.
+
+Only plain JSON is written (every line parses with a strict JSON parser): the non-finite floats
+NaN, +inf and -inf are written as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``, which
+Python's ``float()`` reads back. A ``full`` record's value goes to a sidecar file saved with
+``numpy.save(..., allow_pickle=False)`` in the folder ``<stem>_values/`` next to the JSON file;
+``value_file`` holds its path relative to the JSON file's folder (null when there is no value).
+Dtypes numpy cannot store without pickling (``bfloat16``, ``float8_*``) are stored as float32,
+with ``value_dtype`` naming what was stored. Record names never choose paths: sidecar names are
+sanitised to letters, digits, ``_ - .`` and numbered, so every file stays inside ``logdir``.
+
+The file is opened in append mode, so runs logged to the same place accumulate. ``flush()``
+hands buffered lines to the operating system (no fsync).
+
+Example:
+    >>> import tempfile
+    >>> import numpy as np
+    >>> from sowtel.exporters.jsonl import JsonlExporter, read_records
+    >>> from sowtel.records import Record
+    >>> logdir = tempfile.mkdtemp()
+    >>> jsonl = JsonlExporter(logdir=logdir)
+    >>> jsonl.write([Record(name="h", mode="primal", tag="intermediates", step=0, index=None,
+    ...                     wall_time=0.0, summary="full", shape=(2,), dtype="float32",
+    ...                     value=np.array([1.0, 2.0], np.float32))])
+    >>> jsonl.close()
+    >>> [r.value.tolist() for r in read_records(f"{logdir}/records.jsonl")]
+    [[1.0, 2.0]]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sowtel.records import Record
+
+__all__ = ["JsonlExporter", "read_records", "record_to_json"]
+
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def _float(x: Any) -> float | str:
+    x = float(x)
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def _unfloat(x: Any) -> float:
+    return _NONFINITE[x] if isinstance(x, str) else float(x)
+
+
+def _index(index: Any) -> Any:
+    if index is None:
+        return None
+    if isinstance(index, tuple):
+        return [int(i) for i in index]
+    return int(index)
+
+
+def _safe_component(text: str, limit: int = 80) -> str:
+    # One path component that cannot climb out of its folder, whatever the record name holds.
+    safe = _UNSAFE.sub("_", text).lstrip(".-")[:limit]
+    return safe or "value"
+
+
+def record_to_json(record: Record, value_file: str | None = None) -> dict[str, Any]:
+    """The JSON object written for ``record`` (plain JSON types only).
+
+    Example:
+        >>> from sowtel.records import Record
+        >>> record_to_json(Record(name="h", mode="primal", tag="intermediates", step=1,
+        ...                       index=(0, 2), wall_time=5.0, summary="health", shape=(3,),
+        ...                       dtype="float32", stats={"nan": 1.0}))["stats"]
+        {'nan': 1.0}
+    """
+    hist = record.histogram
+    return {
+        "name": str(record.name),
+        "mode": str(record.mode),
+        "tag": str(record.tag),
+        "step": int(record.step),
+        "index": _index(record.index),
+        "wall_time": _float(record.wall_time),
+        "summary": str(record.summary),
+        "shape": [int(d) for d in record.shape],
+        "dtype": str(record.dtype),
+        "stats": {str(k): _float(v) for k, v in record.stats.items()},
+        "histogram": None if hist is None else {
+            "edges": [_float(e) for e in np.asarray(hist[0]).ravel()],
+            "counts": [_float(c) for c in np.asarray(hist[1]).ravel()],
+        },
+        "process_index": int(record.process_index),
+        "seq": int(record.seq),
+        "value_file": value_file,
+    }
+
+
+class JsonlExporter:
+    """Appends one JSON line per record to ``<logdir>/<filename>``; see the module docstring.
+
+    Args:
+      logdir: the folder to write into; created if missing. A path that is a file, or that
+        cannot be created or written, raises ``ValueError`` here rather than losing records later.
+      filename: the JSON-lines file's name inside ``logdir`` (a bare name, no folders).
+
+    Example:
+        >>> import sowtel  # doctest: +SKIP
+        >>> sowtel.enable(exporter="jsonl", logdir="runs/exp1")  # doctest: +SKIP
+    """
+
+    label = "jsonl"
+
+    def __init__(self, logdir: str | os.PathLike[str] = "runs",
+                 filename: str = "records.jsonl") -> None:
+        if not isinstance(filename, str) or not filename or filename in (".", "..") or any(
+            sep and sep in filename for sep in ("/", "\\", os.sep, os.altsep)
+        ):
+            raise ValueError(
+                f"filename={filename!r} must be a bare file name such as 'records.jsonl' "
+                "(no folders); put folders in logdir="
+            )
+        if not isinstance(logdir, (str, os.PathLike)) or not os.fspath(logdir):
+            raise ValueError(f"logdir={logdir!r} must be a folder path such as 'runs/exp1'")
+        self.logdir = Path(logdir)
+        if self.logdir.exists() and not self.logdir.is_dir():
+            raise ValueError(
+                f"logdir={os.fspath(logdir)!r} is a file, not a folder: pass a folder path "
+                "(it is created if missing)"
+            )
+        try:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(
+                f"logdir={os.fspath(logdir)!r} cannot be created ({e.strerror or e}): pass a "
+                "folder path you can write to"
+            ) from e
+        self.path = self.logdir / filename
+        try:
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+        except OSError as e:
+            raise ValueError(
+                f"logdir={os.fspath(logdir)!r}: cannot write {filename!r} there "
+                f"({e.strerror or e}): pass a folder you can write to"
+            ) from e
+        self._values_name = f"{Path(filename).stem or 'records'}_values"
+        self._values_dir = self.logdir / self._values_name
+        self._next_value: int | None = None
+
+    def _save_value(self, record: Record) -> tuple[str | None, dict[str, Any]]:
+        value = np.asarray(record.value)
+        extra: dict[str, Any] = {}
+        if value.dtype.isbuiltin == 2 or value.dtype.kind == "V":
+            # Extension dtypes (bfloat16, float8) would be saved as raw void bytes.
+            value = value.astype(np.float32)
+            extra["value_dtype"] = "float32"
+        if self._next_value is None:
+            self._values_dir.mkdir(exist_ok=True)
+            self._next_value = len(os.listdir(self._values_dir))
+        stem = f"s{int(record.step)}-{_safe_component(record.name)}-{_safe_component(record.mode)}"
+        while True:
+            name = f"{self._next_value:09d}-{stem}.npy"
+            self._next_value += 1
+            try:
+                # Exclusive creation: an earlier run's sidecar in the same folder is never replaced.
+                with open(self._values_dir / name, "xb") as f:
+                    np.save(f, value, allow_pickle=False)
+                break
+            except FileExistsError:
+                continue
+            except ValueError as e:  # object arrays cannot be saved without pickle
+                (self._values_dir / name).unlink(missing_ok=True)
+                return None, {"value_error": f"not saved: {e}"}
+        return f"{self._values_name}/{name}", extra
+
+    def write(self, records: Sequence[Record]) -> None:
+        lines = []
+        failure: OSError | None = None
+        for record in records:
+            value_file: str | None = None
+            extra: dict[str, Any] = {}
+            if record.value is not None:
+                try:
+                    value_file, extra = self._save_value(record)
+                except OSError as e:
+                    # The line is still written; the error reaches the dispatcher's counters.
+                    failure = failure or e
+                    extra = {"value_error": f"not saved: {e}"}
+            obj = record_to_json(record, value_file)
+            obj.update(extra)
+            lines.append(json.dumps(obj, allow_nan=False, separators=(",", ":")))
+        if lines:
+            self._file.write("\n".join(lines) + "\n")
+        if failure is not None:
+            raise failure
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> list[Record]:
+    """Reads a file written by :class:`JsonlExporter` back into records.
+
+    Sidecar values are loaded with ``allow_pickle=False`` and only from inside the JSON file's
+    folder; a ``value_file`` pointing elsewhere raises ``ValueError``.
+
+    Example:
+        >>> read_records("runs/records.jsonl")  # doctest: +SKIP
+        [Record(name='h', mode='primal', ...), ...]
+    """
+    path = Path(path)
+    base = path.parent.resolve()
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            value = None
+            if load_values and obj.get("value_file"):
+                file = (base / obj["value_file"]).resolve()
+                if base not in file.parents:
+                    raise ValueError(
+                        f"{path}:{number}: value_file={obj['value_file']!r} points outside "
+                        f"{base}; refusing to read it"
+                    )
+                value = np.load(file, allow_pickle=False)
+                if obj.get("value_dtype") and obj["value_dtype"] != obj["dtype"]:
+                    try:
+                        value = value.astype(np.dtype(obj["dtype"]))
+                    except TypeError:
+                        pass  # the dtype's package is not imported; keep what was stored
+            index = obj["index"]
+            hist = obj.get("histogram")
+            out.append(Record(
+                name=obj["name"], mode=obj["mode"], tag=obj["tag"], step=obj["step"],
+                index=tuple(index) if isinstance(index, list) else index,
+                wall_time=_unfloat(obj["wall_time"]), summary=obj["summary"],
+                shape=tuple(obj["shape"]), dtype=obj["dtype"], value=value,
+                stats={k: _unfloat(v) for k, v in obj["stats"].items()},
+                histogram=None if hist is None else (
+                    np.array([_unfloat(e) for e in hist["edges"]]),
+                    np.array([_unfloat(c) for c in hist["counts"]]),
+                ),
+                process_index=obj.get("process_index", 0), seq=obj.get("seq", 0),
+            ))
+    return out
