@@ -89,6 +89,7 @@ GAUGE_NAMES: dict[str, str] = {stat: f"sowtel.{stat}" for stat in STAT_KEYS} | {
 COUNTER_NAMES: dict[str, str] = {
     "exported": "sowtel.records.exported",
     "dropped": "sowtel.records.dropped",
+    "exporter_errors": "sowtel.exporter.errors",
     "nonfinite": "sowtel.nonfinite_elements",
     "span_events_dropped": "sowtel.span_events.dropped",
     "export_failures": "sowtel.export.failures",
@@ -116,6 +117,9 @@ _GAUGE_DESCRIPTIONS = {
     "step": "Step of the latest record",
 }
 _MAX_SERVICE_NAME = 255
+# After an export failure or a timed-out flush, flush() leaves exporting to the SDK's own
+# schedule for this long, so a dead endpoint does not hold up the records behind it.
+_TROUBLE_BACKOFF_S = 10.0
 # How many steps remember their last span part, so late records continue the numbering.
 _REMEMBERED_STEPS = 1024
 _SIGNALS = ("traces", "metrics")
@@ -335,17 +339,38 @@ class _SeriesState:
         return []
 
 
-def _observe_dropped() -> list[tuple[dict[str, Any], float]]:
-    # The dispatcher counts the records it drops; sowtel may not be importable or enabled.
+def _session_status() -> dict[str, Any]:
+    # The dispatcher keeps these counters; sowtel may be absent, disabled or of another shape.
     try:
         import sowtel
 
         status = getattr(sowtel, "status", None)
         counters = status() if callable(status) else {}
-        dropped = counters.get("dropped", 0) if isinstance(counters, dict) else 0
-        return [({}, float(dropped or 0))]
+        return counters if isinstance(counters, dict) else {}
     except Exception:
-        return [({}, 0.0)]
+        return {}
+
+
+def _per_exporter(counters: Any) -> list[tuple[dict[str, Any], float]]:
+    if not isinstance(counters, dict):
+        return []
+    return [({"sowtel.exporter": str(label)}, float(n or 0)) for label, n in counters.items()]
+
+
+def _observe_dropped() -> list[tuple[dict[str, Any], float]]:
+    """Records dropped: at the session's queue, and in each exporter's backlog."""
+    status = _session_status()
+    queue = [({"sowtel.stage": "queue"}, float(status.get("dropped", 0) or 0))]
+    backlogs = [
+        ({"sowtel.stage": "exporter"} | attrs, n)
+        for attrs, n in _per_exporter(status.get("exporter_dropped"))
+    ]
+    return queue + backlogs
+
+
+def _observe_exporter_errors() -> list[tuple[dict[str, Any], float]]:
+    """Calls of each exporter that raised (the dispatcher isolates and counts them)."""
+    return _per_exporter(_session_status().get("errors"))
 
 
 class _MetricHub:
@@ -384,8 +409,14 @@ class _MetricHub:
             unit="{batch}", description="Failed exports of sowtel's own OTLP exporters",
         )
         meter.create_observable_counter(
-            COUNTER_NAMES["dropped"], callbacks=[self._dropped_callback],
-            unit="{record}", description="Records sowtel's dispatcher dropped (queue full)",
+            COUNTER_NAMES["dropped"], callbacks=[self._session_callback(_observe_dropped)],
+            unit="{record}",
+            description="Records dropped by the session's queue or an exporter's backlog",
+        )
+        meter.create_observable_counter(
+            COUNTER_NAMES["exporter_errors"],
+            callbacks=[self._session_callback(_observe_exporter_errors)],
+            unit="{call}", description="Exporter calls that raised, by exporter",
         )
 
     def add(self, state: _SeriesState) -> None:
@@ -420,10 +451,15 @@ class _MetricHub:
 
         return callback
 
-    def _dropped_callback(self, options: CallbackOptions) -> Iterable[Observation]:
-        if not self._live():
-            return []
-        return [Observation(v, attrs) for attrs, v in _observe_dropped()]
+    def _session_callback(
+        self, observe: Callable[[], list[tuple[dict[str, Any], float]]]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(options: CallbackOptions) -> Iterable[Observation]:
+            if not self._live():
+                return []
+            return [Observation(v, attrs) for attrs, v in observe()]
+
+        return callback
 
 
 def _attrs_key(attrs: dict[str, Any]) -> tuple[Any, ...]:
@@ -499,6 +535,9 @@ class OTelExporter:
       (1.0, {'sowtel.name': 'w', 'sowtel.mode': 'cotangent'})
       >>> exporter.close()
     """
+
+    #: How ``sowtel.status()`` names this exporter.
+    label = "otel"
 
     def __init__(
         self,
@@ -643,7 +682,9 @@ class OTelExporter:
         # Records of the newest step wait here until a later step shows the step is complete.
         self._pending: dict[int, list[Record]] = {}
         self._newest_step: int | None = None
-        self._next_part: collections.OrderedDict[int, int] = collections.OrderedDict()
+        # step -> (spans emitted so far, context of its first span): later parts join its trace.
+        self._parts: collections.OrderedDict[int, tuple[int, Context]] = collections.OrderedDict()
+        self._trouble_at = -math.inf
         self._alerted = False
         self._attrs_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._stuck: threading.Event | None = None
@@ -672,6 +713,7 @@ class OTelExporter:
         return dict(self._errors)
 
     def _count_failure(self, signal: str) -> None:
+        self._trouble_at = time.monotonic()
         self._errors[f"export_failures.{signal}"] += 1
         with self._state.lock:
             self._state.export_failures[signal] += 1
@@ -762,10 +804,16 @@ class OTelExporter:
                 self._emit(step)
 
     def flush(self) -> None:
-        """Ends every open step span and asks the providers to export, within ``timeout_s``."""
+        """Ends every open step span and asks the providers to export, within ``timeout_s``.
+
+        While exports are failing (an endpoint down), it only ends the spans and leaves the
+        retrying to the SDK's own schedule, so records behind it are not held up.
+        """
         if self._closed:
             return
         self._emit_all()
+        if time.monotonic() - self._trouble_at < _TROUBLE_BACKOFF_S:
+            return
         self._bounded("flush", self._force_flush, self._timeout_s)
 
     def close(self) -> None:
@@ -902,15 +950,14 @@ class OTelExporter:
             self._emit_span(step, events[start : start + size])
 
     def _emit_span(self, step: int, events: list[tuple[str, dict[str, Any], int]]) -> None:
-        part = self._next_part.pop(step, 0)
-        self._next_part[step] = part + 1
-        while len(self._next_part) > _REMEMBERED_STEPS:
-            self._next_part.popitem(last=False)
+        # Every step is a trace of its own, whatever span is current; a step's further parts
+        # (beyond the event limit, or records that came late) are children of its first span.
+        part, parent = self._parts.pop(step, (0, Context()))
         start_ns = min(t for _, _, t in events)
         end_ns = max(t for _, _, t in events)
         span = self._tracer.start_span(
             SPAN_NAME,
-            context=Context(),  # every step is a trace of its own, whatever is current
+            context=parent,
             kind=trace_api.SpanKind.INTERNAL,
             attributes={
                 "sowtel.step": step,
@@ -920,6 +967,13 @@ class OTelExporter:
             },
             start_time=start_ns,
         )
+        if part == 0:
+            # Only the span's identity is kept: the span itself holds all its events.
+            first = trace_api.NonRecordingSpan(span.get_span_context())
+            parent = trace_api.set_span_in_context(first, Context())
+        self._parts[step] = (part + 1, parent)
+        while len(self._parts) > _REMEMBERED_STEPS:
+            self._parts.popitem(last=False)
         for name, attrs, t_ns in events:
             span.add_event(name, attributes=attrs, timestamp=t_ns)
         span.end(end_time=end_ns)
@@ -946,6 +1000,7 @@ class OTelExporter:
 
         if _run_with_deadline(run, timeout_s, name):
             return True
+        self._trouble_at = time.monotonic()
         if not done.is_set():
             self._stuck = done
             self._count_error("flush_timeouts", TimeoutError(f"{name} exceeded {timeout_s:.1f} s"))
