@@ -47,7 +47,30 @@ from jax.sharding import PartitionSpec
 from sowtel import _jax_compat as jc
 from sowtel.primitive import CONTEXT, Context, current_context, sow_p
 
-__all__ = ["save_intermediates"]
+__all__ = ["Intermediates", "save_intermediates"]
+
+
+class Intermediates(dict):  # type: ignore[type-arg]
+    """A dict that keeps its insertion order through ``jit`` (plain dicts come back sorted).
+
+    ``save_intermediates`` returns ``{name: {mode: value}}`` as nested ``Intermediates``, names
+    in the order sites ran, modes as primal, tangent, cotangent, then compositions.
+    """
+
+    def __repr__(self) -> str:
+        return f"Intermediates({dict.__repr__(self)})"
+
+
+def _flatten_intermediates(d: Intermediates) -> tuple[Any, tuple[Any, ...]]:
+    keys = tuple(d)
+    return [(jax.tree_util.DictKey(k), d[k]) for k in keys], keys
+
+
+jax.tree_util.register_pytree_with_keys(
+    Intermediates,
+    _flatten_intermediates,
+    lambda keys, values: Intermediates(zip(keys, values, strict=True)),
+)
 
 DUPLICATE_POLICIES = ("error", "number")
 
@@ -363,7 +386,7 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
     for c in caps:
         if c.name not in names:
             names.append(c.name)
-    result: dict[str, dict[str, Any]] = {}
+    result: Intermediates = Intermediates()
     for name in names:
         modes = sorted(((m, group) for (n, m), group in by_key.items() if n == name),
                        key=lambda item: _mode_rank(item[0]))
@@ -381,7 +404,7 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
             for i, c in enumerate(ordered):
                 key = f"{name}_{i}" if repeated else name
                 value = jax.tree_util.tree_unflatten(c.treedef, c.leaves)
-                result.setdefault(key, {})[mode] = value
+                result.setdefault(key, Intermediates())[mode] = value
     # Keep program order: numbered names in occurrence order.
     return result
 
