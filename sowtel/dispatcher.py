@@ -81,8 +81,8 @@ def _record_nbytes(record: Record) -> int:
 
 def _is_nonfinite(record: Record) -> bool:
     stats = record.stats
-    if stats:
-        return bool(stats.get("nan", 0) or stats.get("posinf", 0) or stats.get("neginf", 0))
+    if "nan" in stats:
+        return bool(stats["nan"] or stats.get("posinf", 0) or stats.get("neginf", 0))
     value = record.value
     if value is not None and getattr(value, "dtype", None) is not None and value.dtype.kind in "fc":
         import numpy as np

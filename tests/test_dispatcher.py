@@ -1,0 +1,594 @@
+"""The dispatcher: bounded queue, batching, per-exporter isolation, flush/close, exit hooks.
+
+Everything here runs real threads, real files and real subprocesses; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sowtel.exporters.memory import MemoryExporter
+
+from sowtel.dispatcher import Dispatcher
+from sowtel.records import Record
+
+
+def make_record(step: int, name: str = "x", mode: str = "primal",
+                stats: dict[str, float] | None = None, value: np.ndarray | None = None) -> Record:
+    return Record(name=name, mode=mode, tag="intermediates", step=step, index=None,
+                  wall_time=0.0, summary="full" if value is not None else "stats", shape=(),
+                  dtype="float32", value=value, stats=stats or {"mean": float(step)})
+
+
+def convert(items: list[int]) -> list[Record]:
+    return [make_record(i) for i in items]
+
+
+class CallLog:
+    """An exporter that remembers every call, its thread, and the records written."""
+
+    def __init__(self, write_delay: float = 0.0) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.threads: set[int] = set()
+        self.steps: list[int] = []
+        self.write_delay = write_delay
+
+    def write(self, records: Sequence[Record]) -> None:
+        self.threads.add(threading.get_ident())
+        if self.write_delay:
+            time.sleep(self.write_delay)
+        self.steps.extend(r.step for r in records)
+        self.calls.append(("write", len(records)))
+
+    def flush(self) -> None:
+        self.threads.add(threading.get_ident())
+        self.calls.append(("flush", 0))
+
+    def close(self) -> None:
+        self.threads.add(threading.get_ident())
+        self.calls.append(("close", 0))
+
+
+class Raising:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def write(self, records: Sequence[Record]) -> None:
+        self.calls += 1
+        raise RuntimeError("disk on fire")
+
+    def flush(self) -> None:
+        raise RuntimeError("flush on fire")
+
+    def close(self) -> None:
+        raise RuntimeError("close on fire")
+
+
+class Hung:
+    """Blocks inside write() until released (at the end of the test)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+        self.entered = threading.Event()
+
+    def write(self, records: Sequence[Record]) -> None:
+        self.entered.set()
+        self.release.wait()
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def release() -> Iterator[threading.Event]:
+    event = threading.Event()
+    yield event
+    event.set()  # lets hung exporter threads finish
+
+
+@pytest.fixture
+def made() -> Iterator[list[Dispatcher]]:
+    dispatchers: list[Dispatcher] = []
+    yield dispatchers
+    for d in dispatchers:
+        d.close(timeout=5.0)
+
+
+# -- ordering and counts ----------------------------------------------------------------------
+
+def test_everything_arrives_in_order_with_exact_counts(made):
+    memory, log = MemoryExporter(), CallLog()
+    d = Dispatcher([memory, log], convert=convert, queue_size=100_000)
+    made.append(d)
+    n = 20_000
+    assert all(d.put(i) for i in range(n))
+    assert d.flush(timeout=10.0)
+    assert [r.step for r in memory.records] == list(range(n))
+    assert log.steps == list(range(n))
+    s = d.status()
+    assert (s["received"], s["dropped"], s["queued"], s["records"]) == (n, 0, 0, n)
+    assert s["exported"] == {"memory": n, "CallLog": n}
+    assert s["errors"] == {"memory": 0, "CallLog": 0}
+    assert s["exporter_dropped"] == {"memory": 0, "CallLog": 0}
+    assert s["pending"] == {"memory": 0, "CallLog": 0}
+    assert s["stalled"] == [] and s["first_nonfinite"] is None and s["closed"] is False
+
+
+def test_concurrent_producers_lose_nothing_and_keep_each_threads_order(made):
+    memory = MemoryExporter()
+
+    def convert_pairs(items):
+        return [make_record(k, name=f"t{t}") for t, k in items]
+
+    d = Dispatcher([memory], convert=convert_pairs, queue_size=100_000)
+    made.append(d)
+    per_thread, threads = 5_000, 4
+    accepted = []
+
+    def produce(t):
+        accepted.append(sum(d.put((t, k)) for k in range(per_thread)))
+
+    workers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert accepted == [per_thread] * threads
+    assert d.flush(timeout=10.0)
+    assert len(memory.records) == per_thread * threads
+    for t in range(threads):
+        assert [r.step for r in memory.records if r.name == f"t{t}"] == list(range(per_thread))
+
+
+def test_put_records_pass_through_between_converted_items(made):
+    memory = MemoryExporter()
+    d = Dispatcher([memory], convert=convert)
+    made.append(d)
+    d.put(0)
+    d.put_records([make_record(100, name="built"), make_record(101, name="built")])
+    d.put(1)
+    assert d.flush(timeout=5.0)
+    assert [(r.name, r.step) for r in memory.records] == [
+        ("x", 0), ("built", 100), ("built", 101), ("x", 1)]
+    with pytest.raises(TypeError, match="Record objects, got int"):
+        d.put_records([make_record(1), 5])  # type: ignore[list-item]
+
+
+def test_exporter_labels_are_unique():
+    d = Dispatcher([MemoryExporter(), MemoryExporter(), CallLog()], convert=convert)
+    try:
+        assert list(d.status()["exported"]) == ["memory", "memory#2", "CallLog"]
+    finally:
+        d.close()
+
+
+# -- overload -----------------------------------------------------------------------------------
+
+def test_drop_mode_counts_exactly_what_does_not_fit(made):
+    gate, inside = threading.Event(), threading.Event()
+
+    def gated(items):
+        inside.set()
+        gate.wait(10.0)
+        return convert(items)
+
+    memory = MemoryExporter()
+    d = Dispatcher([memory], convert=gated, queue_size=100, flush_interval=0.01)
+    made.append(d)
+    assert d.put(-1)
+    assert inside.wait(5.0)  # the dispatcher holds item -1 inside convert; the queue is empty
+    results = [d.put(i) for i in range(1000)]
+    assert results == [True] * 100 + [False] * 900
+    s = d.status()
+    assert (s["received"], s["dropped"], s["queued"]) == (1001, 900, 100)
+    gate.set()
+    assert d.flush(timeout=5.0)
+    assert [r.step for r in memory.records] == [-1, *range(100)]
+    assert d.status()["exported"] == {"memory": 101}
+
+
+def test_drop_mode_byte_bound_and_oversized_item(made):
+    gate, inside = threading.Event(), threading.Event()
+
+    def gated(items):
+        inside.set()
+        gate.wait(10.0)
+        return convert(items)
+
+    memory = MemoryExporter()
+    d = Dispatcher([memory], convert=gated, queue_size=1000, max_bytes=55, flush_interval=0.01)
+    made.append(d)
+    d.put(-1)
+    assert inside.wait(5.0)
+    # 10-byte items: five fit in 55 bytes, the sixth would make 60.
+    assert [d.put(i, nbytes=10) for i in range(8)] == [True] * 5 + [False] * 3
+    gate.set()
+    assert d.flush(timeout=5.0)
+    # An item larger than max_bytes still goes through an empty queue, or it could never pass.
+    assert d.put(99, nbytes=10_000)
+    assert d.flush(timeout=5.0)
+    assert [r.step for r in memory.records] == [-1, 0, 1, 2, 3, 4, 99]
+    assert d.status()["dropped"] == 3
+
+
+def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made):
+    memory, slow = MemoryExporter(), CallLog(write_delay=0.002)
+
+    def slow_convert(items):
+        time.sleep(0.0005)
+        return [make_record(k, name=f"t{t}") for t, k in items]
+
+    queue_size = 16
+    d = Dispatcher([memory, slow], convert=slow_convert, queue_size=queue_size,
+                   on_full="block", flush_interval=0.01)
+    made.append(d)
+    most_queued, most_pending, done = [0], [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            s = d.status()
+            most_queued[0] = max(most_queued[0], s["queued"])
+            most_pending[0] = max(most_pending[0], *s["pending"].values())
+            time.sleep(0.0005)
+
+    per_thread, threads = 1_000, 4
+    accepted = []
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    start = time.monotonic()
+    producers = [threading.Thread(target=lambda t=t: accepted.append(
+        sum(d.put((t, k)) for k in range(per_thread)))) for t in range(threads)]
+    for p in producers:
+        p.start()
+    for p in producers:
+        p.join()
+    assert d.flush(timeout=30.0)
+    elapsed = time.monotonic() - start
+    done.set()
+    watcher.join()
+    total = per_thread * threads
+    assert accepted == [per_thread] * threads
+    s = d.status()
+    assert s["dropped"] == 0 and s["exporter_dropped"] == {"memory": 0, "CallLog": 0}
+    assert s["exported"] == {"memory": total, "CallLog": total}
+    for t in range(threads):
+        assert [r.step for r in memory.records if r.name == f"t{t}"] == list(range(per_thread))
+    # Memory stayed bounded: the queue never held more than queue_size items, and a backlog at
+    # most its bound plus one batch (itself at most queue_size items).
+    assert most_queued[0] <= queue_size
+    assert most_pending[0] <= 2 * queue_size
+    # Back-pressure really happened: the slow exporter's writes pace the producers.
+    n_writes = sum(1 for kind, _ in slow.calls if kind == "write")
+    assert elapsed >= n_writes * 0.002 * 0.9
+
+
+# -- a failing exporter ------------------------------------------------------------------------
+
+def test_raising_exporter_is_isolated_counted_and_logged_once(made, caplog):
+    raising, memory = Raising(), MemoryExporter()
+    d = Dispatcher([raising, memory], convert=convert, flush_interval=0.05)
+    made.append(d)
+    with caplog.at_level(logging.WARNING, logger="sowtel"):
+        for batch in range(5):
+            for i in range(100):
+                d.put(batch * 100 + i)
+            assert d.flush(timeout=5.0)
+        d.close(timeout=5.0)
+    assert [r.step for r in memory.records] == list(range(500))
+    s = d.status()
+    assert s["exported"] == {"Raising": 0, "memory": 500}
+    # Every failed call is counted: each write, and the flushes and the close that raised too.
+    assert raising.calls >= 5
+    assert s["errors"]["Raising"] >= raising.calls + 5 + 1
+    assert s["errors"]["memory"] == 0
+    about = [r for r in caplog.records if "Raising" in r.getMessage()]
+    assert len(about) == 1
+    assert "disk on fire" in caplog.text
+
+
+def test_convert_failure_loses_only_its_batch_and_is_logged_once(made, caplog):
+    def fragile(items):
+        if 13 in items:
+            raise ValueError("unlucky")
+        if 14 in items:
+            return ["not a record"]
+        return convert(items)
+
+    memory = MemoryExporter()
+    d = Dispatcher([memory], convert=fragile)
+    made.append(d)
+    with caplog.at_level(logging.WARNING, logger="sowtel"):
+        for group in ([1, 2], [13], [14], [20, 21]):
+            for i in group:
+                d.put(i)
+            assert d.flush(timeout=5.0)
+    assert [r.step for r in memory.records] == [1, 2, 20, 21]
+    s = d.status()
+    assert (s["convert_errors"], s["unconverted"]) == (2, 2)
+    assert len([r for r in caplog.records if "convert" in r.getMessage()]) == 1
+
+
+# -- a hung exporter ---------------------------------------------------------------------------
+
+def test_hung_exporter_in_drop_mode_never_blocks_training_nor_the_others(made, release):
+    hung, memory = Hung(release), MemoryExporter()
+    d = Dispatcher([hung, memory], convert=convert, queue_size=500, exporter_timeout=2.0,
+                   flush_interval=0.01)
+    made.append(d)
+    slowest, n = 0.0, 0
+    for _chunk in range(10):
+        for _ in range(400):
+            t0 = time.perf_counter()
+            assert d.put(n)
+            slowest = max(slowest, time.perf_counter() - t0)
+            n += 1
+        time.sleep(0.02)  # lets the dispatcher drain, so only the hung backlog overflows
+    assert hung.entered.is_set()
+    # A put that waited for the hung exporter would take exporter_timeout (2 s).
+    assert slowest < 0.5
+    t0 = time.monotonic()
+    assert d.flush(timeout=10.0)  # waits until the hung exporter counts as stalled, then skips it
+    assert 1.0 < time.monotonic() - t0 < 5.0
+    assert [r.step for r in memory.records] == list(range(n))
+    s = d.status()
+    assert s["stalled"] == ["Hung"]
+    assert s["exported"] == {"Hung": 0, "memory": n}
+    # The hung exporter's backlog stayed bounded; everything beyond it was counted as dropped.
+    assert s["pending"]["Hung"] <= 2 * 500
+    assert s["pending"]["Hung"] + s["exporter_dropped"]["Hung"] == n
+    t0 = time.monotonic()
+    d.close(timeout=10.0)
+    assert time.monotonic() - t0 < 1.0  # already stalled: close does not wait for it
+
+
+def test_hung_exporter_in_block_mode_applies_back_pressure_then_is_skipped(made, release):
+    hung, memory = Hung(release), MemoryExporter()
+    d = Dispatcher([hung, memory], convert=convert, queue_size=20, on_full="block",
+                   exporter_timeout=0.5, flush_interval=0.01)
+    made.append(d)
+    t0 = time.monotonic()
+    assert all(d.put(i) for i in range(300))
+    elapsed = time.monotonic() - t0
+    # The producer waited for the hung exporter until it was declared stalled, not forever.
+    assert 0.4 < elapsed < 5.0
+    assert d.flush(timeout=10.0)
+    assert [r.step for r in memory.records] == list(range(300))
+    s = d.status()
+    assert s["stalled"] == ["Hung"] and s["dropped"] == 0
+    t0 = time.monotonic()
+    d.close(timeout=10.0)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_close_is_bounded_by_its_timeout_while_an_exporter_hangs(release):
+    hung = Hung(release)
+    d = Dispatcher([hung], convert=convert, exporter_timeout=60.0, flush_interval=0.01)
+    d.put(1)
+    assert hung.entered.wait(5.0)
+    t0 = time.monotonic()
+    d.close(timeout=0.5)
+    assert 0.3 < time.monotonic() - t0 < 2.0
+    assert d.put(2) is False
+
+
+# -- flush and close ---------------------------------------------------------------------------
+
+def test_flush_delivers_everything_then_flushes_each_exporter_on_its_own_thread(made):
+    log = CallLog()
+    d = Dispatcher([log], convert=convert, flush_interval=60.0)  # no periodic drain
+    made.append(d)
+    for i in range(10):
+        d.put(i)
+    assert log.steps == []  # nothing moves before the interval or a flush
+    t0 = time.monotonic()
+    assert d.flush(timeout=5.0)
+    assert time.monotonic() - t0 < 1.0
+    assert log.steps == list(range(10))
+    assert log.calls[-1] == ("flush", 0) and ("write", 10) in log.calls
+    d.close()
+    d.close()  # idempotent
+    assert [c for c in log.calls if c[0] == "close"] == [("close", 0)]
+    assert len(log.threads) == 1
+    assert threading.get_ident() not in log.threads
+    (ident,) = log.threads
+    names = {t.ident: t.name for t in threading.enumerate()}
+    assert names.get(ident, "sowtel-exporter-CallLog") == "sowtel-exporter-CallLog"
+    assert d.put(11) is False
+    s = d.status()
+    assert s["closed"] and s["dropped"] == 1
+
+
+def test_flush_returns_false_on_timeout_then_true(made):
+    slow = CallLog(write_delay=1.0)
+    d = Dispatcher([slow], convert=convert, exporter_timeout=30.0, flush_interval=60.0)
+    made.append(d)
+    d.put(1)
+    t0 = time.monotonic()
+    assert d.flush(timeout=0.2) is False
+    assert 0.15 < time.monotonic() - t0 < 0.8
+    assert d.flush(timeout=5.0) is True
+    assert slow.steps == [1]
+
+
+def test_periodic_flush_reaches_exporters_without_explicit_flush(made):
+    log = CallLog()
+    d = Dispatcher([log], convert=convert, flush_interval=0.05)
+    made.append(d)
+    d.put(7)
+    deadline = time.monotonic() + 5.0
+    while ("flush", 0) not in log.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert log.steps == [7] and ("flush", 0) in log.calls
+
+
+def test_flush_from_inside_an_exporter_does_not_deadlock(made):
+    results = []
+
+    class Reentrant(CallLog):
+        def write(self, records):
+            results.append(dispatcher.flush(timeout=5.0))
+            super().write(records)
+
+    dispatcher = Dispatcher([Reentrant()], convert=convert)
+    made.append(dispatcher)
+    dispatcher.put(1)
+    assert dispatcher.flush(timeout=5.0)
+    assert results == [False]
+
+
+def test_first_nonfinite_record_is_kept(made):
+    finite = {"nan": 0.0, "posinf": 0.0, "neginf": 0.0}
+    d = Dispatcher([MemoryExporter()], convert=list)
+    made.append(d)
+    d.put_records([make_record(0, "a", stats=finite), make_record(1, "b", stats=finite)])
+    assert d.flush(timeout=5.0)
+    assert d.status()["first_nonfinite"] is None
+    d.put_records([
+        make_record(2, "a", stats=finite),
+        make_record(3, "b", "cotangent", stats={**finite, "posinf": 1.0}),
+        make_record(4, "c", stats={**finite, "nan": 5.0}),
+    ])
+    assert d.flush(timeout=5.0)
+    assert d.status()["first_nonfinite"] == (3, "b", "cotangent")
+
+
+def test_full_values_without_stats_count_as_nonfinite(made):
+    d = Dispatcher([MemoryExporter()], convert=list)
+    made.append(d)
+    d.put_records([make_record(0, "w", value=np.ones(3, np.float32)),
+                   make_record(1, "w", value=np.arange(3)),
+                   make_record(2, "w", value=np.array([1.0, -np.inf]))])
+    assert d.flush(timeout=5.0)
+    assert d.status()["first_nonfinite"] == (2, "w", "primal")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"queue_size": 0}, "queue_size=0 must be a positive integer"),
+    ({"queue_size": True}, "queue_size=True must be a positive integer"),
+    ({"max_bytes": 1.5}, "max_bytes=1.5 must be a positive integer"),
+    ({"on_full": "wait"}, "on_full='wait' is not a policy: use one of drop, block"),
+    ({"flush_interval": 0}, "flush_interval=0 must be a positive, finite number of seconds"),
+    ({"exporter_timeout": float("inf")}, "exporter_timeout=inf must be a positive, finite"),
+])
+def test_bad_settings_are_rejected_with_the_rule(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Dispatcher([MemoryExporter()], convert=convert, **kwargs)
+
+
+def test_bad_exporters_and_convert_are_rejected():
+    with pytest.raises(TypeError, match="lacks the method"):
+        Dispatcher([object()], convert=convert)
+    with pytest.raises(TypeError, match="wrap a single one in a list"):
+        Dispatcher(MemoryExporter(), convert=convert)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="convert=3 must be callable"):
+        Dispatcher([MemoryExporter()], convert=3)  # type: ignore[arg-type]
+
+
+# -- process exit --------------------------------------------------------------------------------
+
+_CHILD = """
+import json, signal, sys, time
+from sowtel.dispatcher import Dispatcher
+from sowtel.exporters.jsonl import JsonlExporter
+from sowtel.records import Record
+
+logdir, n, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if mode == "chained":
+    def previous(signum, frame):
+        print("previous handler ran", flush=True)
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, previous)
+if mode == "ignored":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+def convert(items):
+    return [Record(name="loss", mode="primal", tag="intermediates", step=i, index=None,
+                   wall_time=0.0, summary="stats", shape=(), dtype="float32",
+                   stats={"mean": float(i)}) for i in items]
+
+# A long interval: without the exit hooks, most records would still be queued at exit.
+d = Dispatcher([JsonlExporter(logdir=logdir)], convert=convert, flush_interval=60.0)
+for i in range(n):
+    d.put(i)
+if mode == "exit":
+    sys.exit(0)
+print("ready", flush=True)
+if mode == "ignored":
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if d.status()["closed"]:
+            print("still alive after SIGTERM", flush=True)
+            sys.exit(0)
+    sys.exit(5)
+time.sleep(60)
+sys.exit(4)
+"""
+
+
+def _run_child(tmp_path: Path, n: int, mode: str, send_sigterm: bool) -> tuple[int, str]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_CHILD), str(tmp_path), str(n), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )
+    try:
+        if send_sigterm:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "ready"
+            child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return child.returncode, out + err
+
+
+def _steps_in(tmp_path: Path) -> list[int]:
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
+def test_sigterm_flushes_every_record_then_terminates_as_sigterm(tmp_path):
+    n = 5_000
+    rc, output = _run_child(tmp_path, n, "default", send_sigterm=True)
+    assert rc == -signal.SIGTERM, output
+    assert _steps_in(tmp_path) == list(range(n))
+
+
+def test_sigterm_chains_the_previous_handler(tmp_path):
+    n = 2_000
+    rc, output = _run_child(tmp_path, n, "chained", send_sigterm=True)
+    assert rc == 3, output
+    assert "previous handler ran" in output
+    assert _steps_in(tmp_path) == list(range(n))
+
+
+def test_sigterm_that_was_ignored_stays_ignored_after_flushing(tmp_path):
+    n = 1_000
+    rc, output = _run_child(tmp_path, n, "ignored", send_sigterm=True)
+    assert rc == 0, output
+    assert "still alive after SIGTERM" in output
+    assert _steps_in(tmp_path) == list(range(n))
+
+
+def test_interpreter_exit_flushes_every_record(tmp_path):
+    n = 5_000
+    rc, output = _run_child(tmp_path, n, "exit", send_sigterm=False)
+    assert rc == 0, output
+    assert _steps_in(tmp_path) == list(range(n))
