@@ -71,6 +71,14 @@ _CHART_ORDER = {k: i for i, k in enumerate(STAT_KEYS)}
 _file_counter = itertools.count()
 
 
+def _frame(event: Event) -> bytes:
+    # TFRecord framing: length, its masked CRC-32C, the data, its masked CRC-32C.
+    data = event.SerializeToString()
+    header = struct.pack("<Q", len(data))
+    return b"".join((header, struct.pack("<I", masked_crc32c(header)), data,
+                     struct.pack("<I", masked_crc32c(data))))
+
+
 def _index_text(index: int | tuple[int, ...] | None) -> str:
     if index is None:
         return ""
@@ -114,23 +122,22 @@ class _EventFile:
         name = f"events.out.tfevents.{stamp}.{os.getpid()}.{next(_file_counter):04d}.sowtel"
         self.path = os.path.join(self.run_dir, name)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        self._torn = False
-        self.add(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self._size = 0
+        self._rotate = False
+        self._pending[:0] = _frame(Event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def add(self, event: Event) -> None:
-        data = event.SerializeToString()
-        header = struct.pack("<Q", len(data))
-        self._pending += header
-        self._pending += struct.pack("<I", masked_crc32c(header))
-        self._pending += data
-        self._pending += struct.pack("<I", masked_crc32c(data))
+        self._pending += _frame(event)
 
     def write_out(self, sync: bool) -> None:
         """Hands pending events to the OS (and to the disk if ``sync``); raises OSError."""
-        if self._torn:
-            # A record cut in the middle would make every later one unreadable: start afresh.
+        if self._rotate:
             self._close_fd()
-            self._open()
+            try:
+                self._open()
+            except OSError:
+                self._pending.clear()  # bounded memory while no file can be created
+                raise
         buf, self._pending = memoryview(bytes(self._pending)), bytearray()
         written = 0
         try:
@@ -139,8 +146,17 @@ class _EventFile:
             if sync:
                 os.fsync(self._fd)
         except OSError:
-            self._torn = 0 < written < len(buf) or self._torn
+            self._size += written
+            if self._size == 0:
+                # Nothing reached this file: keep it, and its header for the next attempt.
+                self._pending[:0] = _frame(Event(wall_time=time.time(),
+                                                 file_version="brain.Event:2"))
+            else:
+                # A record cut in the middle would make every later one unreadable, and one
+                # written whole may have been cut before: go on in a new file.
+                self._rotate = True
             raise
+        self._size += written
 
     def _close_fd(self) -> None:
         if self._fd >= 0:
@@ -178,6 +194,8 @@ class TensorBoardExporter:
         >>> # then: sowtel dashboard --logdir runs
     """
 
+    label = "tensorboard"
+
     def __init__(self, logdir: str | os.PathLike[str] | None = None, *,
                  flush_secs: float = 2.0) -> None:
         if logdir is None:
@@ -200,6 +218,7 @@ class TensorBoardExporter:
         self._files: dict[int, _EventFile] = {}
         self._prefixes: dict[tuple[str, str, Any], str] = {}
         self._layouts: dict[int, dict[str, set[str]]] = {}
+        self._layout_due: set[int] = set()
         self._alerted: set[int] = set()
         self._last_sync = time.monotonic()
         self._closed = False
@@ -239,7 +258,7 @@ class TensorBoardExporter:
         # Sorting by step keeps each tag's steps increasing in the file, which TensorBoard's
         # loader needs: it drops a tag's points after a step that goes backwards.
         ordered = sorted(records, key=lambda r: (r.process_index, r.step, r.seq))
-        new_sites: set[int] = set()
+        layout_due = self._layout_due
         for process_index, group in itertools.groupby(ordered, key=lambda r: r.process_index):
             f = self._file(process_index)
             layout = self._layouts.setdefault(process_index, {})
@@ -248,14 +267,15 @@ class TensorBoardExporter:
                 wall_time = 0.0
                 for r in same_step:
                     try:
-                        self._record_values(r, values, layout, new_sites)
+                        self._record_values(r, values, layout, layout_due)
                     except Exception as e:  # one bad record must not lose the batch's others
                         bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}")
                     wall_time = max(wall_time, r.wall_time)
                 if values:
                     f.add(Event(wall_time=wall_time or time.time(), step=int(step),
                                 summary=Summary(value=values)))
-        for process_index in sorted(new_sites):
+        for process_index in sorted(layout_due):
+            # Step 0 for every version: TensorBoard keeps the last one written.
             self._files[process_index].add(
                 Event(wall_time=time.time(), step=0,
                       summary=_layout_summary(self._layouts[process_index]))
@@ -268,7 +288,7 @@ class TensorBoardExporter:
             )
 
     def _record_values(self, r: Record, values: list[Summary.Value],
-                       layout: dict[str, set[str]], new_sites: set[int]) -> None:
+                       layout: dict[str, set[str]], layout_due: set[int]) -> None:
         key = (r.name, r.mode, r.index)
         prefix = self._prefixes.get(key)
         if prefix is None:
@@ -287,18 +307,22 @@ class TensorBoardExporter:
         charts = layout.get(r.name)
         if charts is None or not charts.issuperset(stats):
             layout.setdefault(r.name, set()).update(stats)
-            new_sites.add(r.process_index)
+            layout_due.add(r.process_index)
         if r.process_index not in self._alerted and _nonfinite(stats) > 0:
             self._alerted.add(r.process_index)
             values.append(text(ALERT_TAG, _alert_text(r, stats)).value[0])
 
     def _write_out(self, sync: bool) -> None:
         failures = []
-        for f in self._files.values():
+        self._layout_due = set()
+        for process_index, f in self._files.items():
             try:
                 f.write_out(sync)
             except OSError as e:
                 failures.append(f"{f.path}: {e.strerror or e}")
+                # The layout may have been lost with the batch: write it again with the next.
+                if process_index in self._layouts:
+                    self._layout_due.add(process_index)
         if sync:
             self._last_sync = time.monotonic()
         if failures:

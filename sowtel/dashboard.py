@@ -1,0 +1,144 @@
+"""``sowtel dashboard``: TensorBoard on the runs the TensorBoard exporter writes.
+
+It starts TensorBoard in this process, bound to 127.0.0.1 (pass ``--host`` to serve other
+machines), on port 6006 or, when 6006 is taken and no ``--port`` was asked for, on a free port;
+prints the URL and serves until Ctrl-C. TensorBoard re-reads the event files every 2 seconds,
+the interval at which the exporter syncs them, so curves grow while training runs.
+
+Example:
+    $ sowtel dashboard --logdir runs
+    TensorBoard: http://127.0.0.1:6006/
+    sowtel's layout (one category per site): http://127.0.0.1:6006/#custom_scalars
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+__all__ = ["DEFAULT_PORT", "configure_dashboard", "run_dashboard", "pick_port"]
+
+#: The port TensorBoard usually listens on; taken when free.
+DEFAULT_PORT = 6006
+# Matches the exporter's default flush interval, so a new point shows within about 4 s.
+_RELOAD_SECS = 2
+
+
+def configure_dashboard(parser: argparse.ArgumentParser) -> None:
+    """Adds the ``sowtel dashboard`` options to ``parser``.
+
+    Example:
+        >>> import argparse
+        >>> p = argparse.ArgumentParser()
+        >>> configure_dashboard(p)
+        >>> p.parse_args(["--logdir", "runs"]).port is None
+        True
+    """
+    parser.add_argument("--logdir", default="runs",
+                        help="folder of runs written by the TensorBoard exporter (default: runs)")
+    parser.add_argument("--port", type=int, default=None,
+                        help=f"port to serve on (default: {DEFAULT_PORT}, or a free port if "
+                             f"{DEFAULT_PORT} is taken)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: 127.0.0.1, this machine only; "
+                             "0.0.0.0 serves every network interface)")
+
+
+def pick_port(host: str, port: int | None) -> int:
+    """Returns ``port`` if it is free on ``host``; without one, 6006 if free, else a free port.
+
+    Raises ValueError when the asked-for port is out of range or taken.
+
+    Example:
+        >>> p = pick_port("127.0.0.1", None)
+        >>> 0 < p < 65536
+        True
+    """
+    if port is not None:
+        if not 0 < port < 65536:
+            raise ValueError(f"--port {port} is not a TCP port: use a number from 1 to 65535")
+        if not _free(host, port):
+            raise ValueError(
+                f"port {port} on {host} is in use: pass another --port, or leave --port out "
+                "to pick a free one"
+            )
+        return port
+    if _free(host, DEFAULT_PORT):
+        return DEFAULT_PORT
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def _fail(message: str) -> int:
+    print(f"sowtel dashboard: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_dashboard(args: argparse.Namespace) -> int:
+    """Starts TensorBoard on ``args.logdir``, prints its URL and serves until interrupted.
+
+    Returns the exit status: 0 after Ctrl-C or SIGTERM, 2 for bad options.
+
+    Example:
+        >>> args = argparse.Namespace(logdir="runs", port=None, host="127.0.0.1")
+        >>> run_dashboard(args)  # doctest: +SKIP
+        TensorBoard: http://127.0.0.1:6006/
+    """
+    logdir = os.path.abspath(os.fspath(args.logdir))
+    if os.path.exists(logdir) and not os.path.isdir(logdir):
+        return _fail(f"--logdir {args.logdir!r} is not a directory: pass the folder of runs "
+                     "(such as runs)")
+    try:
+        port = pick_port(args.host, args.port)
+    except (ValueError, OSError) as e:
+        return _fail(str(e))
+    if not os.path.isdir(logdir):
+        print(f"note: {args.logdir!r} does not exist yet; TensorBoard shows runs once they are "
+              "written there (try: sowtel demo)", file=sys.stderr)
+    url = _launch(logdir, args.host, port)
+    print(f"TensorBoard: {url}")
+    print(f"sowtel's layout (one category per site): {url}#custom_scalars", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _launch(logdir: str, host: str, port: int) -> str:
+    from tensorboard import program
+
+    board: Any = program.TensorBoard()
+    board.configure(argv=[
+        "tensorboard", "--logdir", logdir, "--host", host, "--port", str(port),
+        "--reload_interval", str(_RELOAD_SECS),
+    ])
+    url: str = board.launch()
+    # TensorBoard names the machine in its URL; show the address actually bound.
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/" if host not in ("0.0.0.0", "::") else url
