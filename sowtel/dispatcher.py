@@ -776,7 +776,7 @@ def close_all(timeout: float | None = None) -> None:
     for dispatcher in dispatchers:
         try:
             dispatcher.close(max(0.0, deadline - time.monotonic()))
-        except BaseException:
+        except Exception:  # SystemExit from a chained SIGTERM handler must go through
             logger.exception("sowtel could not close a dispatcher at exit")
 
 

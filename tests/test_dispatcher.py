@@ -592,3 +592,14 @@ def test_interpreter_exit_flushes_every_record(tmp_path):
     rc, output = _run_child(tmp_path, n, "exit", send_sigterm=False)
     assert rc == 0, output
     assert _steps_in(tmp_path) == list(range(n))
+
+
+def test_benchmark_script_runs_and_prints_its_table():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dispatcher.py"
+    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["measure", "value"]
+    for row in ("put(), 1 thread", "receiver (count, copy, put)", "put -> convert -> jsonl"):
+        assert any(line.startswith(row) for line in lines), row
