@@ -57,6 +57,7 @@ __all__ = [
     "find_dumps",
     "records_from_intermediates",
     "leaf_name",
+    "program_order",
 ]
 
 FORMAT = "sowtel.dump"
@@ -166,6 +167,24 @@ def leaf_name(site: str, leaf: tuple[Any, ...]) -> str:
       ('params/w', 'pair/0', 'h')
     """
     return "/".join([site, *(str(p) for p in leaf)])
+
+
+def program_order(site_index: int, mode: str, mode_index: int = 0) -> tuple[int, int, int]:
+    """A sort key that puts captured values in the order the program computed them.
+
+    Sites are numbered in program order (the order of ``save_intermediates``' dict). Values
+    without a cotangent (primal, tangent) are computed in the forward pass, in site order; each
+    reverse pass runs after the one before it and walks the sites the other way, so modes with
+    one ``cotangent`` component come next in reverse site order, two in site order again, and so
+    on. ``mode_index`` orders the modes of one site within the same pass.
+
+    Example:
+      >>> entries = [(0, "primal"), (0, "cotangent"), (1, "primal"), (1, "cotangent")]
+      >>> sorted(entries, key=lambda e: program_order(*e))
+      [(0, 'primal'), (1, 'primal'), (1, 'cotangent'), (0, 'cotangent')]
+    """
+    passes = mode.split(".").count("cotangent")
+    return (passes, site_index if passes % 2 == 0 else -site_index, mode_index)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -468,15 +487,18 @@ class _DumpFile:
         self.size = p.stat().st_size
         with open(p, "rb") as f:
             head = f.read(16)
-            foreign = _describe_foreign(p, head)
-            if foreign is not None:
-                raise ValueError(f"{str(p)!r} is not a sowtel dump: it is {foreign}")
+            n = int.from_bytes(head[:8], "little")
+            # A safetensors header is recognised first: its length field may well start with
+            # the bytes a pickle starts with.
+            if head[8:9] != b"{" or n > _MAX_HEADER:
+                foreign = _describe_foreign(p, head)
+                if foreign is not None:
+                    raise ValueError(f"{str(p)!r} is not a sowtel dump: it is {foreign}")
             if len(head) < 9:
                 raise ValueError(
                     f"{str(p)!r} is truncated or not a sowtel dump: {self.size} bytes is too short "
                     "for a safetensors header"
                 )
-            n = int.from_bytes(head[:8], "little")
             if head[8:9] != b"{" or n > _MAX_HEADER:
                 raise ValueError(
                     f"{str(p)!r} is not a sowtel dump (nor a safetensors file): it does not start "
@@ -637,7 +659,7 @@ class _DumpFile:
                 raise self._bad(f"the data of tensor {key!r} fails its checksum")
         return raw.view(dtype).reshape(shape)
 
-    def tree(self, lazy: bool, verify: bool | None = None) -> dict[str, dict[str, Any]]:
+    def tree(self, lazy: bool, verify: bool | None = None) -> Any:
         buf = self.buffer(lazy)
         verify = (not lazy) if verify is None else verify
 
@@ -653,7 +675,13 @@ class _DumpFile:
                 return tuple(build(c) for c in body)
             return {k: build(c) for k, c in body}
 
-        return {name: {mode: build(node) for mode, node in modes} for name, modes in self.sites}
+        # The same container save_intermediates returns, so the site order survives jit too.
+        from sowtel.capture import Intermediates
+
+        return Intermediates(
+            (name, Intermediates((mode, build(node)) for mode, node in modes))
+            for name, modes in self.sites
+        )
 
 
 def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
@@ -713,8 +741,9 @@ def info(path: str | os.PathLike[str]) -> DumpInfo:
 def load(path: str | os.PathLike[str], *, lazy: bool = False) -> dict[Any, Any]:
     """Reads a dump back: ``{name: {mode: value}}`` exactly as it was dumped.
 
-    Sites come back in program order, every leaf as a numpy array of the stored dtype (a
-    Python or numpy scalar comes back as a 0-d array), dicts/lists/tuples/``None`` as they were.
+    The two outer levels are the ``Intermediates`` dicts :func:`sowtel.save_intermediates`
+    returns, sites in program order. Every leaf is a numpy array of the stored dtype (a Python
+    or numpy scalar comes back as a 0-d array), dicts/lists/tuples/``None`` as they were.
     With ``lazy=False`` the file is read once, checked against its checksums, and the arrays are
     writable. With ``lazy=True`` the file is memory-mapped: nothing is read until an array is
     used, the arrays are read-only, and checksums are not checked (``sowtel inspect`` checks
@@ -791,9 +820,10 @@ def records_from_intermediates(
 ) -> list[Record]:
     """Turns a ``save_intermediates`` result into the records streaming would produce.
 
-    One record per array leaf, in program order (sites in dict order, then modes, then leaves);
-    a pytree sown at one site gives records named ``name/<leaf path>`` (``"pair/0"``,
-    ``"params/w"``). Summaries are computed on the host with
+    One record per array leaf, in the order the program computed them (see
+    :func:`program_order`: the forward pass in site order, then cotangents in reverse site
+    order), numbered by ``seq`` in that order; a pytree sown at one site gives records named
+    ``name/<leaf path>`` (``"pair/0"``, ``"params/w"``). Summaries are computed on the host with
     :func:`sowtel.summaries.host_summary`, the same definitions the device uses. A value stacked
     by ``scan`` or ``shard_map`` gives one record for the whole stack (``index=None``).
     :func:`sowtel.export` calls this and hands the records to the active exporters.
@@ -812,17 +842,22 @@ def records_from_intermediates(
         raise ValueError(f"tag={tag!r} must be a non-empty string")
     wall_time = time.time()
     process_index = _process_index()
+    values = [
+        (program_order(i, mode, j), site, mode, value)
+        for i, (site, modes) in enumerate(intermediates.items())
+        for j, (mode, value) in enumerate(modes.items())
+    ]
+    values.sort(key=lambda v: v[0])
     records: list[Record] = []
-    for site, modes in intermediates.items():
-        for mode, value in modes.items():
-            for leaf, x in _site_leaves(value):
-                arr = np.asarray(x)
-                s = host_summary(arr, summary)
-                records.append(Record(
-                    name=leaf_name(site, leaf), mode=mode, tag=tag, step=step, index=None,
-                    wall_time=wall_time, summary=summary, shape=tuple(arr.shape),
-                    dtype=arr.dtype.name, value=arr if summary == "full" else None,
-                    stats=s["stats"], histogram=s["histogram"], process_index=process_index,
-                    seq=len(records),
-                ))
+    for _, site, mode, value in values:
+        for leaf, x in _site_leaves(value):
+            arr = np.asarray(x)
+            s = host_summary(arr, summary)
+            records.append(Record(
+                name=leaf_name(site, leaf), mode=mode, tag=tag, step=step, index=None,
+                wall_time=wall_time, summary=summary, shape=tuple(arr.shape),
+                dtype=arr.dtype.name, value=arr if summary == "full" else None,
+                stats=s["stats"], histogram=s["histogram"], process_index=process_index,
+                seq=len(records),
+            ))
     return records
