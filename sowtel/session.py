@@ -57,7 +57,8 @@ def _check_patterns(value: Any, what: str) -> Callable[[str], bool] | None:
         return None
     if callable(value):
         return value  # type: ignore[no-any-return]
-    patterns = [value] if isinstance(value, str) else list(value)
+    patterns = [value] if isinstance(value, str) else (
+        list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value])
     if not all(isinstance(p, str) for p in patterns):
         raise ValueError(
             f"{what}={value!r} must be a glob pattern, a list of them, or a callable on the name"

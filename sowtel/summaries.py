@@ -87,15 +87,18 @@ def host_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> dict[str, An
     if summary == "histogram":
         lo, hi = (mn, mx) if n else (0.0, 0.0)
         edges = np.linspace(lo, hi, bins + 1) if hi > lo else lo + np.arange(bins + 1) * 1.0
-        counts = _bucket_counts_host(finite.astype(np.float64), lo, hi, bins)
+        counts = _bucket_counts_host(finite, lo, hi, bins)
         hist = (edges, counts)
     return {"stats": stats, "histogram": hist}
 
 
 def _bucket_counts_host(finite: np.ndarray, lo: float, hi: float, bins: int) -> np.ndarray:
-    # Same bucketing as the device: floor((x - lo) / width), the maximum in the last bucket.
-    width = (hi - lo) / bins if hi > lo else 1.0
-    idx = np.clip(np.floor((finite - lo) / width), 0, bins - 1).astype(np.int64)
+    # The device's bucketing, in the same precision: floor((x - lo) * scale), max in the last.
+    dtype = finite.dtype.type
+    lo_, hi_ = dtype(lo), dtype(hi)
+    # A multiply by bins / (hi - lo), as the device does: division is not bit-reproducible there.
+    scale = dtype(bins) / (hi_ - lo_) if hi_ > lo_ else dtype(0)
+    idx = np.clip(np.floor((finite - lo_) * scale), 0, bins - 1).astype(np.int64)
     return np.bincount(idx, minlength=bins).astype(np.float64)
 
 
@@ -144,8 +147,8 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     if summary == "histogram":
         lo = jnp.where(empty, 0, mn)
         hi = jnp.where(empty, 0, mx)
-        width = jnp.where(hi > lo, (hi - lo) / bins, 1)
-        idx = jnp.clip(jnp.floor((safe - lo) / width), 0, bins - 1).astype(jnp.int32)
+        scale = jnp.where(hi > lo, jnp.asarray(bins, ftype) / (hi - lo), 0)
+        idx = jnp.clip(jnp.floor((safe - lo) * scale), 0, bins - 1).astype(jnp.int32)
         counts = jnp.zeros((bins,), cdtype).at[idx].add(mask.astype(cdtype))
         out.append(counts)
     return out

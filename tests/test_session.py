@@ -1,0 +1,265 @@
+"""enable / disable / flush / status / at_step / export: the streaming switch and its inputs."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sowtel
+from sowtel.exporters import known_names
+from sowtel.exporters.memory import MemoryExporter
+from sowtel.summaries import host_summary
+
+X = jnp.array([0.5, -1.5, 2.0, 0.0])
+
+
+@jax.jit
+def f(x):
+    return sowtel.sow(x * 2.0, "y").sum()
+
+
+def test_toggling_never_leaves_a_stale_program() -> None:
+    f(X)  # compiled while disabled
+    with sowtel.enable(exporter="memory") as first:
+        f(X)
+        sowtel.flush()
+    assert len(first.exporters[0].records) == 1
+    f(X)  # disabled again: no session, nothing streams (and nothing fails)
+    assert sowtel.status()["enabled"] is False
+    with sowtel.enable(exporter="memory") as second:
+        f(X)
+        f(X)
+        sowtel.flush()
+    assert [r.step for r in second.exporters[0].records] == [0, 1]
+    assert len(first.exporters[0].records) == 1  # the closed session got nothing more
+
+
+def test_enable_is_process_wide_across_threads() -> None:
+    session = sowtel.enable(exporter="memory")
+    try:
+        worker = threading.Thread(target=lambda: f(X))
+        worker.start()
+        worker.join()
+        sowtel.flush()
+    finally:
+        sowtel.disable()
+    assert len(session.exporters[0].records) == 1
+
+
+def test_nested_sessions_resume_the_outer_one() -> None:
+    with sowtel.enable(exporter="memory") as outer:
+        with sowtel.enable(exporter="memory", summary="health") as inner:
+            f(X)
+            sowtel.flush()
+        f(X)
+        sowtel.flush()
+    assert [r.summary for r in inner.exporters[0].records] == ["health"]
+    assert [r.summary for r in outer.exporters[0].records] == ["stats"]
+
+
+def test_summaries_on_device_match_numpy() -> None:
+    x = jnp.array([[1.0, -2.0, jnp.nan], [jnp.inf, 0.0, 4.0]])
+    g = jax.jit(lambda v: sowtel.sow(v, "v") + sowtel.sow(v * 0, "z"))
+    for summary in ("stats", "histogram", "health", "shape", "full"):
+        with sowtel.enable(exporter="memory", summary=summary, include="v") as s:
+            g(x)
+            sowtel.flush()
+        [r] = s.exporters[0].records
+        assert r.summary == summary and r.shape == (2, 3) and r.dtype == "float32"
+        host = host_summary(np.asarray(x), "stats" if summary == "full" else summary)
+        for k, v in host["stats"].items():
+            np.testing.assert_allclose(r.stats[k], v, rtol=1e-6, err_msg=f"{summary} {k}")
+        if summary == "histogram":
+            edges, counts = r.histogram
+            assert len(edges) == len(counts) + 1 == 31
+            np.testing.assert_allclose(edges, host["histogram"][0], rtol=1e-6)
+            np.testing.assert_array_equal(counts, host["histogram"][1])
+            assert counts.sum() == 4  # the finite elements only
+        if summary == "full":
+            np.testing.assert_array_equal(r.value, np.asarray(x))
+        if summary == "shape":
+            assert r.stats == {} and r.value is None
+
+
+def test_integer_and_bool_values_get_stats() -> None:
+    g = jax.jit(lambda v: (sowtel.sow(jnp.arange(5), "ints"), sowtel.sow(v > 0, "mask")))
+    with sowtel.enable(exporter="memory") as s:
+        g(X)
+        sowtel.flush()
+    ints, mask = sorted(s.exporters[0].records, key=lambda r: r.name)
+    assert ints.stats["mean"] == 2.0 and ints.stats["zeros"] == 1 and ints.stats["max"] == 4
+    assert mask.stats["mean"] == 0.5 and mask.dtype == "bool"
+
+
+def test_first_nonfinite_is_kept_as_an_alert() -> None:
+    g = jax.jit(lambda v: sowtel.sow(jnp.log(v), "log"))
+    with sowtel.enable(exporter="memory") as s:
+        g(jnp.array([1.0, 2.0]))
+        g(jnp.array([1.0, -1.0, 0.0]))
+        g(jnp.array([jnp.nan]))
+        sowtel.flush()
+        alert = sowtel.status()["first_nonfinite"]
+    assert alert is not None
+    assert (alert["step"], alert["name"], alert["mode"]) == (1, "log", "primal") if isinstance(
+        alert, dict) else tuple(alert)[:3] == (1, "log", "primal")
+    second = s.exporters[0].records[1]
+    assert (second.stats["nan"], second.stats["neginf"]) == (1.0, 1.0)
+
+
+def test_at_step_and_every_on_device() -> None:
+    @jax.jit
+    def train_step(x, step):
+        with sowtel.at_step(step):
+            a = sowtel.sow(x, "every3", every=3)
+            b = sowtel.sow(x * 2, "always")
+        return a + b
+
+    with sowtel.enable(exporter="memory") as s:
+        for step in range(7):
+            train_step(X, jnp.int32(step))
+        sowtel.flush()
+    records = s.exporters[0].records
+    assert sorted(r.step for r in records if r.name == "every3") == [0, 3, 6]
+    assert sorted(r.step for r in records if r.name == "always") == list(range(7))
+    # A session-wide stride applies where the site sets none; without at_step it counts calls.
+    with sowtel.enable(exporter="memory", every=2) as s:
+        for _ in range(5):
+            f(X)
+        sowtel.flush()
+    assert [r.step for r in s.exporters[0].records] == [0, 2, 4]
+
+
+def test_selection_by_tag_name_and_mode() -> None:
+    def g(x):
+        a = sowtel.sow(x, "enc/a")
+        b = sowtel.sow(a * 2, "enc/b", tag="extra")
+        c = sowtel.sow(b + 1, "dec/c")
+        return jnp.sum(c**2)
+
+    grad = jax.jit(jax.grad(g))
+    cases = [
+        (dict(), {("enc/a", "primal"), ("enc/a", "cotangent"), ("dec/c", "primal"),
+                  ("dec/c", "cotangent")}),
+        (dict(tags=("extra",)), {("enc/b", "primal"), ("enc/b", "cotangent")}),
+        (dict(include="enc/*"), {("enc/a", "primal"), ("enc/a", "cotangent")}),
+        (dict(exclude=["enc/*"]), {("dec/c", "primal"), ("dec/c", "cotangent")}),
+        (dict(include=lambda n: n.startswith("dec")), {("dec/c", "primal"), ("dec/c", "cotangent")}),
+        (dict(modes=("cotangent",)), {("enc/a", "cotangent"), ("dec/c", "cotangent")}),
+    ]
+    for options, expected in cases:
+        with sowtel.enable(exporter="memory", **options) as s:
+            grad(X)
+            sowtel.flush()
+        assert {(r.name, r.mode) for r in s.exporters[0].records} == expected, options
+
+
+def test_exporter_instances_lists_and_entry_points(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = MemoryExporter(), MemoryExporter()
+    with sowtel.enable(exporter=[a, b, "memory"]) as s:
+        f(X)
+        sowtel.flush()
+    assert len(a.records) == len(b.records) == len(s.exporters[2].records) == 1
+
+    # A third-party exporter registered under the entry-point group, as an installed package is.
+    pkg = tmp_path / "sowtel_probe_exporter.py"
+    pkg.write_text(textwrap.dedent("""
+        class ProbeExporter:
+            instances = []
+            def __init__(self, **options):
+                self.options, self.records = options, []
+                ProbeExporter.instances.append(self)
+            def write(self, records): self.records.extend(records)
+            def flush(self): pass
+            def close(self): pass
+    """))
+    dist = tmp_path / "sowtel_probe_exporter-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sowtel-probe-exporter\n"
+                                   "Version: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[sowtel.exporters]\nprobe = sowtel_probe_exporter:ProbeExporter\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "probe" in known_names()
+    with sowtel.enable(exporter="probe", color="blue") as s:
+        f(X)
+        sowtel.flush()
+    [probe] = s.exporters
+    assert probe.options == {"color": "blue"} and len(probe.records) == 1
+    sys.modules.pop("sowtel_probe_exporter", None)
+
+
+def test_export_pushes_captured_intermediates_as_records() -> None:
+    def g(x):
+        return jnp.sum(sowtel.sow(jnp.sin(x), "s") ** 2)
+
+    _, inter = sowtel.save_intermediates(jax.grad(g))(X)
+    with sowtel.enable(exporter="memory") as s:
+        assert sowtel.export(inter, step=5) == 2
+        jax.jit(g)(X)  # the same site, streamed, for comparison
+        sowtel.flush()
+    exported = [r for r in s.exporters[0].records if r.step == 5]
+    streamed = [r for r in s.exporters[0].records if r.step == 0]
+    assert {r.mode for r in exported} == {"primal", "cotangent"}
+    [p] = [r for r in exported if r.mode == "primal"]
+    for k, v in streamed[0].stats.items():
+        np.testing.assert_allclose(p.stats[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_unknown_exporter_lists_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown exporter 'tensorbord': known exporters are "
+                                         ".*memory.*tensorboard"):
+        sowtel.enable(exporter="tensorbord")
+    assert sowtel.status()["enabled"] is False
+
+
+def test_exporter_without_methods_is_rejected() -> None:
+    class Half:
+        def write(self, records):
+            pass
+
+    with pytest.raises(TypeError, match="lacks the method\\(s\\) flush, close"):
+        sowtel.enable(exporter=Half())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(summary="mean"), "enable summary='mean' is not a summary"),
+        (dict(every=0), "enable every must be a positive int, got 0"),
+        (dict(every=2.5), "enable every must be a positive int, got 2.5"),
+        (dict(queue_size=-1), "enable queue_size must be a positive int, got -1"),
+        (dict(on_full="wait"), "on_full='wait' is not a policy: use 'drop' or 'block'"),
+        (dict(modes=("primal", "hessian")), "'hessian' is not a mode"),
+        (dict(tags=()), "enable tags=() must be a non-empty list"),
+        (dict(include=3), "include=3 must be a glob pattern"),
+    ],
+)
+def test_bad_enable_options(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        sowtel.enable(exporter="memory", **options)
+    assert sowtel.status()["enabled"] is False
+
+
+def test_flush_and_status_with_nothing_enabled() -> None:
+    assert sowtel.flush() is True
+    s = sowtel.status()
+    assert s["enabled"] is False and s["received"] == 0 and s["dropped"] == 0
+    sowtel.disable()  # nothing to disable: no error
+
+
+def test_export_needs_a_session_and_an_int_step() -> None:
+    with pytest.raises(RuntimeError, match="needs an active session"):
+        sowtel.export({"h": {"primal": np.ones(2)}}, step=0)
+    with sowtel.enable(exporter="memory"), pytest.raises(ValueError, match="step must be an int"):
+        sowtel.export({"h": {"primal": np.ones(2)}}, step=1.5)  # type: ignore[arg-type]
