@@ -62,7 +62,7 @@ def known_names() -> list[str]:
 
 
 def check_exporter(obj: Any) -> Exporter:
-    """Returns ``obj`` if it has callable ``write``, ``flush`` and ``close``, else raises TypeError."""
+    """Returns ``obj`` if it has callable ``write``, ``flush`` and ``close``; else TypeError."""
     missing = [m for m in ("write", "flush", "close") if not callable(getattr(obj, m, None))]
     if missing:
         raise TypeError(
@@ -82,7 +82,8 @@ def _factory(name: str) -> Callable[..., Exporter]:
         except ImportError as e:
             extra = {"tensorboard": "tensorboard", "otel": "otel"}.get(name, "all")
             raise ImportError(
-                f"exporter {name!r} needs optional dependencies: pip install 'sowtel[{extra}]' ({e})"
+                f"exporter {name!r} needs optional dependencies: "
+                f"pip install 'sowtel[{extra}]' ({e})"
             ) from e
     eps = _entry_point_factories()
     if name in eps:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax._src import config as _config
 from jax._src import core as core
 from jax._src import effects as effects
 from jax._src import source_info_util
@@ -52,7 +53,7 @@ JAX_VERSIONS_CHECKED = ("0.10.2",)
 
 
 def callback_path() -> str:
-    """``"fast"`` (emit_python_callback) or ``"debug"`` (jax.debug.callback), per SOWTEL_CALLBACK."""
+    """``"fast"`` (emit_python_callback) or ``"debug"`` (jax.debug.callback): SOWTEL_CALLBACK."""
     choice = os.environ.get("SOWTEL_CALLBACK", "fast").strip().lower()
     if choice not in ("fast", "debug"):
         raise ValueError(
@@ -83,13 +84,13 @@ def _callback_sharding(ctx: Any) -> tuple[Any, bool]:
     if isinstance(axis_context, _sharding_impls.SPMDAxisContext):
         if set(axis_context.manual_axes) != set(axis_context.mesh.axis_names):
             return None, True  # partial-manual shard_map: jax.debug.callback handles it
-        if jax.config.jax_use_shardy_partitioner:
+        if _config.use_shardy_partitioner.value:
             return _callback._get_sdy_array_list_for_callbacks(ctx.avals_out), False
         op = _xc.OpSharding()
         op.type = _xc.OpSharding.Type.MANUAL
         return op, False
     if isinstance(axis_context, _sharding_impls.ShardingContext):
-        if jax.config.jax_use_shardy_partitioner:
+        if _config.use_shardy_partitioner.value:
             arr = _sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,))
             return _sharding_impls.SdyArrayList((arr,)), False
         op = _xc.OpSharding()

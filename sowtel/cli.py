@@ -21,7 +21,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sowtel.demo", "train a small model with sows, streaming to TensorBoard under runs/"),
     "dashboard": ("sowtel.dashboard", "start TensorBoard on 127.0.0.1 with sowtel's layout"),
     "inspect": ("sowtel.postmortem", "table of a dump's sites, modes, shapes and stats"),
-    "diff": ("sowtel.postmortem", "per-entry differences between two dumps (exit 1 if beyond tolerance)"),
+    "diff": ("sowtel.postmortem", "per-entry differences of two dumps (exit 1 beyond tolerance)"),
 }
 
 

@@ -35,7 +35,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from sowtel import primitive
 from sowtel.dispatcher import Dispatcher
 from sowtel.exporters import Exporter, resolve
 from sowtel.primitive import CONTEXT, STREAMS, Context, StreamSite, check_positive_int

@@ -44,7 +44,7 @@ def test_flax_cotangent_equals_module_perturb_gradient() -> None:
         # Flax's own way: a zero perturbation collection and the gradient with respect to it.
         perturbed = MLP(use_perturb=True)
         zeros = perturbed.init(jax.random.key(1), x)["perturbations"]
-        expected = jax.grad(lambda pert: _loss(perturbed, params, x, y, pert))(zeros)
+        expected = jax.grad(lambda pert, m=perturbed: _loss(m, params, x, y, pert))(zeros)
         np.testing.assert_allclose(inter["mlp/act"]["cotangent"], expected["act"], rtol=1e-5,
                                    atol=1e-7)
         # And the primal is the activation itself.

@@ -150,7 +150,8 @@ def test_selection_by_tag_name_and_mode() -> None:
         (dict(tags=("extra",)), {("enc/b", "primal"), ("enc/b", "cotangent")}),
         (dict(include="enc/*"), {("enc/a", "primal"), ("enc/a", "cotangent")}),
         (dict(exclude=["enc/*"]), {("dec/c", "primal"), ("dec/c", "cotangent")}),
-        (dict(include=lambda n: n.startswith("dec")), {("dec/c", "primal"), ("dec/c", "cotangent")}),
+        (dict(include=lambda n: n.startswith("dec")),
+         {("dec/c", "primal"), ("dec/c", "cotangent")}),
         (dict(modes=("cotangent",)), {("enc/a", "cotangent"), ("dec/c", "cotangent")}),
     ]
     for options, expected in cases:
