@@ -29,6 +29,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import sowtel
 from sowtel.exporters.memory import MemoryExporter
 from sowtel.exporters.otel import (
     ALERT_EVENT_NAME,
@@ -38,8 +40,6 @@ from sowtel.exporters.otel import (
     SPAN_NAME,
     OTelExporter,
 )
-
-import sowtel
 from sowtel.records import STAT_KEYS, Record
 from sowtel.summaries import host_summary
 
