@@ -485,8 +485,8 @@ def _compare_values(a: np.ndarray, b: np.ndarray, rtol: float, atol: float
     a, b = a.astype(wide), b.astype(wide)
     close = np.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
     both_finite = np.isfinite(a) & np.isfinite(b)
-    d = np.abs(a - b)[both_finite]
-    ref = np.abs(b)[both_finite]
+    d = np.abs(a[both_finite] - b[both_finite])
+    ref = np.abs(b[both_finite])
     max_abs = float(d.max()) if d.size else 0.0
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(d == 0, 0.0, d / ref)
