@@ -26,10 +26,10 @@ from collections.abc import Callable
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
-from sowtel.exporters.jsonl import JsonlExporter  # noqa: E402
-from sowtel.exporters.memory import MemoryExporter  # noqa: E402
 
 from sowtel.dispatcher import Dispatcher  # noqa: E402
+from sowtel.exporters.jsonl import JsonlExporter  # noqa: E402
+from sowtel.exporters.memory import MemoryExporter  # noqa: E402
 from sowtel.records import Record  # noqa: E402
 
 

@@ -288,6 +288,11 @@ class _ExporterWorker:
                     self.exported += len(entry)
                 self._cond.notify_all()
             dirty = True
+            if time.monotonic() - last_flush >= self._flush_interval:
+                # Under a steady stream the backlog never empties; flush on schedule anyway.
+                self._call("flush", self.exporter.flush)
+                dirty = False
+                last_flush = time.monotonic()
 
 
 def _labels(exporters: Sequence[Any]) -> list[str]:
@@ -662,7 +667,8 @@ class Dispatcher:
                 self._thread.join(left)
             tokens = [(w, w.request("close")) for w in self._workers]
             for worker, token in tokens:
-                worker.wait(token, deadline)
+                if worker.ident != threading.get_ident():  # an exporter closing its own session
+                    worker.wait(token, deadline)
         finally:
             _unregister(self)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sowtel.exporters.memory import MemoryExporter
 
 from sowtel.dispatcher import Dispatcher
+from sowtel.exporters.memory import MemoryExporter
 from sowtel.records import Record
 
 
@@ -603,3 +603,17 @@ def test_benchmark_script_runs_and_prints_its_table():
     assert lines[0].split() == ["measure", "value"]
     for row in ("put(), 1 thread", "receiver (count, copy, put)", "put -> convert -> jsonl"):
         assert any(line.startswith(row) for line in lines), row
+
+
+def test_periodic_flush_happens_under_a_steady_stream(made):
+    log = CallLog(write_delay=0.08)  # slower than the drains: its backlog never runs empty
+    d = Dispatcher([log], convert=convert, flush_interval=0.05, queue_size=100_000)
+    made.append(d)
+    t0 = time.monotonic()
+    i = 0
+    while time.monotonic() - t0 < 0.6:
+        d.put(i)
+        i += 1
+        time.sleep(0.0005)
+    flushes = [k for k, _ in log.calls if k == "flush"]
+    assert len(flushes) >= 3

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from sowtel.exporters.console import ConsoleExporter, format_record
-from sowtel.exporters.jsonl import JsonlExporter, read_records
-from sowtel.exporters.memory import MemoryExporter
 
 import sowtel
 from sowtel import exporters
 from sowtel.dispatcher import Dispatcher
+from sowtel.exporters.console import ConsoleExporter, format_record
+from sowtel.exporters.jsonl import JsonlExporter, read_records
+from sowtel.exporters.memory import MemoryExporter
 from sowtel.records import STAT_KEYS, Record
 
 
