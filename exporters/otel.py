@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry import metrics as metrics_api
 from opentelemetry import trace as trace_api
@@ -229,6 +229,14 @@ def _plain_index(index: Any) -> int | list[int] | None:
 def _plain_stat(stat: str, value: Any) -> float | int:
     v = float(value)
     return int(v) if stat in _COUNT_STATS and math.isfinite(v) else v
+
+
+class _PendingEvent(NamedTuple):
+    """A record's span event, waiting for its step's span."""
+
+    wall_time: float
+    seq: int
+    attributes: dict[str, Any]
 
 
 class _CountingSpanExporter(SpanExporter):
@@ -680,13 +688,14 @@ class OTelExporter:
         self._hub.add(self._state)
 
         # Records of the newest step wait here until a later step shows the step is complete.
-        self._pending: dict[int, list[Record]] = {}
+        self._pending: dict[int, list[_PendingEvent]] = {}
         self._newest_step: int | None = None
         # step -> (spans emitted so far, context of its first span): later parts join its trace.
         self._parts: collections.OrderedDict[int, tuple[int, Context]] = collections.OrderedDict()
         self._trouble_at = -math.inf
         self._alerted = False
         self._attrs_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self._event_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._stuck: threading.Event | None = None
         self._closed = False
 
@@ -784,20 +793,23 @@ class OTelExporter:
         """
         if self._closed or not records:
             return
-        accepted: list[Record] = []
-        with self._state.lock:
-            for record in records:
-                try:
-                    self._update_series(record)
-                except Exception as e:
-                    self._count_error("bad_records", e)
-                    continue
-                accepted.append(record)
-        for record in accepted:
-            step = int(record.step)
-            self._pending.setdefault(step, []).append(record)
+        accepted: list[tuple[Record, dict[str, float], int]] = []
+        for record in records:
+            try:
+                stats = self._stats(record)
+                step = int(record.step)
+                event = _PendingEvent(record.wall_time, record.seq,
+                                      self._event_attributes(record, stats))
+            except Exception as e:
+                self._count_error("bad_records", e)
+                continue
+            self._pending.setdefault(step, []).append(event)
             if self._newest_step is None or step > self._newest_step:
                 self._newest_step = step
+            accepted.append((record, stats, step))
+        with self._state.lock:
+            for record, stats, step in accepted:
+                self._update_series(record, stats, step)
         newest = self._newest_step
         for step in sorted(self._pending):
             if (newest is not None and step < newest) or self._over_limit(step):
@@ -875,12 +887,11 @@ class OTelExporter:
             stats = host_summary(record.value, "stats")["stats"]
         return {k: float(v) for k, v in stats.items()}
 
-    def _update_series(self, record: Record) -> None:
+    def _update_series(self, record: Record, stats: dict[str, float], step: int) -> None:
         # Called with the state lock held.
         key, attrs = self._series_attributes(record)
-        stats = self._stats(record)
         state = self._state
-        state.latest[key] = (attrs, stats, int(record.step))
+        state.latest[key] = (attrs, stats, step)
         counted = state.exported.get(key)
         if counted is None:
             state.exported[key] = [attrs, 1]
@@ -895,19 +906,27 @@ class OTelExporter:
                 else:
                     entry[1] += n
 
-    def _event_attributes(self, record: Record) -> dict[str, Any]:
-        attrs: dict[str, Any] = {
-            "sowtel.name": str(record.name),
-            "sowtel.mode": str(record.mode),
-            "sowtel.tag": str(record.tag),
-            "sowtel.summary": str(record.summary),
-            "sowtel.shape": [int(d) for d in record.shape],
-            "sowtel.dtype": str(record.dtype),
-        }
-        index = _plain_index(record.index)
-        if index is not None:
-            attrs["sowtel.index"] = index
-        for stat, value in self._stats(record).items():
+    def _event_attributes(self, record: Record, stats: dict[str, float]) -> dict[str, Any]:
+        # The attributes that do not change from step to step are built once per series.
+        key = (record.name, record.mode, record.index, record.tag, record.summary,
+               record.shape, record.dtype)
+        fixed = self._event_cache.get(key)
+        if fixed is None:
+            fixed = {
+                "sowtel.name": str(record.name),
+                "sowtel.mode": str(record.mode),
+                "sowtel.tag": str(record.tag),
+                "sowtel.summary": str(record.summary),
+                "sowtel.shape": [int(d) for d in record.shape],
+                "sowtel.dtype": str(record.dtype),
+            }
+            index = _plain_index(record.index)
+            if index is not None:
+                fixed["sowtel.index"] = index
+            if len(self._event_cache) < 100_000:
+                self._event_cache[key] = fixed
+        attrs = dict(fixed)
+        for stat, value in stats.items():
             attrs[_STAT_ATTR.get(stat, f"sowtel.stat.{stat}")] = _plain_stat(stat, value)
         if record.histogram is not None:
             edges, counts = record.histogram
@@ -923,16 +942,12 @@ class OTelExporter:
             self._emit(step)
 
     def _emit(self, step: int) -> None:
-        records = self._pending.pop(step)
-        records.sort(key=lambda r: (r.wall_time, r.seq))
+        pending = self._pending.pop(step)
+        pending.sort(key=lambda e: (e.wall_time, e.seq))
         events: list[tuple[str, dict[str, Any], int]] = []
-        for record in records:
-            try:
-                attrs = self._event_attributes(record)
-            except Exception as e:
-                self._count_error("bad_records", e)
-                continue
-            t_ns = int(record.wall_time * 1e9)
+        for event in pending:
+            attrs = event.attributes
+            t_ns = int(event.wall_time * 1e9)
             events.append((EVENT_NAME, attrs, t_ns))
             nonfinite = sum(attrs.get(_STAT_ATTR[k], 0) for k in _NONFINITE_KINDS)
             if not self._alerted and nonfinite > 0:

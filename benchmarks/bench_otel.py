@@ -1,0 +1,285 @@
+"""What the OpenTelemetry exporter costs: records per second, and a training step's ratio.
+
+Two measurements, as numbers taken side by side in this one process:
+
+1. **Throughput**: records per second through ``OTelExporter.write`` (batches of 64 records of
+   12 sites, as the dispatcher hands them over), then ``flush``, with the SDK's
+   ``BatchSpanProcessor``; spans go to (a) an exporter that discards them, so the number is
+   sowtel's and the SDK's own work, and (b) the SDK's OTLP/gRPC exporter sending to a receiver
+   on 127.0.0.1 (opentelemetry-proto's ``TraceService``), so it includes protobuf encoding and
+   the wire. The memory exporter's throughput is the floor for comparison.
+2. **Training step** of the small-MLP reference workload (:func:`benchmarks.workloads.mlp`),
+   streaming ``stats`` every step through the OTel exporter, against the same step streaming to
+   the memory exporter and against the step without sows; interleaved rounds, ratios are
+   medians of per-round ratios. The dispatcher runs exporters on their own threads, so the
+   OTel exporter's work shows up in the step only through the GIL; "+ drain" adds the time to
+   flush what the round left behind.
+
+Run: ``python -m benchmarks.bench_otel [--quick] [--markdown FILE]``.
+
+Example:
+    >>> from benchmarks import bench_otel
+    >>> tables = bench_otel.run(quick=True)  # doctest: +SKIP
+    >>> print(tables[0].text())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from contextlib import ExitStack
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sowtel
+from benchmarks import (
+    Table,
+    add_common_arguments,
+    fmt_ratio,
+    fmt_time,
+    interleave,
+    machine,
+    write_markdown,
+)
+from benchmarks.workloads import make_train_step, mlp, no_tap
+from sowtel.exporters.memory import MemoryExporter
+from sowtel.exporters.otel import OTelExporter
+from sowtel.records import Record
+from sowtel.summaries import host_summary
+
+__all__ = ["run", "main", "tables", "throughput", "training_step"]
+
+SITES = 12  # the MLP workload: 6 sites, primal and cotangent
+BATCH = 64
+
+
+def _discarding_providers(span_exporter: Any = None) -> tuple[Any, Any]:
+    """SDK providers with a batch span processor and a periodic metric reader."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        MetricExporter,
+        MetricExportResult,
+        PeriodicExportingMetricReader,
+    )
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class DiscardSpans(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    class DiscardMetrics(MetricExporter):
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000,
+                   **kwargs: Any) -> MetricExportResult:
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            pass
+
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter or DiscardSpans()))
+    reader = PeriodicExportingMetricReader(DiscardMetrics(), export_interval_millis=1000)
+    return tracer_provider, MeterProvider(metric_readers=[reader])
+
+
+def _grpc_receiver(stack: ExitStack) -> str:
+    """An OTLP/gRPC trace and metrics receiver on 127.0.0.1 that decodes and drops requests."""
+    import grpc
+    from opentelemetry.proto.collector.metrics.v1 import (
+        metrics_service_pb2,
+        metrics_service_pb2_grpc,
+    )
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (service naming)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (service naming)
+            return metrics_service_pb2.ExportMetricsServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stack.callback(lambda: server.stop(grace=None).wait())
+    return f"http://127.0.0.1:{port}"
+
+
+def _records(steps: int) -> list[Record]:
+    """``steps`` steps of the MLP's 12 records, with real ``stats`` summaries."""
+    rng = np.random.default_rng(0)
+    summaries = [host_summary(rng.normal(size=(256, 512)).astype(np.float32), "stats")["stats"]
+                 for _ in range(SITES)]
+    names = [(f"dense{i // 2}/{'pre' if i % 2 == 0 else 'act'}", mode)
+             for mode in ("primal", "cotangent") for i in range(SITES // 2)]
+    out = []
+    t0 = time.time()
+    for step in range(steps):
+        for k, (name, mode) in enumerate(names):
+            out.append(Record(name=name, mode=mode, tag="intermediates", step=step, index=None,
+                              wall_time=t0 + step * 1e-3 + k * 1e-5, summary="stats",
+                              shape=(256, 512), dtype="float32", stats=summaries[k],
+                              seq=step * SITES + k))
+    return out
+
+
+def _records_per_second(make: Callable[[], Any], records: list[Record], rounds: int) -> float:
+    rates = []
+    for _ in range(rounds):
+        exporter = make()
+        t0 = time.perf_counter()
+        for start in range(0, len(records), BATCH):
+            exporter.write(records[start:start + BATCH])
+        exporter.flush()
+        rates.append(len(records) / (time.perf_counter() - t0))
+        exporter.close()
+    return statistics.median(rates)
+
+
+def throughput(quick: bool = False) -> Table:
+    """Records per second through ``write`` + ``flush`` of each exporter configuration."""
+    records = _records(200 if quick else 1000)
+    rounds = 3 if quick else 7
+    table = Table(
+        "OpenTelemetry exporter throughput (write + flush)",
+        ["exporter", "records/s", "per record", "vs memory"],
+    )
+    with ExitStack() as stack:
+        endpoint = _grpc_receiver(stack)
+
+        def otlp_grpc() -> OTelExporter:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            tracer_provider, meter_provider = _discarding_providers(
+                OTLPSpanExporter(endpoint=endpoint, insecure=True))
+            return OTelExporter(tracer_provider=tracer_provider, meter_provider=meter_provider)
+
+        def discard() -> OTelExporter:
+            tracer_provider, meter_provider = _discarding_providers()
+            return OTelExporter(tracer_provider=tracer_provider, meter_provider=meter_provider)
+
+        variants: dict[str, Callable[[], Any]] = {
+            "memory": MemoryExporter,
+            "otel, batch span processor, spans discarded": discard,
+            "otel, batch span processor, OTLP/gRPC to 127.0.0.1": otlp_grpc,
+        }
+        rates = {name: _records_per_second(make, records, rounds)
+                 for name, make in variants.items()}
+    for name, rate in rates.items():
+        table.add(name, f"{rate:,.0f}", fmt_time(1.0 / rate), fmt_ratio(rate / rates["memory"]))
+    table.notes.append(
+        f"{len(records)} records ({len(records) // SITES} steps of {SITES} sites) in batches of "
+        f"{BATCH}; median of {rounds} runs, each with a fresh exporter and providers; the time "
+        "includes flush(), which ends the last span and force-flushes the SDK.")
+    return table
+
+
+class _Trainer:
+    def __init__(self, compiled: Any, work: Any) -> None:
+        self.compiled = compiled
+        self.params, self.opt_state, self.batch = work.init()
+        self.steps = [jnp.int32(i) for i in range(1000)]
+        self.calls = 0
+
+    def __call__(self) -> None:
+        step = self.steps[self.calls % len(self.steps)]
+        out = jax.block_until_ready(self.compiled(self.params, self.opt_state, self.batch, step))
+        self.params, self.opt_state = out[0], out[1]
+        self.calls += 1
+
+
+def training_step(quick: bool = False) -> Table:
+    """The MLP step streaming ``stats`` through OTel, against memory and against no sows."""
+    work = mlp()
+    args = (*work.init(), jnp.int32(0))
+    sown = make_train_step(work, sowtel.sow, at_step=True)
+    rounds = 3 if quick else 12
+    with ExitStack() as stack:
+        variants: dict[str, Callable[[], Any]] = {}
+        drains: dict[str, Callable[[], Any]] = {}
+        sessions: dict[str, sowtel.Session] = {}
+        variants["no sows"] = _Trainer(
+            jax.jit(make_train_step(work, no_tap)).lower(*args).compile(), work)
+        drains["no sows"] = jax.effects_barrier
+        tracer_provider, meter_provider = _discarding_providers()
+        endpoint = _grpc_receiver(stack)
+        exporters = {
+            "memory exporter": lambda: MemoryExporter(max_records=256),
+            "otel exporter (spans discarded)": lambda: OTelExporter(
+                tracer_provider=tracer_provider, meter_provider=meter_provider),
+            "otel exporter (OTLP/gRPC to 127.0.0.1)": lambda: OTelExporter(
+                otlp_endpoint=endpoint, metrics_interval_s=1.0),
+        }
+        for name, make in exporters.items():
+            # Each variant is compiled while its own session is active; sessions stay open side
+            # by side, each streaming to its own exporter.
+            session = sowtel.enable(exporter=make())
+            stack.callback(session.close)
+            sessions[name] = session
+            variants[name] = _Trainer(jax.jit(sown).lower(*args).compile(), work)
+            drains[name] = session.flush
+        timings = interleave(variants, rounds=rounds, steps=10, warmup=2, drains=drains)
+        for drain in drains.values():
+            drain()
+        statuses = {name: s.status() for name, s in sessions.items()}
+    base, memory = timings["no sows"], timings["memory exporter"]
+    table = Table(
+        f"Training step with the OTel exporter: {work.description}",
+        ["variant", "step", "vs no sows", "vs memory", "vs memory + drain", "records exported"],
+    )
+    for name, t in timings.items():
+        status = statuses.get(name)
+        exported = "" if status is None else str(sum(status["exported"].values()))
+        if status is not None and (status["dropped"] or any(status["exporter_dropped"].values())):
+            exported += " (some dropped)"
+        table.add(name, fmt_time(t.per_step()), fmt_ratio(t.ratio_to(base), t.ratio_spread(base)),
+                  fmt_ratio(t.ratio_to(memory), t.ratio_spread(memory)),
+                  fmt_ratio(t.ratio_to(memory, with_drain=True)), exported)
+    table.notes.append(
+        f"{rounds} interleaved rounds of 10 steps per variant; ratios are medians over rounds "
+        "of the per-round ratio. 12 records per step (6 sites, primal and cotangent).")
+    return table
+
+
+def tables(quick: bool = False) -> Iterator[Table]:
+    """Runs both measurements, yielding each table as soon as it is measured."""
+    yield throughput(quick)
+    yield training_step(quick)
+
+
+def run(quick: bool = False) -> list[Table]:
+    """Runs both measurements; returns their tables."""
+    return list(tables(quick))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.bench_otel [--quick] [--markdown FILE]``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_otel",
+                                     description=(__doc__ or "").split("\n\n")[0])
+    add_common_arguments(parser)
+    args = parser.parse_args(argv)
+    print(machine(), flush=True)
+    done = []
+    for table in tables(args.quick):
+        print("\n" + table.text(), flush=True)
+        done.append(table)
+    if args.markdown:
+        write_markdown(args.markdown, done, header=f"Machine: {machine()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
