@@ -704,7 +704,13 @@ def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
     for child in p.iterdir():
         m = _STEP_FILE.match(child.name)
         if m and child.is_file():
-            found[int(m.group(1))] = child
+            step = int(m.group(1))
+            if step in found:
+                raise ValueError(
+                    f"{str(p)!r} holds two dumps for step {step}: {found[step].name!r} and "
+                    f"{child.name!r}; remove one"
+                )
+            found[step] = child
     if not found:
         raise ValueError(
             f"{str(p)!r} holds no dumps (files named step_<k>.safetensors): write them with "

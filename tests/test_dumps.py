@@ -250,6 +250,9 @@ def test_folder_errors_are_clear(tmp_path):
     os.replace(tmp_path / "step_3.safetensors", tmp_path / "step_4.safetensors")
     with pytest.raises(ValueError, match="named for step 4 but its header says step 3"):
         load(tmp_path)
+    dump({"h": {"primal": np.ones(1)}}, tmp_path / "step_04.safetensors", step=4)
+    with pytest.raises(ValueError, match="two dumps for step 4"):
+        load(tmp_path)
 
 
 def test_dump_never_leaves_a_partial_file(tmp_path):
@@ -556,9 +559,10 @@ def test_export_reaches_tensorboard_and_opentelemetry(tmp_path):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from tensorboard.backend.event_processing import event_accumulator
+
     from sowtel.exporters.otel import OTelExporter
     from sowtel.exporters.tensorboard import TensorBoardExporter
-    from tensorboard.backend.event_processing import event_accumulator
 
     w = {"k": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), "b": jnp.array([0.5, -0.5, 2.0])}
     x = jnp.linspace(0.0, 2.0, 8).reshape(2, 4)
