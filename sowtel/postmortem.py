@@ -272,6 +272,8 @@ def plot_histograms(path: str | os.PathLike[str], out: str | os.PathLike[str],
         from matplotlib.figure import Figure
     except ImportError as e:
         raise ImportError(f"--plot needs matplotlib: pip install 'sowtel[dumps]' ({e})") from e
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins={bins!r} must be a positive number of histogram buckets")
     f = _DumpFile(path)
     info = f.info()
     panels: dict[tuple[str, str], list[np.ndarray]] = {}

@@ -275,6 +275,8 @@ def test_inspect_bad_input_is_a_clear_error_not_a_traceback(capsys, tmp_path, mi
         assert err.startswith("sowtel inspect: error: ") and message in err and str(bad) in err
     status, _, err = run(capsys, "inspect", path, "--step", "3")
     assert status == 2 and "applies to a folder of dumps" in err
+    status, _, err = run(capsys, "inspect", path, "--plot", tmp_path / "p.png", "--bins", "0")
+    assert status == 2 and "bins=0 must be a positive number" in err
 
 
 # ----------------------------------------------------------------------------- diff
