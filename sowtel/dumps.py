@@ -700,7 +700,7 @@ def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
         raise FileNotFoundError(f"{str(p)!r} does not exist: give a folder of sowtel dumps")
     if not p.is_dir():
         raise NotADirectoryError(f"{str(p)!r} is a file, not a folder of dumps")
-    found = {}
+    found: dict[int, Path] = {}
     for child in p.iterdir():
         m = _STEP_FILE.match(child.name)
         if m and child.is_file():
