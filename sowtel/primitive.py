@@ -369,10 +369,21 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str,
     out = sow_p.bind(*primals, site=site, mode=mode, **params)
     leaves_t, _ = _split(tangents, site)
     _, extras = _split(primals, site)
-    if not all(jnp.issubdtype(jnp.result_type(p), jnp.inexact) for p in primals[: len(leaves_t)]):
-        return out, leaves_t  # integer leaves have no tangent to report
-    leaves_t = [jc.ad.instantiate_zeros(t) for t in leaves_t]
-    return out, _bind(leaves_t, extras, site, jvp_mode(mode))
+    differentiable = [jnp.issubdtype(jnp.result_type(p), jnp.inexact)
+                      for p in primals[: len(leaves_t)]]
+    if not any(differentiable):
+        return out, leaves_t  # integer and bool leaves have no tangent to report
+    site_t = site
+    if not all(differentiable):
+        # The tangent site holds the differentiable leaves, in the sown structure (None elsewhere).
+        skeleton = jax.tree_util.tree_unflatten(
+            site.treedef, [0 if d else None for d in differentiable])
+        site_t = dataclasses.replace(site, treedef=jax.tree_util.tree_structure(skeleton))
+    chosen = [jc.ad.instantiate_zeros(t) for t, d in zip(leaves_t, differentiable, strict=True)
+              if d]
+    reported = iter(_bind(chosen, extras, site_t, jvp_mode(mode)))
+    return out, [next(reported) if d else t
+                 for t, d in zip(leaves_t, differentiable, strict=True)]
 
 
 jc.ad.primitive_jvps[sow_p] = _sow_jvp

@@ -549,6 +549,25 @@ def test_integer_and_bool_sites() -> None:
     assert "cotangent" not in inter["ints"]
 
 
+def test_mixed_float_and_integer_pytree_keeps_its_derivatives() -> None:
+    def f(x):
+        y, n = sow((x * 2.0, jnp.arange(4)), "mixed")
+        return jnp.sum(y**2) + n.sum()
+
+    _, inter = save_intermediates(jax.grad(f))(X)
+    y, n = inter["mixed"]["primal"]
+    np.testing.assert_array_equal(n, np.arange(4))
+    # The cotangent keeps the structure, with None where the leaf has no derivative.
+    ct_y, ct_n = inter["mixed"]["cotangent"]
+    assert ct_n is None
+    np.testing.assert_allclose(ct_y, 4 * X, rtol=1e-6)  # d/dy sum(y^2) = 2y = 4x
+    with sowtel.enable(exporter="memory") as session:
+        jax.jit(jax.grad(f))(X)
+        sowtel.flush()
+    assert sorted((r.name, r.mode) for r in session.exporters[0].records) == [
+        ("mixed/0", "cotangent"), ("mixed/0", "primal"), ("mixed/1", "primal")]
+
+
 def test_untaken_integer_branch_site_is_zero() -> None:
     def f(x):
         return jax.lax.cond(x[0] > 100, lambda: sow(jnp.arange(2), "never"), lambda: jnp.zeros(
