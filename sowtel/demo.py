@@ -30,7 +30,7 @@ from typing import Any
 __all__ = ["DEFAULT_STEPS", "configure_demo", "run_demo", "train"]
 
 #: Training steps of ``sowtel demo`` without ``--steps``: about a minute on 2 CPU cores.
-DEFAULT_STEPS = 1500
+DEFAULT_STEPS = 2000
 
 _IN, _WIDTH, _BLOCKS, _BATCH = 16, 128, 4, 256
 
@@ -107,14 +107,28 @@ def run_demo(args: argparse.Namespace) -> int:
     dashboard = f"sowtel dashboard --logdir {shown}"
     if writes_logdir:
         print(f"Writing to {logdir}. Watch it live with:  {dashboard}", flush=True)
-    status = train(args.steps, exporters, slow=args.slow)
-    print(f"Done: {args.steps} steps, final loss {status['loss']:.4g}; sowtel status: "
-          f"{status['sowtel']}")
+    result = train(args.steps, exporters, slow=args.slow)
+    print(f"Done: {args.steps} steps, final loss {result['loss']:.4g}. "
+          + _describe(result["sowtel"]))
     if writes_logdir and args.exporter == "tensorboard":
         print(f"Open the dashboard:  {dashboard}")
     elif writes_logdir:
         print(f"Output in {logdir}")
     return 0
+
+
+def _describe(status: dict[str, Any]) -> str:
+    exported = status.get("exported", {})
+    errors = sum(status.get("errors", {}).values())
+    dropped = status.get("dropped", 0) + sum(status.get("exporter_dropped", {}).values())
+    parts = [f"{status.get('received', 0)} records streamed"]
+    parts += [f"{n} written by {label}" for label, n in exported.items()]
+    parts.append(f"{dropped} dropped")
+    if errors:
+        parts.append(f"{errors} exporter errors (see the log above)")
+    if status.get("first_nonfinite"):
+        parts.append(f"first non-finite value: {status['first_nonfinite']}")
+    return ", ".join(parts) + "."
 
 
 def train(steps: int, exporter: Any, *, slow: float = 0.0, progress: bool = True) -> dict[str, Any]:
