@@ -1001,10 +1001,12 @@ class OTelExporter:
     # -- bounded provider calls ----------------------------------------------------------------
 
     def _bounded(self, name: str, fn: Callable[[], object], timeout_s: float) -> bool:
-        if self._stuck is not None and not self._stuck.is_set():
+        deadline = time.monotonic() + timeout_s
+        if self._stuck is not None and not self._stuck.wait(max(0.0, timeout_s)):
             # The previous call is still waiting on the endpoint; do not pile up another.
             self._errors["flush_timeouts"] += 1
             return False
+        timeout_s = deadline - time.monotonic()
         done = threading.Event()
 
         def run() -> None:
