@@ -8,8 +8,9 @@ Each record becomes, in the run's event file:
 - a histogram ``{name}/{mode}``: for ``"histogram"`` records the bucket counts computed on the
   device are written as they are (TensorBoard's raw histogram format, no re-bucketing on the
   host); ``"full"`` values are bucketed on the host with the same rule as the device;
-- a custom-scalars layout (the "Custom Scalars" tab): one category per site, one chart per
-  statistic holding every mode (primal, tangent, cotangent, ...) and every scan iteration;
+- a custom-scalars layout (the "Custom Scalars" tab): one category per site (sorted by name),
+  one chart per statistic holding every mode (primal, tangent, cotangent, ...) and every scan
+  iteration;
 - the first record holding NaN or infinities, as a text summary ``sowtel/alerts``.
 
 A record with an ``index`` (scan iteration, shard, or a tuple of them for nested scans) gets its
@@ -411,7 +412,7 @@ def _layout_summary(layout: dict[str, set[str]]) -> Summary:
             stat: ["Multiline", [_chart_regex(site, stat)]]
             for stat in sorted(stats, key=lambda s: (_CHART_ORDER.get(s, len(_CHART_ORDER)), s))
         }
-        for site, stats in layout.items()
+        for site, stats in sorted(layout.items())
     }
     return custom_scalars(categories)
 

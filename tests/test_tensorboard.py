@@ -148,11 +148,11 @@ def test_custom_scalars_layout_groups_each_sites_modes_per_statistic(tmp_path):
     rng = np.random.default_rng(1)
     x = rng.normal(size=10)
     exporter = TensorBoardExporter(logdir=tmp_path)
-    exporter.write([record("a/b", 0, x=x), record("a/b", 0, mode="cotangent", x=x)])
-    # A site first seen later is added to the layout.
+    exporter.write([record("c", 0, x=x), record("c", 0, mode="cotangent", x=x)])
+    # A site first seen later is added to the layout, in name order.
     exporter.write([record("c", 1, index=2, x=x), record("c", 1, mode="tangent", index=2, x=x),
                     record("c", 1, summary="health", mode="cotangent.tangent", index=(0, 1),
-                           x=x)])
+                           x=x), record("a/b", 1, x=x), record("a/b", 1, mode="cotangent", x=x)])
     exporter.close()
     acc = load(tmp_path)
     layout = layout_pb2.Layout()
@@ -171,10 +171,14 @@ def test_custom_scalars_layout_groups_each_sites_modes_per_statistic(tmp_path):
             assert matched == want and matched, (title, chart.title)
     mean_c = next(ch for ch in categories["c"].chart if ch.title == "mean").multiline.tag[0]
     assert sorted(t for t in scalars if re.match(mean_c, t)) == [
-        "c[2]/primal/mean", "c[2]/tangent/mean"]
+        "c/cotangent/mean", "c/primal/mean", "c[2]/primal/mean", "c[2]/tangent/mean"]
     nan_c = next(ch for ch in categories["c"].chart if ch.title == "nan").multiline.tag[0]
     assert sorted(t for t in scalars if re.match(nan_c, t)) == [
-        "c[0,1]/cotangent.tangent/nan", "c[2]/primal/nan", "c[2]/tangent/nan"]
+        "c/cotangent/nan", "c/primal/nan", "c[0,1]/cotangent.tangent/nan", "c[2]/primal/nan",
+        "c[2]/tangent/nan"]
+    # A version of the layout per batch that brought a new site, all at step 0; TensorBoard's
+    # custom-scalars plugin shows the last one (the one checked above).
+    assert [e.step for e in acc.Tensors(LAYOUT_TAG)] == [0, 0]
 
 
 def test_first_non_finite_record_becomes_one_text_alert(tmp_path):

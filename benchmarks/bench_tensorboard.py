@@ -1,0 +1,264 @@
+"""What the TensorBoard exporter costs: records and histograms per second, and a training step.
+
+Three measurements, taken side by side in this one process:
+
+1. **Scalars**: records per second through ``TensorBoardExporter.write`` (batches of 64 records
+   of 12 sites, as the dispatcher hands them over) then ``close``, against the same statistics
+   written with raw tensorboardX ``SummaryWriter.add_scalar`` calls (11 per record) then
+   ``close`` (which drains tensorboardX's queue). Target: the exporter at ≥ 0.9× the raw rate.
+2. **Histograms**: records with the device's raw buckets (``summary="histogram"``: 30 buckets
+   plus the statistics) through the exporter, against raw ``add_histogram_raw`` plus
+   ``add_scalar`` calls for the same content.
+3. **Training step** of the small-MLP reference workload (:func:`benchmarks.workloads.mlp`),
+   streaming ``stats`` every step to the TensorBoard exporter, against the same step streaming
+   to the memory exporter and against the step without sows. The exporter runs on its own
+   worker thread, so its file writes show in the step only through the GIL: the training
+   thread never waits on it. "+ drain" adds the time to flush what the round left behind.
+
+Run: ``python -m benchmarks.bench_tensorboard [--quick] [--markdown FILE]``.
+
+Example:
+    >>> from benchmarks import bench_tensorboard
+    >>> tables = bench_tensorboard.run(quick=True)  # doctest: +SKIP
+    >>> print(tables[0].text())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sowtel
+from benchmarks import (
+    Table,
+    add_common_arguments,
+    fmt_ratio,
+    fmt_time,
+    interleave,
+    machine,
+    write_markdown,
+)
+from benchmarks.workloads import make_train_step, mlp, no_tap
+from sowtel.exporters.memory import MemoryExporter
+from sowtel.exporters.tensorboard import TensorBoardExporter, series_tag
+from sowtel.records import Record
+from sowtel.summaries import host_summary
+
+__all__ = ["run", "main", "tables", "scalars", "histograms", "training_step"]
+
+SITES = 12  # the MLP workload: 6 sites, primal and cotangent
+BATCH = 64
+
+
+def _records(steps: int, summary: str) -> list[Record]:
+    """``steps`` steps of the MLP's 12 records, with real ``stats`` (and bucket) summaries."""
+    rng = np.random.default_rng(0)
+    summaries = [host_summary(rng.normal(size=(256, 512)).astype(np.float32), summary)
+                 for _ in range(SITES)]
+    names = [(f"dense{i // 2}/{'pre' if i % 2 == 0 else 'act'}", mode)
+             for mode in ("primal", "cotangent") for i in range(SITES // 2)]
+    out = []
+    t0 = time.time()
+    for step in range(steps):
+        for k, (name, mode) in enumerate(names):
+            out.append(Record(name=name, mode=mode, tag="intermediates", step=step, index=None,
+                              wall_time=t0 + step * 1e-3 + k * 1e-5, summary=summary,
+                              shape=(256, 512), dtype="float32", stats=summaries[k]["stats"],
+                              histogram=summaries[k]["histogram"], seq=step * SITES + k))
+    return out
+
+
+def _exporter_run(records: list[Record]) -> float:
+    """Records per second of a fresh exporter: every record through write(), then close()."""
+    logdir = tempfile.mkdtemp(prefix="sowtel-bench-")
+    try:
+        exporter = TensorBoardExporter(logdir=logdir)
+        t0 = time.perf_counter()
+        for start in range(0, len(records), BATCH):
+            exporter.write(records[start:start + BATCH])
+        exporter.close()
+        return len(records) / (time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
+def _raw_run(records: list[Record], with_histograms: bool) -> float:
+    """Records per second of tensorboardX's SummaryWriter writing the same content."""
+    from tensorboardX import SummaryWriter
+
+    # Tags prepared outside the timed part, as a hand-written logger would keep them.
+    prepared = []
+    for r in records:
+        prefix = series_tag(r.name, r.mode, r.index)
+        prepared.append((prefix, [(f"{prefix}/{k}", v) for k, v in r.stats.items()], r))
+    logdir = tempfile.mkdtemp(prefix="sowtel-bench-")
+    try:
+        writer = SummaryWriter(logdir=logdir, flush_secs=2)
+        t0 = time.perf_counter()
+        for prefix, scalars, r in prepared:
+            for tag, value in scalars:
+                writer.add_scalar(tag, value, r.step, walltime=r.wall_time)
+            if with_histograms and r.histogram is not None:
+                edges, counts = r.histogram
+                n = float(counts.sum())
+                writer.add_histogram_raw(
+                    prefix, min=r.stats["min"], max=r.stats["max"], num=n,
+                    sum=r.stats["mean"] * n, sum_squares=r.stats["l2"] ** 2,
+                    bucket_limits=edges[1:].tolist(), bucket_counts=counts.tolist(),
+                    global_step=r.step, walltime=r.wall_time)
+        writer.close()  # drains the queue: every event is in the file
+        return len(records) / (time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
+def _compare(title: str, records: list[Record], rounds: int, raw_name: str,
+             with_histograms: bool, unit: str) -> Table:
+    variants: dict[str, Callable[[], float]] = {
+        "TensorBoardExporter.write": lambda: _exporter_run(records),
+        raw_name: lambda: _raw_run(records, with_histograms),
+    }
+    names = list(variants)
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    # Interleaved rounds, rotating the order, so a busy moment of the machine hits both.
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            rates[name].append(variants[name]())
+    table = Table(title, ["writer", f"{unit}/s", f"per {unit[:-1]}", "rate vs raw tensorboardX"])
+    raw = rates[raw_name]
+    for name in names:
+        rate = statistics.median(rates[name])
+        ratio = statistics.median(a / b for a, b in zip(rates[name], raw, strict=True))
+        table.add(name, f"{rate:,.0f}", fmt_time(1.0 / rate), fmt_ratio(ratio))
+    from tensorboardX import crc32c
+
+    crc = "native crc32c" if crc32c._crc32c_native is not None else "pure-Python CRC-32C"
+    table.notes.append(
+        f"{len(records)} records ({len(records) // SITES} steps of {SITES} sites), each with 11 "
+        f"statistics{' and 30 buckets' if with_histograms else ''}; the exporter gets batches "
+        f"of {BATCH}. {rounds} interleaved rounds, medians over rounds (the ratio: of per-round "
+        f"rate ratios); each writer fresh, timed until close() returns. Both use {crc}.")
+    return table
+
+
+def scalars(quick: bool = False) -> Table:
+    """Records per second of ``stats`` records: the exporter against raw ``add_scalar``."""
+    return _compare("TensorBoard scalars: exporter vs raw tensorboardX add_scalar",
+                    _records(100 if quick else 1000, "stats"), 3 if quick else 9,
+                    "SummaryWriter.add_scalar × 11", False, "records")
+
+
+def histograms(quick: bool = False) -> Table:
+    """Histograms per second (raw device buckets): the exporter against raw tensorboardX."""
+    return _compare("TensorBoard histograms from raw buckets: exporter vs raw tensorboardX",
+                    _records(50 if quick else 500, "histogram"), 3 if quick else 9,
+                    "SummaryWriter.add_histogram_raw + add_scalar × 11", True, "histograms")
+
+
+class _Trainer:
+    def __init__(self, compiled: Any, work: Any) -> None:
+        self.compiled = compiled
+        self.params, self.opt_state, self.batch = work.init()
+        self.steps = [jnp.int32(i) for i in range(1000)]
+        self.calls = 0
+
+    def __call__(self) -> None:
+        step = self.steps[self.calls % len(self.steps)]
+        out = jax.block_until_ready(self.compiled(self.params, self.opt_state, self.batch, step))
+        self.params, self.opt_state = out[0], out[1]
+        self.calls += 1
+
+
+def training_step(quick: bool = False) -> Table:
+    """The MLP step streaming ``stats`` to TensorBoard, against memory and against no sows."""
+    work = mlp()
+    args = (*work.init(), jnp.int32(0))
+    sown = make_train_step(work, sowtel.sow, at_step=True)
+    rounds = 3 if quick else 12
+    with ExitStack() as stack:
+        logdir = tempfile.mkdtemp(prefix="sowtel-bench-")
+        stack.callback(shutil.rmtree, logdir, ignore_errors=True)
+        variants: dict[str, Callable[[], Any]] = {}
+        drains: dict[str, Callable[[], Any]] = {}
+        sessions: dict[str, sowtel.Session] = {}
+        variants["no sows"] = _Trainer(
+            jax.jit(make_train_step(work, no_tap)).lower(*args).compile(), work)
+        drains["no sows"] = jax.effects_barrier
+        exporters: dict[str, Callable[[], Any]] = {
+            "memory exporter": lambda: MemoryExporter(max_records=256),
+            "tensorboard exporter": lambda: TensorBoardExporter(logdir=logdir),
+        }
+        for name, make in exporters.items():
+            # Each variant is compiled while its own session is active; sessions stay open side
+            # by side, each streaming to its own exporter.
+            session = sowtel.enable(exporter=make())
+            stack.callback(session.close)
+            sessions[name] = session
+            variants[name] = _Trainer(jax.jit(sown).lower(*args).compile(), work)
+            drains[name] = session.flush
+        timings = interleave(variants, rounds=rounds, steps=10, warmup=2, drains=drains)
+        for drain in drains.values():
+            drain()
+        statuses = {name: s.status() for name, s in sessions.items()}
+    base, memory = timings["no sows"], timings["memory exporter"]
+    table = Table(
+        f"Training step with the TensorBoard exporter: {work.description}",
+        ["variant", "step", "vs no sows", "vs memory", "vs memory + drain", "records exported"],
+    )
+    for name, t in timings.items():
+        status = statuses.get(name)
+        exported = "" if status is None else str(sum(status["exported"].values()))
+        if status is not None and (status["dropped"] or any(status["exporter_dropped"].values())):
+            exported += " (some dropped)"
+        table.add(name, fmt_time(t.per_step()), fmt_ratio(t.ratio_to(base), t.ratio_spread(base)),
+                  fmt_ratio(t.ratio_to(memory), t.ratio_spread(memory)),
+                  fmt_ratio(t.ratio_to(memory, with_drain=True)), exported)
+    table.notes.append(
+        f"{rounds} interleaved rounds of 10 steps per variant; ratios are medians over rounds "
+        "of the per-round ratio. 12 records per step (6 sites, primal and cotangent). The "
+        "exporter's writes run on its worker thread: 'vs memory' near 1 means the training "
+        "thread does not wait on them.")
+    return table
+
+
+def tables(quick: bool = False) -> Iterator[Table]:
+    """Runs the three measurements, yielding each table as soon as it is measured."""
+    yield scalars(quick)
+    yield histograms(quick)
+    yield training_step(quick)
+
+
+def run(quick: bool = False) -> list[Table]:
+    """Runs the three measurements; returns their tables."""
+    return list(tables(quick))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.bench_tensorboard [--quick] [--markdown FILE]``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_tensorboard",
+                                     description=(__doc__ or "").split("\n\n")[0])
+    add_common_arguments(parser)
+    args = parser.parse_args(argv)
+    print(machine(), flush=True)
+    done = []
+    for table in tables(args.quick):
+        print("\n" + table.text(), flush=True)
+        done.append(table)
+    if args.markdown:
+        write_markdown(args.markdown, done, header=f"Machine: {machine()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
