@@ -674,6 +674,13 @@ class OTelExporter:
             if prometheus_address:
                 readers.append(self._start_prometheus(*prometheus_address))
             meter_provider = MeterProvider(metric_readers=readers, resource=resource)
+        if own_tracer and own_meter and not configures_own:
+            _log.warning(
+                "sowtel otel exporter: no OpenTelemetry SDK is configured and no destination was "
+                "given, so spans and metrics go nowhere; pass otlp_endpoint=, prometheus=, "
+                "span_processors= / metric_readers=, or your own tracer_provider= / "
+                "meter_provider="
+            )
         self._owns_tracer_provider = own_tracer
         self._owns_meter_provider = own_meter
         self._tracer_provider: Any = tracer_provider
