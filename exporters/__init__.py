@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
@@ -94,19 +95,47 @@ def _factory(name: str) -> Callable[..., Exporter]:
     )
 
 
+def _accepted(factory: Callable[..., Exporter], options: dict[str, Any]) -> dict[str, Any] | None:
+    """The options ``factory`` takes; None when it takes any keyword (``**options``)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # builtins and C types: give them everything
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    names = {p.name for p in params
+             if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    return {k: v for k, v in options.items() if k in names}
+
+
 def resolve(spec: Any, **options: Any) -> list[Exporter]:
     """Turns ``enable()``'s ``exporter=`` argument into exporter instances.
 
-    ``spec`` is a name, an exporter instance, or a list of either. ``options`` go to every
-    exporter created by name (instances are used as they are).
+    ``spec`` is a name, an exporter instance, or a list of either. Each exporter created by
+    name gets the ``options`` its constructor takes (so ``logdir=`` reaches TensorBoard and
+    ``tracer_provider=`` reaches OpenTelemetry in one list); an option no exporter takes is an
+    error. Instances are used as they are.
     """
     items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     if not items:
         raise ValueError("exporter must name at least one exporter, got an empty list")
     out: list[Exporter] = []
+    used: set[str] = set()
+    named = [item for item in items if isinstance(item, str)]
     for item in items:
         if isinstance(item, str):
-            out.append(check_exporter(_factory(item)(**options)))
+            factory = _factory(item)
+            mine = _accepted(factory, options)
+            chosen = options if mine is None else mine
+            used.update(chosen)
+            out.append(check_exporter(factory(**chosen)))
         else:
             out.append(check_exporter(item))
+    unused = sorted(set(options) - used)
+    if unused:
+        raise TypeError(
+            f"exporter option(s) {', '.join(unused)} are taken by none of the exporters "
+            f"{', '.join(named) or '(instances only)'}: check the spelling, or configure the "
+            "exporter instance directly"
+        )
     return out

@@ -264,3 +264,14 @@ def test_export_needs_a_session_and_an_int_step() -> None:
         sowtel.export({"h": {"primal": np.ones(2)}}, step=0)
     with sowtel.enable(exporter="memory"), pytest.raises(ValueError, match="step must be an int"):
         sowtel.export({"h": {"primal": np.ones(2)}}, step=1.5)  # type: ignore[arg-type]
+
+
+def test_exporter_options_reach_the_exporters_that_take_them(tmp_path: Path) -> None:
+    with sowtel.enable(exporter=["memory", "jsonl"], logdir=str(tmp_path)) as s:
+        f(X)
+        sowtel.flush()
+    assert len(s.exporters[0].records) == 1
+    assert (tmp_path / "records.jsonl").read_text().count("\n") == 1
+    with pytest.raises(TypeError, match="option\\(s\\) colour are taken by none of the exporters"):
+        sowtel.enable(exporter=["memory", "jsonl"], logdir=str(tmp_path), colour=3)
+    assert sowtel.status()["enabled"] is False
