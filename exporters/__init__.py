@@ -133,6 +133,11 @@ def resolve(spec: Any, **options: Any) -> list[Exporter]:
             out.append(check_exporter(item))
     unused = sorted(set(options) - used)
     if unused:
+        for exporter in out:  # nothing was enabled: release what was opened
+            try:
+                exporter.close()
+            except Exception:  # noqa: BLE001 - already reporting the caller's mistake
+                pass
         raise TypeError(
             f"exporter option(s) {', '.join(unused)} are taken by none of the exporters "
             f"{', '.join(named) or '(instances only)'}: check the spelling, or configure the "
