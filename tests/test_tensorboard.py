@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sowtel.exporters import resolve
-from sowtel.exporters.tensorboard import ALERT_TAG, LAYOUT_TAG, TensorBoardExporter
 from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.plugins.custom_scalar import layout_pb2
 
+from sowtel.exporters import resolve
+from sowtel.exporters.tensorboard import ALERT_TAG, LAYOUT_TAG, TensorBoardExporter
 from sowtel.records import STAT_KEYS, Record
 from sowtel.summaries import host_summary
 
