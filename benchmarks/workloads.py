@@ -1,0 +1,293 @@
+"""The reference workloads every benchmark measures, written once and instrumented many ways.
+
+A workload is a model whose forward pass calls ``tap(x, name)`` at each site it would sow. The
+same model code then becomes each variant the benchmarks compare, only the tap changes:
+
+=====================  ======================================================================
+tap                    what a site does
+=====================  ======================================================================
+:func:`no_tap`         nothing: the uninstrumented program
+``sowtel.sow``         sowtel (streams or not, depending on what is enabled at lowering time)
+:func:`debug_tap`      the naive way: ``jax.debug.callback`` of the full array, forward (primal)
+                       and backward (cotangent, through a ``custom_vjp``)
+``returning``          the values as extra outputs, written by hand: primals as auxiliary
+                       outputs, cotangents as the gradient of a zero perturbation at each site
+=====================  ======================================================================
+
+The two reference workloads (DESIGN §8):
+
+- :func:`mlp`: 3 dense layers of 512 (tanh), batch 256, ``value_and_grad`` + SGD, 6 sites;
+- :func:`transformer_block`: one pre-norm transformer block, d_model 256, 4 heads, sequence
+  128, batch 16, ``value_and_grad`` + Adam (optax), 8 sites.
+
+Example:
+    >>> import jax, sowtel
+    >>> from benchmarks.workloads import mlp, make_train_step
+    >>> work = mlp(batch=4, width=8)
+    >>> step = jax.jit(make_train_step(work, sowtel.sow))
+    >>> params, opt_state, loss = step(*work.init(), jax.numpy.int32(0))
+    >>> work.sites
+    ('dense0/pre', 'dense0/act', 'dense1/pre', 'dense1/act', 'dense2/pre', 'dense2/act')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import sowtel
+
+__all__ = [
+    "Tap", "Workload", "mlp", "transformer_block", "no_tap", "debug_tap", "make_train_step",
+    "make_returning_train_step", "make_returning_value_and_grad", "site_shapes",
+    "reference_workloads",
+]
+
+#: ``tap(x, name) -> x``: what a model does at each site.
+Tap = Callable[[jax.Array, str], jax.Array]
+#: ``loss(params, batch, tap) -> scalar``.
+Loss = Callable[[Any, Any, Tap], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model, its data and its optimizer: everything a training step needs but the tap.
+
+    Attributes:
+      name: short label used in tables (``"mlp"``, ``"transformer"``).
+      description: one line for the tables.
+      sites: the tap names, in forward order.
+      loss: ``loss(params, batch, tap) -> scalar``.
+      optimizer: the optax transformation of the training step.
+      params: initial parameters.
+      batch: one fixed batch (inputs, targets).
+    """
+
+    name: str
+    description: str
+    sites: tuple[str, ...]
+    loss: Loss
+    optimizer: optax.GradientTransformation
+    params: Any
+    batch: Any
+
+    def init(self) -> tuple[Any, Any, Any]:
+        """``(params, opt_state, batch)``, fresh device arrays for one training run."""
+        params = jax.tree_util.tree_map(jnp.array, self.params)
+        return params, self.optimizer.init(params), self.batch
+
+
+def no_tap(x: jax.Array, name: str) -> jax.Array:
+    """The uninstrumented site: returns ``x``."""
+    return x
+
+
+def debug_tap(sink: Callable[[str, str, np.ndarray], None]) -> Tap:
+    """The naive instrumentation: ``jax.debug.callback`` of every full array, both directions.
+
+    ``sink(name, mode, array)`` runs on the host for the primal in the forward pass and for the
+    cotangent in the backward pass (a ``custom_vjp`` identity carries the second callback).
+    """
+
+    def tap(x: jax.Array, name: str) -> jax.Array:
+        @jax.custom_vjp
+        def logged(v: jax.Array) -> jax.Array:
+            jax.debug.callback(lambda a: sink(name, "primal", a), v)
+            return v
+
+        def fwd(v: jax.Array) -> tuple[jax.Array, None]:
+            return logged(v), None
+
+        def bwd(_: None, ct: jax.Array) -> tuple[jax.Array]:
+            jax.debug.callback(lambda a: sink(name, "cotangent", a), ct)
+            return (ct,)
+
+        logged.defvjp(fwd, bwd)
+        return logged(x)
+
+    return tap
+
+
+def site_shapes(work: Workload) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shape and dtype of every site's value, found by tracing the loss once."""
+    found: dict[str, jax.ShapeDtypeStruct] = {}
+
+    def recording_tap(x: jax.Array, name: str) -> jax.Array:
+        found[name] = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x
+
+    jax.eval_shape(lambda p, b: work.loss(p, b, recording_tap), work.params, work.batch)
+    return found
+
+
+def _loss_with_perturbations(work: Workload) -> Callable[..., tuple[jax.Array, dict[str, Any]]]:
+    """``loss(params, eps, batch) -> (loss, primals)`` with ``x + eps[name]`` at each site.
+
+    The gradient with respect to ``eps`` (all zeros) is each site's cotangent: the hand-written
+    equivalent of what sowtel captures.
+    """
+
+    def loss(params: Any, eps: dict[str, jax.Array], batch: Any) -> tuple[jax.Array, Any]:
+        primals: dict[str, jax.Array] = {}
+
+        def returning_tap(x: jax.Array, name: str) -> jax.Array:
+            primals[name] = x
+            return x + eps[name]
+
+        return work.loss(params, batch, returning_tap), primals
+
+    return loss
+
+
+def make_returning_value_and_grad(work: Workload) -> Callable[..., Any]:
+    """``f(params, batch) -> ((loss, grads), {name: {"primal", "cotangent"}})``, by hand.
+
+    What ``sowtel.save_intermediates(jax.value_and_grad(loss))`` returns, written without
+    sowtel: primals as auxiliary outputs, cotangents as gradients of zero perturbations.
+    """
+    shapes = site_shapes(work)
+    perturbed = _loss_with_perturbations(work)
+
+    def value_and_grad(params: Any, batch: Any) -> Any:
+        eps = {n: jnp.zeros(s.shape, s.dtype) for n, s in shapes.items()}
+        (loss, primals), (grads, cts) = jax.value_and_grad(perturbed, argnums=(0, 1),
+                                                           has_aux=True)(params, eps, batch)
+        inter = {n: {"primal": primals[n], "cotangent": cts[n]} for n in primals}
+        return (loss, grads), inter
+
+    return value_and_grad
+
+
+def make_train_step(work: Workload, tap: Tap, *, at_step: bool = False) -> Callable[..., Any]:
+    """``train_step(params, opt_state, batch, step) -> (params, opt_state, loss)``.
+
+    With ``at_step``, the forward and backward passes run inside ``sowtel.at_step(step)``, so
+    streamed records carry the step and ``every=N`` is decided on the device.
+    """
+
+    def train_step(params: Any, opt_state: Any, batch: Any, step: jax.Array) -> Any:
+        with sowtel.at_step(step) if at_step else nullcontext():
+            loss, grads = jax.value_and_grad(lambda p: work.loss(p, batch, tap))(params)
+        updates, opt_state = work.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
+def make_returning_train_step(work: Workload) -> Callable[..., Any]:
+    """Like :func:`make_train_step`, also returning every site's primal and cotangent."""
+    value_and_grad = make_returning_value_and_grad(work)
+
+    def train_step(params: Any, opt_state: Any, batch: Any, step: jax.Array) -> Any:
+        (loss, grads), inter = value_and_grad(params, batch)
+        updates, opt_state = work.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, inter
+
+    return train_step
+
+
+# ---------------------------------------------------------------------------------------------
+# The models.
+
+
+def _dense_init(key: jax.Array, fan_in: int, fan_out: int) -> dict[str, jax.Array]:
+    w = jax.random.normal(key, (fan_in, fan_out), jnp.float32) / math.sqrt(fan_in)
+    return {"w": w, "b": jnp.zeros((fan_out,), jnp.float32)}
+
+
+def mlp(*, batch: int = 256, width: int = 512, layers: int = 3, seed: int = 0) -> Workload:
+    """The small-MLP reference workload: ``layers`` dense tanh layers, MSE, SGD.
+
+    Sites ``dense{i}/pre`` (before the activation) and ``dense{i}/act`` (after it): 6 by default.
+    """
+    keys = jax.random.split(jax.random.key(seed), layers + 2)
+    params = [_dense_init(keys[i], width, width) for i in range(layers)]
+    x = jax.random.normal(keys[-2], (batch, width), jnp.float32)
+    y = jax.random.normal(keys[-1], (batch, width), jnp.float32)
+
+    def loss(params: Any, batch: Any, tap: Tap) -> jax.Array:
+        h, target = batch
+        for i, layer in enumerate(params):
+            h = tap(h @ layer["w"] + layer["b"], f"dense{i}/pre")
+            h = tap(jnp.tanh(h), f"dense{i}/act")
+        return jnp.mean((h - target) ** 2)
+
+    sites = tuple(f"dense{i}/{k}" for i in range(layers) for k in ("pre", "act"))
+    return Workload(
+        name="mlp",
+        description=f"MLP {layers}x{width}, batch {batch}, value_and_grad + SGD, "
+                    f"{len(sites)} sites",
+        sites=sites, loss=loss, optimizer=optax.sgd(1e-3), params=params, batch=(x, y),
+    )
+
+
+def _layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+
+def transformer_block(*, d_model: int = 256, heads: int = 4, seq: int = 128, batch: int = 16,
+                      mlp_ratio: int = 4, seed: int = 0) -> Workload:
+    """The transformer-block reference workload: pre-norm causal self-attention and MLP, Adam.
+
+    Sites (8): ``block/ln1``, ``block/attn/probs`` (the attention weights, batch x heads x seq x
+    seq), ``block/attn/out``, ``block/resid1``, ``block/ln2``, ``block/mlp/hidden``,
+    ``block/mlp/out``, ``block/out``.
+    """
+    if d_model % heads:
+        raise ValueError(f"d_model={d_model} must be divisible by heads={heads}")
+    k = jax.random.split(jax.random.key(seed), 6)
+    ones, zeros = jnp.ones((d_model,), jnp.float32), jnp.zeros((d_model,), jnp.float32)
+    params = {
+        "ln1": {"scale": ones, "bias": zeros},
+        "qkv": _dense_init(k[0], d_model, 3 * d_model),
+        "proj": _dense_init(k[1], d_model, d_model),
+        "ln2": {"scale": ones, "bias": zeros},
+        "up": _dense_init(k[2], d_model, mlp_ratio * d_model),
+        "down": _dense_init(k[3], mlp_ratio * d_model, d_model),
+    }
+    x = jax.random.normal(k[4], (batch, seq, d_model), jnp.float32)
+    y = jax.random.normal(k[5], (batch, seq, d_model), jnp.float32)
+    head_dim = d_model // heads
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+
+    def loss(params: Any, batch: Any, tap: Tap) -> jax.Array:
+        x, target = batch
+        b, s, _ = x.shape
+        h = tap(_layer_norm(x, params["ln1"]), "block/ln1")
+        qkv = h @ params["qkv"]["w"] + params["qkv"]["b"]
+        q, k_, v = jnp.split(qkv.reshape(b, s, 3 * heads, head_dim), 3, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_) / math.sqrt(head_dim)
+        scores = jnp.where(causal, scores, -1e9)
+        probs = tap(jax.nn.softmax(scores, axis=-1), "block/attn/probs")
+        attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d_model)
+        attn = tap(attn @ params["proj"]["w"] + params["proj"]["b"], "block/attn/out")
+        r1 = tap(x + attn, "block/resid1")
+        h2 = tap(_layer_norm(r1, params["ln2"]), "block/ln2")
+        m = tap(jax.nn.gelu(h2 @ params["up"]["w"] + params["up"]["b"]), "block/mlp/hidden")
+        m = tap(m @ params["down"]["w"] + params["down"]["b"], "block/mlp/out")
+        out = tap(r1 + m, "block/out")
+        return jnp.mean((out - target) ** 2)
+
+    sites = ("block/ln1", "block/attn/probs", "block/attn/out", "block/resid1", "block/ln2",
+             "block/mlp/hidden", "block/mlp/out", "block/out")
+    return Workload(
+        name="transformer",
+        description=f"transformer block d={d_model}, {heads} heads, seq {seq}, batch {batch}, "
+                    f"value_and_grad + Adam, {len(sites)} sites",
+        sites=sites, loss=loss, optimizer=optax.adam(1e-4), params=params, batch=(x, y),
+    )
+
+
+def reference_workloads() -> list[Workload]:
+    """The two workloads of DESIGN §8, at their reference sizes."""
+    return [mlp(), transformer_block()]
