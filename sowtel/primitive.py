@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 import threading
@@ -466,13 +467,36 @@ class StreamSite:
     extras: tuple[str, ...]
     uid: int
 
-    @property
+    # Derived once per site, read on every callback.
+    @functools.cached_property
     def period(self) -> int:
         """Callbacks per execution of the enclosing scans (1 outside scans)."""
         n = 1
         for length, _ in self.loops or ():
             n *= max(length, 1)
         return n
+
+    @functools.cached_property
+    def counter_key(self) -> tuple[str, str, Any]:
+        """Occurrences are counted per (name, mode, loops) (and shard)."""
+        return (self.name, self.mode, self.loops)
+
+    @functools.cached_property
+    def sharded(self) -> bool:
+        return bool(self.extras) and self.extras[-1] == "shard"
+
+    @functools.cached_property
+    def host_every(self) -> int:
+        """The stride the host applies: 1 when the device decides it (under at_step)."""
+        return 1 if "step" in self.extras else self.every
+
+    @functools.cached_property
+    def full_nbytes(self) -> int:
+        """Bytes a ``"full"`` record holds (for the queue's byte bound); 0 for summaries."""
+        if self.summary != "full":
+            return 0
+        return sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
+                   for s, d in zip(self.shapes, self.dtypes, strict=True))
 
     def arrays_per_leaf(self) -> int:
         return {"full": 1, "stats": 2, "histogram": 3, "health": 1, "shape": 0}[self.summary]

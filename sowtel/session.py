@@ -111,6 +111,7 @@ class Session:
             on_full=on_full,
         )
         self._counters: dict[Any, Iterable[int]] = {}
+        self._views: dict[int, bool] = {}
         self._seq = itertools.count()
         self._closed = False
 
@@ -135,20 +136,27 @@ class Session:
     # -- the receiver: host callback threads -------------------------------------------------
 
     def receive(self, site: StreamSite, arrays: tuple[np.ndarray, ...]) -> None:
-        """Counts, copies and enqueues one callback's arrays. Never raises."""
+        """Counts and enqueues one callback's arrays. Never raises.
+
+        The fast callback path hands over arrays the runtime has just copied from the device
+        (they own their memory), so they are kept as they are; a view is copied.
+        """
         try:
-            shard = int(arrays[-1]) if site.extras and site.extras[-1] == "shard" else None
-            key = (site.name, site.mode, site.loops, shard)
+            key = site.counter_key if not site.sharded else (site.counter_key, int(arrays[-1]))
             counter = self._counters.get(key)
             if counter is None:
                 counter = self._counters.setdefault(key, itertools.count())
             occurrence = next(counter)  # type: ignore[call-overload]
-            if "step" not in site.extras and site.every > 1:
-                if (occurrence // site.period) % site.every:
-                    return
-            copied = tuple(np.array(a, copy=True) for a in arrays)
-            nbytes = sum(a.nbytes for a in copied) if site.summary == "full" else 0
-            self.dispatcher.put((site, copied, occurrence, next(self._seq), time.time()), nbytes)
+            if site.host_every > 1 and (occurrence // site.period) % site.host_every:
+                return
+            views = self._views.get(site.uid)
+            if views is None:  # decided once per site: does this path hand over views?
+                views = self._views.setdefault(
+                    site.uid, any(getattr(a, "base", None) is not None for a in arrays))
+            if views:
+                arrays = tuple(np.array(a, copy=True) for a in arrays)
+            self.dispatcher.put((site, arrays, occurrence, next(self._seq), time.time()),
+                                site.full_nbytes)
         except Exception:  # noqa: BLE001 - a callback must never raise into XLA
             logger.exception("sowtel: dropping a record of %r that could not be received",
                              site.name)
