@@ -108,7 +108,14 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     Returns a list of arrays: ``full`` -> ``[x]``; ``stats`` -> ``[floats(6), counts(4)]``;
     ``histogram`` -> the stats plus ``[counts(bins)]``; ``health`` -> ``[counts(3)]``;
     ``shape`` -> ``[]``. :func:`decode_device_summary` turns them back into a dict.
+
+    Each statistic is one pass over the value, and XLA runs the passes one after another, so
+    the common case is kept short: a plain sum doubles as the test for non-finite elements (any
+    NaN or infinity makes it non-finite), and only then do the masked passes run, under a
+    ``lax.cond``. An all-finite value costs six passes (sum, centred sum of squares, sum of
+    absolute values, zeros, min, max).
     """
+    import jax
     import jax.numpy as jnp
 
     if summary == "full":
@@ -121,36 +128,68 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     ftype = jnp.float64 if (is_float and x.dtype.itemsize >= 8) else jnp.float32
     xf = x.astype(ftype).ravel()
     cdtype = jnp.int32
-    if is_float:
-        nan = jnp.sum(jnp.isnan(xf), dtype=cdtype)
-        posinf = jnp.sum(jnp.isposinf(xf), dtype=cdtype)
-        neginf = jnp.sum(jnp.isneginf(xf), dtype=cdtype)
-    else:
-        nan = posinf = neginf = jnp.zeros((), cdtype)
+    no_counts = jnp.zeros((3,), cdtype)
+
+    def nonfinite_counts() -> Any:
+        return jnp.stack([jnp.sum(jnp.isnan(xf), dtype=cdtype),
+                          jnp.sum(jnp.isposinf(xf), dtype=cdtype),
+                          jnp.sum(jnp.isneginf(xf), dtype=cdtype)])
+
+    total = jnp.sum(xf)
+    all_finite = jnp.isfinite(total) if is_float else jnp.bool_(True)
     if summary == "health":
-        return [jnp.stack([nan, posinf, neginf])]
-    mask = jnp.isfinite(xf) if is_float else jnp.ones(xf.shape, bool)
-    n = jnp.sum(mask, dtype=ftype)
-    safe = jnp.where(mask, xf, 0)
-    mean = jnp.sum(safe) / n
-    dev = jnp.where(mask, xf - mean, 0)
-    std = jnp.sqrt(jnp.sum(dev * dev) / n)
-    mn = jnp.min(jnp.where(mask, xf, jnp.inf), initial=jnp.inf)
-    mx = jnp.max(jnp.where(mask, xf, -jnp.inf), initial=-jnp.inf)
-    empty = n == 0
-    mn = jnp.where(empty, jnp.nan, mn)
-    mx = jnp.where(empty, jnp.nan, mx)
-    l2 = jnp.sqrt(jnp.sum(safe * safe))
-    mean_abs = jnp.sum(jnp.abs(safe)) / n
+        if not is_float or xf.size == 0:
+            return [no_counts]
+        return [jax.lax.cond(all_finite, lambda: no_counts, nonfinite_counts)]
+    size = xf.size
+
+    def finite_moments() -> Any:
+        # Centred on the first element: one pass for the variance without cancellation from a
+        # large mean; the sum of squares follows from the same two sums.
+        shift = xf[0]
+        d = xf - shift
+        sd2 = jnp.sum(d * d)
+        mean = total / size
+        md = mean - shift
+        std = jnp.sqrt(jnp.maximum(sd2 / size - md * md, 0))
+        sq = jnp.maximum(sd2 + 2 * shift * total - size * shift * shift, 0)
+        return (jnp.stack([mean, std, jnp.min(xf), jnp.max(xf), jnp.sqrt(sq),
+                           jnp.sum(jnp.abs(xf)) / size]), no_counts)
+
+    def masked_moments() -> Any:
+        mask = jnp.isfinite(xf)
+        n = jnp.sum(mask, dtype=ftype)
+        safe = jnp.where(mask, xf, 0)
+        mean = jnp.sum(safe) / n
+        dev = jnp.where(mask, xf - mean, 0)
+        empty = n == 0
+        mn = jnp.where(empty, jnp.nan, jnp.min(jnp.where(mask, xf, jnp.inf)))
+        mx = jnp.where(empty, jnp.nan, jnp.max(jnp.where(mask, xf, -jnp.inf)))
+        return (jnp.stack([mean, jnp.sqrt(jnp.sum(dev * dev) / n), mn, mx,
+                           jnp.sqrt(jnp.sum(safe * safe)), jnp.sum(jnp.abs(safe)) / n]),
+                nonfinite_counts())
+
+    if size == 0:
+        nan = jnp.asarray(jnp.nan, ftype)
+        floats = jnp.stack([nan, nan, nan, nan, jnp.asarray(0, ftype), nan])
+        counts = no_counts
+    elif is_float:
+        floats, counts = jax.lax.cond(all_finite, finite_moments, masked_moments)
+    else:
+        floats, counts = finite_moments()
     zeros = jnp.sum(xf == 0, dtype=cdtype)
-    out = [jnp.stack([mean, std, mn, mx, l2, mean_abs]), jnp.stack([nan, posinf, neginf, zeros])]
+    out = [floats, jnp.concatenate([counts, zeros[None]])]
     if summary == "histogram":
+        mn, mx = floats[2], floats[3]
+        empty = jnp.isnan(mn)
         lo = jnp.where(empty, 0, mn)
         hi = jnp.where(empty, 0, mx)
+        mask = jnp.isfinite(xf)
+        safe = jnp.where(mask, xf, 0)
         scale = jnp.where(hi > lo, jnp.asarray(bins, ftype) / (hi - lo), 0)
         idx = jnp.clip(jnp.floor((safe - lo) * scale), 0, bins - 1).astype(jnp.int32)
-        counts = jnp.zeros((bins,), cdtype).at[idx].add(mask.astype(cdtype))
-        out.append(counts)
+        counts_h = jnp.zeros((bins,), cdtype).at[idx].add(mask.astype(cdtype))
+        out.append(counts_h)
     return out
 
 
