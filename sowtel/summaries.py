@@ -144,16 +144,13 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     size = xf.size
 
     def finite_moments() -> Any:
-        # Centred on the first element: one pass for the variance without cancellation from a
-        # large mean; the sum of squares follows from the same two sums.
-        shift = xf[0]
-        d = xf - shift
-        sd2 = jnp.sum(d * d)
+        # The sum is already there, so the variance is the exact two-pass one, and the sum of
+        # squares follows from it without another pass.
         mean = total / size
-        md = mean - shift
-        std = jnp.sqrt(jnp.maximum(sd2 / size - md * md, 0))
-        sq = jnp.maximum(sd2 + 2 * shift * total - size * shift * shift, 0)
-        return (jnp.stack([mean, std, jnp.min(xf), jnp.max(xf), jnp.sqrt(sq),
+        d = xf - mean
+        sd2 = jnp.sum(d * d)
+        std = jnp.sqrt(sd2 / size)
+        return (jnp.stack([mean, std, jnp.min(xf), jnp.max(xf), jnp.sqrt(sd2 + size * mean * mean),
                            jnp.sum(jnp.abs(xf)) / size]), no_counts)
 
     def masked_moments() -> Any:
