@@ -115,7 +115,7 @@ def capture_table(quick: bool = False) -> Table:
                  ) -> Callable[[], Any]:
             return lambda: jax.block_until_ready(f(*args))
 
-        rounds = 3 if quick else 15
+        rounds = 3 if quick else 10
         timings = interleave({k: step(f) for k, f in programs.items()}, rounds=rounds,
                              steps=steps, warmup=3)
         base = timings["by hand"]
