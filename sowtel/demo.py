@@ -35,6 +35,19 @@ DEFAULT_STEPS = 3000
 _IN, _WIDTH, _BLOCKS, _BATCH = 16, 128, 4, 256
 
 
+def _sowtel_command() -> str:
+    """How to run ``sowtel`` from here: plain ``sowtel`` when that is this program, else a path."""
+    import shutil
+
+    here = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    on_path = shutil.which("sowtel")
+    if on_path and os.path.exists(here) and os.path.samefile(on_path, here):
+        return "sowtel"
+    if os.path.basename(here) == "sowtel":
+        return os.path.relpath(here)  # e.g. .venv/bin/sowtel after `make demo`
+    return f"{sys.executable} -m sowtel"
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -104,7 +117,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"sowtel demo: error: {e}", file=sys.stderr)
         return 2
     shown = "runs" if default_logdir else logdir
-    dashboard = f"sowtel dashboard --logdir {shown}"
+    dashboard = f"{_sowtel_command()} dashboard --logdir {shown}"
     if writes_logdir:
         print(f"Writing to {logdir}. Watch it live with:  {dashboard}", flush=True)
     result = train(args.steps, exporters, slow=args.slow)
