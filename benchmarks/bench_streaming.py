@@ -76,6 +76,8 @@ __all__ = ["run", "main", "tables", "training_tables", "receive_cost", "sow_prog
 STATS_TARGET = {"mlp": 1.25, "transformer": 1.05}
 EVERY_TARGET = 1.02
 RECORD_TARGET_S = 3e-6
+#: The uninstrumented step timed in rounds of 10 steps, when other variants get fewer.
+STRIDE_BASELINE = "no sows (rounds of 10 steps)"
 FULL_TARGET = 0.8
 
 
@@ -129,6 +131,7 @@ class Variant:
     every: int = 1
     target: float | None = None
     compile_s: float = float("nan")  # seconds to lower and compile the step
+    baseline: str = "no sows"  # the variant its ratio is taken to
 
     def expected_records(self) -> float:
         """What a correct run streamed in all the steps run so far."""
@@ -178,7 +181,8 @@ def workload_variants(
 
     def add(name: str, compiled: Any, *, session: sowtel.Session | None = None,
             records: float = 0.0, target: float | None = None,
-            count: Callable[[], int] | None = None, every: int = 1) -> None:
+            count: Callable[[], int] | None = None, every: int = 1,
+            baseline: str = "no sows") -> None:
         drain: Callable[[], Any] = jax_drain
         counted: Callable[[], int] = count or (lambda: 0)
         if session is not None:
@@ -187,12 +191,16 @@ def workload_variants(
         variants[name] = Variant(
             name=name, trainer=Trainer(compiled, work, steps), drain=drain,
             records_per_step=records, count_records=counted, every=every, target=target,
-            compile_s=compile_s.get(id(compiled), float("nan")),
+            compile_s=compile_s.get(id(compiled), float("nan")), baseline=baseline,
         )
 
     none = compile_step(make_train_step(work, no_tap))
     texts["none"] = compiled_text(none)
     add("no sows", none)
+    if STRIDE_BASELINE in _rounds(work, quick=True)[1]:
+        # every=10 is timed in rounds of 10 steps (one logging step each); its baseline is the
+        # same uninstrumented program timed in rounds of the same length.
+        add(STRIDE_BASELINE, none)
 
     sown = make_train_step(work, sowtel.sow, at_step=True)
     disabled = compile_step(sown)
@@ -206,7 +214,9 @@ def workload_variants(
 
     session = _memory_session(stack, every=10)
     add("stats, every=10", compile_step(sown), session=session, records=per_step, every=10,
-        target=EVERY_TARGET)
+        target=EVERY_TARGET,
+        baseline=STRIDE_BASELINE if STRIDE_BASELINE in _rounds(work, quick=True)[1]
+        else "no sows")
 
     session = _memory_session(stack, keep=sites, summary="full", max_bytes=1 << 31)
     add("full values every step", compile_step(sown), session=session, records=per_step)
@@ -234,9 +244,9 @@ def workload_variants(
 def _rounds(work: Workload, quick: bool) -> tuple[int, dict[str, int]]:
     if work.name == "mlp":
         return (3 if quick else 10), {"*": 10}
-    # A transformer step is ~10x an MLP step: fewer steps per round, but every=10 and its
+    # A transformer step is ~20x an MLP step: fewer steps per round, but every=10 and its own
     # baseline always see whole strides of 10 steps.
-    return (2 if quick else 4), {"*": 2, "no sows": 10, "stats, every=10": 10}
+    return (2 if quick else 6), {"*": 3, STRIDE_BASELINE: 10, "stats, every=10": 10}
 
 
 def training_tables(quick: bool = False) -> Iterator[Table]:
@@ -286,7 +296,6 @@ def _same(a: str, b: str) -> str:
 
 def _overhead_table(work: Workload, variants: dict[str, Variant], timings: dict[str, Timing],
                     rounds: int, targets: dict[str, str]) -> Table:
-    base = timings["no sows"]
     table = Table(
         f"Training step: {work.description}",
         ["variant", "step", "ratio [quartiles]", "+ drain", "records/step", "compile",
@@ -294,8 +303,9 @@ def _overhead_table(work: Workload, variants: dict[str, Variant], timings: dict[
     )
     for name, v in variants.items():
         t = timings[name]
-        ratio = t.ratio_to(base)
-        drained = t.ratio_to(base, with_drain=True)
+        own_base = timings[v.baseline]
+        ratio = t.ratio_to(own_base)
+        drained = t.ratio_to(own_base, with_drain=True)
         calls = v.trainer.calls
         records, expected = v.count_records(), v.expected_records()
         rec_text = f"{records / calls:.1f}" + ("" if records == expected
@@ -306,12 +316,16 @@ def _overhead_table(work: Workload, variants: dict[str, Variant], timings: dict[
             # The target is met by the drained ratio: dispatcher work counts too.
             met = max(ratio, drained) <= v.target
             target = f"≤ {v.target:.2f}× {'met' if met else 'MISSED'}"
-        table.add(name, fmt_time(t.per_step()), fmt_ratio(ratio, t.ratio_spread(base)),
+        table.add(name, fmt_time(t.per_step()), fmt_ratio(ratio, t.ratio_spread(own_base)),
                   fmt_ratio(drained), rec_text, fmt_time(v.compile_s), target)
+    per_round = {n: t.steps // rounds for n, t in timings.items()}
+    longer = [n for n, k in per_round.items() if k != per_round["no sows"]]
     table.notes.append(
-        f"{rounds} interleaved rounds; per round {base.steps // rounds} steps of 'no sows'; "
-        "ratios are medians over rounds of the per-round ratio to 'no sows' "
-        "(quartiles in brackets); + drain: with the flush after each round's steps; "
+        f"{rounds} interleaved rounds of {per_round['no sows']} steps per variant"
+        + (f" ({', '.join(repr(n) for n in longer)}: {per_round[longer[0]]})" if longer else "")
+        + "; ratios are medians over rounds of the per-round ratio to 'no sows' timed in "
+        "rounds of the same length (quartiles in brackets); + drain: with the flush after "
+        "each round's steps; "
         "records/step: streamed records over all steps run (warm-up included); compile: "
         "`jax.jit(step).lower(...).compile()`. 'sows, disabled' runs the very program of "
         "'no sows', so its spread is the noise of this measurement."
