@@ -6,7 +6,9 @@ Four measurements, all as ratios of variants timed side by side in this one proc
    variants: no sows; sows, nothing enabled; streaming ``stats`` every step (memory exporter);
    ``every=10`` under ``sowtel.at_step``; streaming ``full`` values; the same ``stats`` through
    the fallback callback (``SOWTEL_CALLBACK=debug``); the naive way (``jax.debug.callback`` of
-   every full array, forward and backward); the values returned as extra outputs.
+   every full array, forward and backward); the values returned as extra outputs; and sowtel's
+   on-device stats of those values returned as outputs (the device half of streaming stats,
+   without the callbacks).
 2. **Compiled programs**: with nothing enabled, the program with sows is the program without
    them (compiled HLO compared after removing names, metadata and source-location tables).
 3. **Host cost per record**: ``Session.receive`` called directly on the arrays a ``stats`` site
@@ -236,9 +238,23 @@ def workload_variants(
     add("naive jax.debug.callback (full)", compile_step(make_train_step(work, debug_tap(sink))),
         records=per_step, count=lambda: logged[0])
 
-    returning = compile_step(make_returning_train_step(work))
-    add("returned as outputs", returning)
+    returning = make_returning_train_step(work)
+    add("returned as outputs", compile_step(returning))
+    add("device stats only, returned (no callback)", compile_step(_summarized(returning)))
     return variants, texts
+
+
+def _summarized(train_step: Callable[..., Any]) -> Callable[..., Any]:
+    """A returning train step that returns sowtel's device stats of every value instead of the
+    value: the on-device part of streaming stats, without any callback."""
+    from sowtel.summaries import device_summary
+
+    def summarized(*args: Any) -> Any:
+        params, opt_state, loss, inter = train_step(*args)
+        stats = jax.tree_util.tree_map(lambda v: device_summary(v, "stats"), inter)
+        return params, opt_state, loss, stats
+
+    return summarized
 
 
 def _rounds(work: Workload, quick: bool) -> tuple[int, dict[str, int]]:
