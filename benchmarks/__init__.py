@@ -1,9 +1,10 @@
 """sowtel's benchmarks: overhead and throughput, as ratios of variants timed side by side.
 
-Every number is a ratio of variants measured in one process, interleaved (A B C A B C ...),
-after warm-up and compilation, with ``block_until_ready`` on every step; a ratio is the median
-over rounds of the per-round ratio, so slow drift of the machine (other processes, frequency
-scaling) cancels. Absolute times are printed too, but only ratios are compared with targets.
+Every number is a ratio of variants measured in one process, interleaved (A B C A B C ...,
+or bracketed by a baseline: B A B C B ...), after warm-up and compilation, with
+``block_until_ready`` on every step; a ratio is the median over rounds of the per-round ratio,
+so slow drift of the machine (other processes, frequency scaling) cancels. Absolute times are
+printed too, but only ratios are compared with targets.
 
 Run everything (``--quick`` for a short smoke run, ``--markdown FILE`` to write the tables)::
 
@@ -46,16 +47,22 @@ class Timing:
     Attributes:
       name: the variant.
       rounds: per round, the seconds of each timed step.
-      drains: per round, the seconds of the drain after its steps (``sowtel.flush()`` and the
+      drains: per round, the seconds of the drains after its steps (``sowtel.flush()`` and the
         like): work the variant left behind that its steps did not wait for.
+      bracket_of: the baseline variant timed right before and right after this one in each
+        round (``interleave(..., baseline=...)``), or None.
+      bracket: per round, the baseline's mean step time around this variant, without and with
+        its drains.
     """
 
     name: str
     rounds: list[list[float]] = dataclasses.field(default_factory=list)
     drains: list[float] = dataclasses.field(default_factory=list)
+    bracket_of: str | None = None
+    bracket: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
     def round_means(self, *, with_drain: bool = False) -> list[float]:
-        """Per round, the mean step time (with the round's drain shared over its steps).
+        """Per round, the mean step time (with the round's drains shared over its steps).
 
         A mean, not a median, within a round: with ``every=N`` one step in N does the work, and
         a median of the round's steps would hide it. Rounds of N steps each contain one.
@@ -73,9 +80,16 @@ class Timing:
         return sum(len(r) for r in self.rounds)
 
     def ratios_to(self, base: Timing, *, with_drain: bool = False) -> list[float]:
-        """Per-round ratios of this variant's mean step to ``base``'s in the same round."""
+        """Per-round ratios of this variant's mean step to ``base``'s in the same round.
+
+        When ``base`` bracketed this variant (``interleave(..., baseline=base.name)``), the
+        ratio is to the baseline's steps right around it, not to all of the round's.
+        """
         mine = self.round_means(with_drain=with_drain)
-        theirs = base.round_means(with_drain=with_drain)
+        if self.bracket_of == base.name and self.bracket:
+            theirs = [b[1] if with_drain else b[0] for b in self.bracket]
+        else:
+            theirs = base.round_means(with_drain=with_drain)
         return [a / b for a, b in zip(mine, theirs, strict=True)]
 
     def ratio_to(self, base: Timing, *, with_drain: bool = False) -> float:
@@ -98,6 +112,7 @@ def interleave(
     steps: int | Mapping[str, int],
     warmup: int = 2,
     drains: Mapping[str, Callable[[], Any]] | None = None,
+    baseline: str | None = None,
 ) -> dict[str, Timing]:
     """Times ``variants`` side by side: ``rounds`` rounds of ``steps`` steps of each.
 
@@ -105,19 +120,29 @@ def interleave(
     ``jax.block_until_ready`` inside). ``steps`` is a count for all variants or a mapping from
     variant to count (a variant it does not name gets the mapping's ``"*"``). The order of
     variants rotates from round to round, so no variant always runs right after the same other
-    one. After a variant's steps in a round, its
-    drain (if given) runs and is timed apart.
+    one. After a variant's steps its drain (if given) runs, timed apart.
+
+    With ``baseline`` (one of the variants), every other variant is bracketed by the baseline:
+    ``B V1 B V2 B ...``, the baseline running as many steps as its neighbour, and each
+    variant's ratio to the baseline is taken to the baseline steps right around it. On a
+    machine whose load drifts (other processes), this pairs measurements seconds apart.
 
     Example:
         >>> t = interleave({"noop": lambda: None}, rounds=2, steps=3, warmup=0)
         >>> [len(r) for r in t["noop"].rounds]
         [3, 3]
+        >>> t = interleave({"a": lambda: None, "b": lambda: None}, rounds=1, steps=2, warmup=0,
+        ...                baseline="a")
+        >>> len(t["a"].rounds[0]), t["b"].bracket_of
+        (4, 'a')
     """
     names = list(variants)
     counts = ({n: steps.get(n, steps.get("*", 1)) for n in names} if isinstance(steps, Mapping)
               else dict.fromkeys(names, steps))
     if rounds < 1 or min(counts.values(), default=1) < 1:
         raise ValueError(f"rounds={rounds} and steps={steps} must all be at least 1")
+    if baseline is not None and baseline not in variants:
+        raise ValueError(f"baseline={baseline!r} is not one of the variants {names}")
     drains = drains or {}
     for name in names:
         for _ in range(warmup):
@@ -126,20 +151,47 @@ def interleave(
             drains[name]()
     timings = {name: Timing(name) for name in names}
     clock = time.perf_counter
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            step = variants[name]
-            times = []
-            for _ in range(counts[name]):
-                t0 = clock()
-                step()
-                times.append(clock() - t0)
+
+    def block(name: str, count: int) -> tuple[float, float]:
+        """Runs ``count`` steps of ``name`` into this round; returns the mean step time without
+        and with the drain."""
+        step = variants[name]
+        times = []
+        for _ in range(count):
             t0 = clock()
-            if name in drains:
-                drains[name]()
-            timings[name].drains.append(clock() - t0)
-            timings[name].rounds.append(times)
+            step()
+            times.append(clock() - t0)
+        t0 = clock()
+        if name in drains:
+            drains[name]()
+        drain = clock() - t0
+        timings[name].rounds[-1].extend(times)
+        timings[name].drains[-1] += drain
+        return sum(times) / count, (sum(times) + drain) / count
+
+    others = [n for n in names if n != baseline]
+    for r in range(rounds):
+        for t in timings.values():
+            t.rounds.append([])
+            t.drains.append(0.0)
+        order = others[r % len(others):] + others[:r % len(others)] if others else []
+        if baseline is None:
+            for name in order:
+                block(name, counts[name])
+            continue
+        before: tuple[int, tuple[float, float]] | None = None
+        for name in order:
+            k = counts[name]
+            if before is None or before[0] != k:
+                before = (k, block(baseline, k))
+            block(name, k)
+            after = block(baseline, k)
+            timings[name].bracket_of = baseline
+            timings[name].bracket.append(((before[1][0] + after[0]) / 2,
+                                          (before[1][1] + after[1]) / 2))
+            before = (k, after)
+        if not order:
+            block(baseline, counts[baseline])
     return timings
 
 
@@ -233,9 +285,11 @@ def normalized_hlo(text: str) -> str:
     return "\n".join(out).strip()
 
 
-def hlo_structure(text: str) -> str:
-    """:func:`normalized_hlo` with every ``%name`` renamed by order of first appearance, so two
-    programs that differ only in how XLA numbered their instructions compare equal.
+def hlo_structure(text: str, *, output_order: bool = True) -> str:
+    """:func:`normalized_hlo` with every ``%name`` renamed by order of first appearance, and the
+    parameters in computation signatures by position, so two programs that differ only in how
+    XLA named their instructions compare equal. With ``output_order=False``, the operands of
+    the entry computation's ``ROOT`` tuple are sorted too (the same outputs in another order).
 
     Example:
         >>> hlo_structure("%c.9 = f32[] constant(0)\\nROOT %t.1 = (f32[]) tuple(%c.9)")
@@ -246,7 +300,24 @@ def hlo_structure(text: str) -> str:
     def rename(match: re.Match[str]) -> str:
         return names.setdefault(match.group(0), f"%{len(names)}")
 
-    return re.sub(r"%[\w.\-]+", rename, normalized_hlo(text))
+    def rename_params(match: re.Match[str]) -> str:
+        position = iter(range(1 << 30))
+        params = re.sub(r"[\w.\-]+(?=: )", lambda _: f"p{next(position)}", match.group(2))
+        return f"{match.group(1)}({params}) -> "
+
+    lines = []
+    in_entry = False
+    for line in normalized_hlo(text).splitlines():
+        in_entry = line.startswith("ENTRY ") or (in_entry and line != "}")
+        line = re.sub(r"^((?:ENTRY )?%\S+ )\((.*)\) -> ", rename_params, line)
+        line = re.sub(r"%[\w.\-]+", rename, line)
+        root = line.lstrip().startswith("ROOT ") and " tuple(" in line
+        if not output_order and in_entry and root:
+            head, _, operands = line.partition(" tuple(")
+            ops = re.sub(r"/\*index=\d+\*/", "", operands.rstrip(")")).split(",")
+            line = f"{head} tuple({', '.join(sorted(o.strip() for o in ops))})"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def machine() -> str:
