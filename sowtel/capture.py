@@ -367,7 +367,7 @@ _RULES: dict[str, Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]]
 # Assembling {name: {mode: value}}.
 
 
-def _order_key(mode: str) -> bool:
+def _runs_backward(mode: str) -> bool:
     # Backward passes run sites in reverse, so cotangent occurrences are numbered from the end.
     return "cotangent" in mode.split(".")
 
@@ -400,12 +400,11 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
                 f"{name}_0, {name}_1, ..."
             )
         for mode, group in modes:
-            ordered = list(reversed(group)) if _order_key(mode) else group
+            ordered = list(reversed(group)) if _runs_backward(mode) else group
             for i, c in enumerate(ordered):
                 key = f"{name}_{i}" if repeated else name
                 value = jax.tree_util.tree_unflatten(c.treedef, c.leaves)
                 result.setdefault(key, Intermediates())[mode] = value
-    # Keep program order: numbered names in occurrence order.
     return result
 
 
