@@ -26,6 +26,7 @@ from typing import Any
 import jax
 from jax._src import config as _config
 from jax._src import core as core
+from jax._src import dispatch as dispatch
 from jax._src import effects as effects
 from jax._src import source_info_util
 from jax._src.interpreters import ad as ad
@@ -44,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the JAX version
     _HAVE_FAST_CALLBACK = False
 
 __all__ = [
-    "ad", "batching", "core", "effects", "mlir", "pe",
+    "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
     "manual_axes", "traced_for",
 ]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import re
 import threading
 from collections.abc import Iterator
@@ -193,7 +192,6 @@ class SiteStatic:
     treedef: Any
     summary: str | None
     every: int | None
-    uid: int
     # ((length, reverse), ...) of enclosing scans, outermost first; None inside a while_loop.
     loops: tuple[tuple[int, bool], ...] | None
     extras: tuple[str, ...] = ()  # extra operands after the leaves: "step", "shard"
@@ -212,9 +210,6 @@ jc.allow_effect(SowEffect)
 
 sow_p = jc.core.Primitive("sow")
 sow_p.multiple_results = True
-
-_uids = itertools.count()
-
 
 def jvp_mode(mode: str) -> str:
     return "tangent" if mode == "primal" else mode + ".tangent"
@@ -328,7 +323,7 @@ def sow(
         extras.append(jax.lax.axis_index(axes))
         kinds.append("shard")
     site = SiteStatic(
-        name=name, tag=tag, treedef=treedef, summary=summary, every=every, uid=next(_uids),
+        name=name, tag=tag, treedef=treedef, summary=summary, every=every,
         loops=jc.enclosing_loops(), extras=tuple(kinds),
     )
     mode = "cotangent" if jc.in_transpose() else "primal"
@@ -346,10 +341,10 @@ def _sow_impl(*args: Any, site: SiteStatic, stream: int | None, recompute: bool,
     leaves, _ = _split(args, site)
     if stream is None or recompute:
         return leaves
-    # Called eagerly (outside jit) while streaming: compile the sow alone so it streams too.
-    return jax.jit(
-        lambda *a: sow_p.bind(*a, site=site, stream=stream, recompute=recompute, **params)
-    )(*args)
+    # Called eagerly (outside jit) while streaming: JAX compiles the sow alone (and caches it)
+    # so it streams too.
+    return jc.dispatch.apply_primitive(  # type: ignore[no-any-return]
+        sow_p, *args, site=site, stream=stream, recompute=recompute, **params)
 
 
 sow_p.def_impl(_sow_impl)
@@ -465,7 +460,6 @@ class StreamSite:
     bins: int
     loops: tuple[tuple[int, bool], ...] | None
     extras: tuple[str, ...]
-    uid: int
 
     # Derived once per site, read on every callback.
     @functools.cached_property
@@ -547,7 +541,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         session=stream, name=site.name, mode=mode, tag=site.tag, leaf_names=_leaf_names(site),
         shapes=tuple(tuple(a.shape) for a in leaf_avals),
         dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
-        bins=DEFAULT_BINS, loops=site.loops, extras=site.extras, uid=site.uid,
+        bins=DEFAULT_BINS, loops=site.loops, extras=site.extras,
     )
 
     def on_device(*operands: Any) -> list[Any]:

@@ -111,7 +111,7 @@ class Session:
             on_full=on_full,
         )
         self._counters: dict[Any, Iterable[int]] = {}
-        self._views: dict[int, bool] = {}
+        self._views: dict[Any, bool] = {}
         self._seq = itertools.count()
         self._closed = False
 
@@ -149,10 +149,10 @@ class Session:
             occurrence = next(counter)  # type: ignore[call-overload]
             if site.host_every > 1 and (occurrence // site.period) % site.host_every:
                 return
-            views = self._views.get(site.uid)
+            views = self._views.get(site.counter_key)
             if views is None:  # decided once per site: does this path hand over views?
                 views = self._views.setdefault(
-                    site.uid, any(getattr(a, "base", None) is not None for a in arrays))
+                    site.counter_key, any(getattr(a, "base", None) is not None for a in arrays))
             if views:
                 arrays = tuple(np.array(a, copy=True) for a in arrays)
             self.dispatcher.put((site, arrays, occurrence, next(self._seq), time.time()),

@@ -275,3 +275,13 @@ def test_exporter_options_reach_the_exporters_that_take_them(tmp_path: Path) -> 
     with pytest.raises(TypeError, match="option\\(s\\) colour are taken by none of the exporters"):
         sowtel.enable(exporter=["memory", "jsonl"], logdir=str(tmp_path), colour=3)
     assert sowtel.status()["enabled"] is False
+
+
+def test_eager_sows_stream() -> None:
+    with sowtel.enable(exporter="memory") as s:
+        for i in range(3):
+            out = sowtel.sow(jnp.full(3, float(i)), "eager")
+        sowtel.flush()
+    np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
+    assert [(r.step, r.stats["mean"]) for r in s.exporters[0].records] == [
+        (0, 0.0), (1, 1.0), (2, 2.0)]
