@@ -69,7 +69,6 @@ from benchmarks.workloads import (
     transformer_block,
 )
 from sowtel.exporters.memory import MemoryExporter
-from sowtel.primitive import StreamSite
 
 __all__ = ["run", "main", "tables", "training_tables", "receive_cost", "sow_program_cost",
            "full_transfer"]
@@ -346,13 +345,29 @@ def _overhead_table(work: Workload, variants: dict[str, Variant], timings: dict[
 # Host cost per record.
 
 
-def _stats_site(session: sowtel.Session) -> StreamSite:
-    # What the lowering builds for a stats site of a (256, 512) float32 value inside at_step.
-    return StreamSite(
-        session=session.id, name="dense0/act", mode="primal", tag="intermediates",
-        leaf_names=("dense0/act",), shapes=((256, 512),), dtypes=("float32",), summary="stats",
-        every=1, bins=30, loops=None, extras=("step",), uid=0,
-    )
+def captured_callback(session: sowtel.Session, shape: tuple[int, ...] = (256, 512)
+                      ) -> tuple[Any, tuple[np.ndarray, ...]]:
+    """The ``(site, arrays)`` one real host callback hands to ``session.receive``: a stats site
+    of a ``shape`` float32 value inside ``at_step``, caught by running it once."""
+    caught: list[tuple[Any, tuple[np.ndarray, ...]]] = []
+
+    def catch(site: Any, arrays: tuple[np.ndarray, ...]) -> None:
+        caught.append((site, arrays))
+
+    def program(x: jax.Array, step: jax.Array) -> jax.Array:
+        with sowtel.at_step(step):
+            return sowtel.sow(x, "dense0/act")
+
+    x = jnp.linspace(-1.0, 1.0, int(np.prod(shape)), dtype=jnp.float32).reshape(shape)
+    session.receive = catch  # type: ignore[method-assign]
+    try:
+        jax.block_until_ready(jax.jit(program)(x, jnp.int32(7)))
+        jax.effects_barrier()
+    finally:
+        del session.receive
+    if len(caught) != 1:
+        raise RuntimeError(f"expected one callback from one sow, got {len(caught)}")
+    return caught[0]
 
 
 def receive_cost(quick: bool = False) -> Table:
@@ -362,12 +377,10 @@ def receive_cost(quick: bool = False) -> Table:
     # run with it asleep; batches of 20,000 run while it builds and exports records.
     small, large = 400, (5_000 if quick else 20_000)
     rounds = 3 if quick else 7
-    arrays = (np.linspace(-1, 1, 6, dtype=np.float32), np.zeros(4, dtype=np.int32),
-              np.asarray(7, dtype=np.int32))
     idle, busy, pipeline = [], [], []
     with sowtel.enable(exporter=MemoryExporter(max_records=1000),
                        queue_size=large + 1) as session:
-        site = _stats_site(session)
+        site, arrays = captured_callback(session)
         receive = session.receive
         for _ in range(2):
             receive(site, arrays)
@@ -391,8 +404,9 @@ def receive_cost(quick: bool = False) -> Table:
     table = Table(
         "Host cost per record: the receiver (stats summary)",
         ["measure", "per record", "target"],
-        notes=["`Session.receive` called directly on the arrays a stats site sends (6 floats, "
-               f"4 counts, the step); medians over rounds; {dropped} dropped.",
+        notes=["`Session.receive` called directly with the site and arrays one real callback "
+               "of a stats site of a (256, 512) float32 value under `at_step` handed over "
+               f"(6 floats, 4 counts, the step); medians over rounds; {dropped} dropped.",
                f"dispatcher idle: batches of {small} (it wakes at 512); converting: batches of "
                f"{large:,}, while the dispatcher thread builds records and competes for the "
                "GIL; pipeline: from the first receive until `flush()` returns."],
