@@ -98,7 +98,7 @@ def receiver(n: int) -> float:
         site = StreamSite(
             session=session.id, name="h", mode="primal", tag="intermediates", leaf_names=("h",),
             shapes=((16,),), dtypes=("float32",), summary="stats", every=1, bins=30,
-            loops=None, extras=(), uid=0,
+            loops=None, extras=(),
         )
         floats, counts = np.zeros(6, np.float32), np.zeros(4, np.int32)
         t0 = time.perf_counter()

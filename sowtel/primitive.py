@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 import re
 import threading
 from collections.abc import Iterator
@@ -40,7 +42,7 @@ import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel.records import SUMMARIES
-from sowtel.summaries import DEFAULT_BINS, device_summary
+from sowtel.summaries import ARRAYS_PER_LEAF, DEFAULT_BINS, device_summary
 
 __all__ = ["sow", "sow_p", "at_step", "Context", "SiteStatic", "StreamSite"]
 
@@ -460,6 +462,7 @@ class StreamSite:
     bins: int
     loops: tuple[tuple[int, bool], ...] | None
     extras: tuple[str, ...]
+    order: int = 0  # position in the compiled program: lowering follows the jaxpr's order
 
     # Derived once per site, read on every callback.
     @functools.cached_property
@@ -489,11 +492,15 @@ class StreamSite:
         """Bytes a ``"full"`` record holds (for the queue's byte bound); 0 for summaries."""
         if self.summary != "full":
             return 0
-        return sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
-                   for s, d in zip(self.shapes, self.dtypes, strict=True))
+        return sum(n * np.dtype(d).itemsize for n, d in zip(self.sizes, self.dtypes, strict=True))
 
+    @functools.cached_property
     def arrays_per_leaf(self) -> int:
-        return {"full": 1, "stats": 2, "histogram": 3, "health": 1, "shape": 0}[self.summary]
+        return ARRAYS_PER_LEAF[self.summary]
+
+    @functools.cached_property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
 
 
 def _leaf_names(site: SiteStatic) -> tuple[str, ...]:
@@ -505,6 +512,8 @@ def _leaf_names(site: SiteStatic) -> tuple[str, ...]:
         names.append("/".join([site.name, *parts]) if parts else site.name)
     return tuple(names)
 
+
+_lowering_order = itertools.count()
 
 sow_emit_p = jc.core.Primitive("sow_emit")
 sow_emit_p.multiple_results = True
@@ -541,7 +550,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         session=stream, name=site.name, mode=mode, tag=site.tag, leaf_names=_leaf_names(site),
         shapes=tuple(tuple(a.shape) for a in leaf_avals),
         dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
-        bins=DEFAULT_BINS, loops=site.loops, extras=site.extras,
+        bins=DEFAULT_BINS, loops=site.loops, extras=site.extras, order=next(_lowering_order),
     )
 
     def on_device(*operands: Any) -> list[Any]:

@@ -39,8 +39,10 @@ class Record:
       stats: floats keyed by :data:`STAT_KEYS` (or :data:`HEALTH_KEYS`); empty for ``"shape"``.
       histogram: ``(edges, counts)`` with ``len(edges) == len(counts) + 1``, else ``None``.
       process_index: ``jax.process_index()`` of the process that produced it.
-      seq: arrival order on the host; sorting a step's records by ``seq`` gives program order
-        on each device.
+      seq: arrival order on the host (unique, increasing). Callbacks are unordered, so arrival
+        order is not program order.
+      order: the site's position in its compiled program (its backward-pass sites come after
+        its forward ones); sorting a step's records by ``(order, index)`` gives program order.
 
     Example:
       >>> r = Record(name="h", mode="primal", tag="intermediates", step=0, index=None,
@@ -63,6 +65,7 @@ class Record:
     histogram: tuple[np.ndarray, np.ndarray] | None = None
     process_index: int = 0
     seq: int = 0
+    order: int = 0
 
     @property
     def key(self) -> tuple[str, str, Any]:

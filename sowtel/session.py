@@ -39,7 +39,7 @@ from sowtel.dispatcher import Dispatcher
 from sowtel.exporters import Exporter, resolve
 from sowtel.primitive import CONTEXT, STREAMS, Context, StreamSite, check_positive_int
 from sowtel.records import BASE_MODES, Record
-from sowtel.summaries import check_summary, decode_device_summary, host_summary
+from sowtel.summaries import check_summary, decode_device_summary
 
 __all__ = ["Session", "enable", "disable", "flush", "status", "export", "active_session"]
 
@@ -171,7 +171,7 @@ class Session:
 
     def _records_of(self, site: StreamSite, arrays: tuple[np.ndarray, ...], occurrence: int,
                     seq: int, wall_time: float) -> list[Record]:
-        per_leaf = site.arrays_per_leaf()
+        per_leaf = site.arrays_per_leaf
         n_leaves = len(site.leaf_names)
         extras = dict(zip(site.extras, arrays[n_leaves * per_leaf:], strict=True))
         index: list[int] = []
@@ -190,16 +190,14 @@ class Session:
         out = []
         for k, leaf_name in enumerate(site.leaf_names):
             leaf_arrays = list(arrays[k * per_leaf:(k + 1) * per_leaf])
-            size = int(np.prod(site.shapes[k], dtype=np.int64))
-            decoded = decode_device_summary(leaf_arrays, site.summary, size, site.bins)
+            decoded = decode_device_summary(leaf_arrays, site.summary, site.sizes[k], site.bins)
             value = leaf_arrays[0] if site.summary == "full" else None
-            if value is not None:
-                decoded = host_summary(value, "stats")
             out.append(Record(
                 name=leaf_name, mode=site.mode, tag=site.tag, step=step, index=idx,
                 wall_time=wall_time, summary=site.summary, shape=site.shapes[k],
                 dtype=site.dtypes[k], value=value, stats=decoded["stats"],
                 histogram=decoded["histogram"], process_index=self.process_index, seq=seq,
+                order=site.order,
             ))
         return out
 

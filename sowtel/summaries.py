@@ -24,6 +24,9 @@ from sowtel.records import HEALTH_KEYS, STAT_KEYS, SUMMARIES
 #: Default number of histogram buckets.
 DEFAULT_BINS = 30
 
+#: How many arrays the device sends per leaf, by summary (see :func:`device_summary`).
+ARRAYS_PER_LEAF = {"full": 3, "histogram": 3, "stats": 2, "health": 1, "shape": 0}
+
 # Order of the float and count vectors the device sends for "stats".
 _FLOAT_KEYS = ("mean", "std", "min", "max", "l2", "mean_abs")
 _COUNT_KEYS = ("nan", "posinf", "neginf", "zeros")
@@ -105,7 +108,8 @@ def _bucket_counts_host(finite: np.ndarray, lo: float, hi: float, bins: int) -> 
 def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     """JAX ops that reduce ``x`` on the device to the arrays the host callback receives.
 
-    Returns a list of arrays: ``full`` -> ``[x]``; ``stats`` -> ``[floats(6), counts(4)]``;
+    Returns a list of arrays: ``stats`` -> ``[floats(6), counts(4)]``; ``full`` -> ``[x]`` and
+    the stats;
     ``histogram`` -> the stats plus ``[counts(bins)]``; ``health`` -> ``[counts(3)]``;
     ``shape`` -> ``[]``. :func:`decode_device_summary` turns them back into a dict.
 
@@ -119,7 +123,7 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     import jax.numpy as jnp
 
     if summary == "full":
-        return [x]
+        return [x, *device_summary(x, "stats", bins)]
     if summary == "shape":
         return []
     is_float = jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating)
@@ -128,7 +132,6 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     ftype = jnp.float64 if (is_float and x.dtype.itemsize >= 8) else jnp.float32
     xf = x.astype(ftype).ravel()
     cdtype = jnp.int32
-    no_counts = jnp.zeros((3,), cdtype)
 
     def nonfinite_counts() -> Any:
         return jnp.stack([jnp.sum(jnp.isnan(xf), dtype=cdtype),
@@ -136,6 +139,9 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
                           jnp.sum(jnp.isneginf(xf), dtype=cdtype)])
 
     total = jnp.sum(xf)
+    # Zeros derived from the data, so that inside shard_map they vary across shards as the
+    # computed counts do (the branches of a cond must agree on that).
+    no_counts = jnp.zeros((3,), cdtype) + (total != total).astype(cdtype) * 0
     all_finite = jnp.isfinite(total) if is_float else jnp.bool_(True)
     if summary == "health":
         if not is_float or xf.size == 0:
@@ -194,16 +200,18 @@ def decode_device_summary(
     arrays: list[np.ndarray], summary: str, size: int, bins: int = DEFAULT_BINS
 ) -> dict[str, Any]:
     """Turns :func:`device_summary`'s arrays (now on the host) into ``stats`` and ``histogram``."""
-    if summary in ("shape", "full"):
+    if summary == "shape":
         return {"stats": {}, "histogram": None}
+    if summary == "full":
+        arrays = arrays[1:]
     if summary == "health":
-        nan, posinf, neginf = (float(v) for v in arrays[0])
-        return {"stats": dict(zip(HEALTH_KEYS, (float(size), nan, posinf, neginf), strict=True)),
+        nan, posinf, neginf = arrays[0].tolist()
+        return {"stats": dict(zip(HEALTH_KEYS, (float(size), float(nan), float(posinf),
+                                                float(neginf)), strict=True)),
                 "histogram": None}
-    floats, counts = arrays[0], arrays[1]
     stats = {"size": float(size)}
-    stats.update(zip(_FLOAT_KEYS, (float(v) for v in floats), strict=True))
-    stats.update(zip(_COUNT_KEYS, (float(v) for v in counts), strict=True))
+    stats.update(zip(_FLOAT_KEYS, np.asarray(arrays[0], np.float64).tolist(), strict=True))
+    stats.update(zip(_COUNT_KEYS, np.asarray(arrays[1], np.float64).tolist(), strict=True))
     if stats["nan"] + stats["posinf"] + stats["neginf"] == size and size:
         stats["l2"] = 0.0
     hist = None

@@ -41,7 +41,8 @@ def stream(fn: Callable[..., Any], *args: Any, **options: Any) -> list[Record]:
         assert sowtel.flush(timeout=30)
         status = sowtel.status()
     assert status["dropped"] == 0 and not any(status["errors"].values())
-    return sorted(session.exporters[0].records, key=lambda r: r.seq)
+    # Program order: callbacks are unordered, so arrival (seq) order may differ.
+    return sorted(session.exporters[0].records, key=lambda r: (r.step, r.order, r.seq))
 
 
 def by(records: list[Record], mode: str, name: str | None = None) -> list[Record]:
