@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
+    "is_tracing",
     "manual_axes", "traced_for",
 ]
 
@@ -137,6 +138,11 @@ def in_transpose() -> bool:
     return any(
         isinstance(s, source_info_util.Transform) and s.name == "transpose" for s in stack
     )
+
+
+def is_tracing() -> bool:
+    """True while JAX traces (inside jit, grad, vmap...); False when code runs eagerly."""
+    return not isinstance(core.trace_ctx.trace, core.EvalTrace)
 
 
 def traced_for() -> str | None:

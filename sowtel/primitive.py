@@ -56,6 +56,9 @@ class Context:
 
     session: int | None = None
     capture: str | None = None
+    # Set by a host-side at_step on a step that logs nothing: sows bind nothing, so the call
+    # runs the uninstrumented program.
+    quiet: bool = False
 
 
 # Part of every jit cache key: toggling enable() or entering save_intermediates retraces.
@@ -74,6 +77,8 @@ class StreamPolicy(Protocol):
     def every_for(self, site_every: int | None) -> int: ...
 
     def receive(self, site: StreamSite, arrays: tuple[np.ndarray, ...]) -> None: ...
+
+    def enter_host_step(self, step: int) -> bool: ...
 
 
 # session id -> the live session; written by enable()/disable(), read at bind time and by callbacks.
@@ -146,18 +151,32 @@ _STEP = threading.local()
 
 @contextmanager
 def at_step(step: Any) -> Iterator[None]:
-    """Records of sows traced inside carry ``step`` (a device value) as their step.
+    """Records of sows inside carry ``step`` as their step; ``every=N`` skips the other steps.
 
-    ``step`` is an integer scalar: a Python int or an integer array or tracer. With it,
-    ``every=N`` is decided on the device, so steps that do not log do no host work.
+    Two ways to use it:
+
+    - **inside traced code** (in the jitted function), ``step`` is a device value (an integer
+      tracer or array): records carry it, and ``every=N`` is decided on the device, so a step
+      that does not log sends nothing to the host;
+    - **around the call** of a jitted function, ``step`` is a Python int: a step that logs
+      nothing runs the program compiled without sows (the same program as with streaming off),
+      and one that logs runs the instrumented one. Two programs are compiled, and the steps
+      that do not log cost nothing at all.
 
     Example:
         >>> import jax, jax.numpy as jnp, sowtel
         >>> @jax.jit
         ... def train_step(params, step):
-        ...     with sowtel.at_step(step):
+        ...     with sowtel.at_step(step):              # device-side step
         ...         h = sowtel.sow(params * 2, "h", every=10)
         ...     return h.sum()
+        >>> @jax.jit
+        ... def plain_step(params):
+        ...     return sowtel.sow(params * 2, "h").sum()
+        >>> with sowtel.enable(exporter="memory", every=10):
+        ...     for step in range(20):
+        ...         with sowtel.at_step(step):          # host-side step
+        ...             _ = plain_step(jnp.ones(3))
     """
     if isinstance(step, bool) or not (
         isinstance(step, (int, np.integer))
@@ -168,12 +187,29 @@ def at_step(step: Any) -> Iterator[None]:
         )
     if hasattr(step, "shape") and tuple(step.shape) != ():
         raise ValueError(f"at_step step must be a scalar, got shape {tuple(step.shape)}")
+    if not jc.is_tracing() and not isinstance(step, jc.core.Tracer):
+        with _host_step(int(step)):
+            yield
+        return
     stack = _STEP.__dict__.setdefault("stack", [])
     stack.append(step)
     try:
         yield
     finally:
         stack.pop()
+
+
+@contextmanager
+def _host_step(step: int) -> Iterator[None]:
+    ctx = current_context()
+    policy = STREAMS.get(ctx.session) if ctx is not None and ctx.session is not None else None
+    if policy is None:
+        yield
+        return
+    logs = policy.enter_host_step(step)
+    assert ctx is not None
+    with CONTEXT(dataclasses.replace(ctx, quiet=not logs)):
+        yield
 
 
 def _current_step() -> Any | None:
@@ -231,7 +267,7 @@ def _bind(leaves: list[Any], extras: list[Any], site: SiteStatic, mode: str) -> 
     ctx = current_context()
     capture = bool(ctx is not None and ctx.capture == site.tag)
     stream, summary, every = None, "stats", 1
-    if ctx is not None and ctx.session is not None:
+    if ctx is not None and ctx.session is not None and not ctx.quiet:
         policy = STREAMS.get(ctx.session)
         if policy is not None and policy.selects(site.name, site.tag) and policy.wants(mode):
             stream = ctx.session
@@ -300,7 +336,7 @@ def sow(
         return value
     capture = ctx.capture == tag
     policy = STREAMS.get(ctx.session) if ctx.session is not None else None
-    streams = policy is not None and policy.selects(name, tag)
+    streams = not ctx.quiet and policy is not None and policy.selects(name, tag)
     if not (capture or streams):
         return value
     if jc.traced_for() == "while_cond":

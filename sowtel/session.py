@@ -112,6 +112,8 @@ class Session:
         )
         self._counters: dict[Any, Iterable[int]] = {}
         self._views: dict[Any, bool] = {}
+        self._strides = {every}  # every= values of the session and its sites
+        self._host_step: int | None = None  # the step of a host-side at_step
         self._seq = itertools.count()
         self._closed = False
 
@@ -131,7 +133,14 @@ class Session:
         return site_summary or self.summary
 
     def every_for(self, site_every: int | None) -> int:
-        return site_every or self.every
+        every = site_every or self.every
+        self._strides.add(every)
+        return every
+
+    def enter_host_step(self, step: int) -> bool:
+        """A host-side ``at_step(step)`` begins; returns whether any site may log at it."""
+        self._host_step = step
+        return any(step % e == 0 for e in self._strides)
 
     # -- the receiver: host callback threads -------------------------------------------------
 
@@ -147,16 +156,20 @@ class Session:
             if counter is None:
                 counter = self._counters.setdefault(key, itertools.count())
             occurrence = next(counter)  # type: ignore[call-overload]
-            if site.host_every > 1 and (occurrence // site.period) % site.host_every:
-                return
+            host_step = self._host_step
+            if site.host_every > 1:
+                step = host_step if host_step is not None else occurrence // site.period
+                if step % site.host_every:
+                    return
             views = self._views.get(site.counter_key)
             if views is None:  # decided once per site: does this path hand over views?
                 views = self._views.setdefault(
                     site.counter_key, any(getattr(a, "base", None) is not None for a in arrays))
             if views:
                 arrays = tuple(np.array(a, copy=True) for a in arrays)
-            self.dispatcher.put((site, arrays, occurrence, next(self._seq), time.time()),
-                                site.full_nbytes)
+            self.dispatcher.put(
+                (site, arrays, occurrence, host_step, next(self._seq), time.time()),
+                site.full_nbytes)
         except Exception:  # noqa: BLE001 - a callback must never raise into XLA
             logger.exception("sowtel: dropping a record of %r that could not be received",
                              site.name)
@@ -165,12 +178,12 @@ class Session:
 
     def _convert(self, items: list[Any]) -> list[Record]:
         records: list[Record] = []
-        for site, arrays, occurrence, seq, wall_time in items:
-            records.extend(self._records_of(site, arrays, occurrence, seq, wall_time))
+        for site, arrays, occurrence, host_step, seq, wall_time in items:
+            records.extend(self._records_of(site, arrays, occurrence, host_step, seq, wall_time))
         return records
 
     def _records_of(self, site: StreamSite, arrays: tuple[np.ndarray, ...], occurrence: int,
-                    seq: int, wall_time: float) -> list[Record]:
+                    host_step: int | None, seq: int, wall_time: float) -> list[Record]:
         per_leaf = site.arrays_per_leaf
         n_leaves = len(site.leaf_names)
         extras = dict(zip(site.extras, arrays[n_leaves * per_leaf:], strict=True))
@@ -184,7 +197,10 @@ class Session:
             rest = rest // length if length else rest
             loop_index.append(length - 1 - i if reverse else i)
         index.extend(reversed(loop_index))
-        step = int(extras["step"]) if "step" in extras else occurrence // site.period
+        if "step" in extras:
+            step = int(extras["step"])
+        else:
+            step = host_step if host_step is not None else occurrence // site.period
         idx: int | tuple[int, ...] | None = (
             None if not index else index[0] if len(index) == 1 else tuple(index))
         out = []

@@ -285,3 +285,23 @@ def test_eager_sows_stream() -> None:
     np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
     assert [(r.step, r.stats["mean"]) for r in s.exporters[0].records] == [
         (0, 0.0), (1, 1.0), (2, 2.0)]
+
+
+def test_host_side_at_step_runs_the_plain_program_on_quiet_steps() -> None:
+    @jax.jit
+    def step_fn(x):
+        return sowtel.sow(x * 2.0, "hs").sum() + sowtel.sow(x, "hs3", every=3).sum()
+
+    plain = jax.jit(lambda x: (x * 2.0).sum() + x.sum())
+    with sowtel.enable(exporter="memory", every=4) as s:
+        for k in range(10):
+            with sowtel.at_step(k):
+                out = step_fn(X)
+        sowtel.flush()
+        # A quiet step's program is the one compiled with streaming off.
+        with sowtel.at_step(1):
+            quiet_text = step_fn.lower(X).as_text()
+    assert float(out) == float(plain(X))
+    got = sorted((r.name, r.step) for r in s.exporters[0].records)
+    assert got == [("hs", 0), ("hs", 4), ("hs", 8), ("hs3", 0), ("hs3", 3), ("hs3", 6), ("hs3", 9)]
+    assert "callback" not in quiet_text and "sow" not in quiet_text
