@@ -118,6 +118,19 @@ class Trainer:
         self.calls += 1
 
 
+class HostStepTrainer(Trainer):
+    """A jitted step called under a host-side ``sowtel.at_step(k)``: steps that log nothing run
+    the program compiled without sows, the logging ones the instrumented program."""
+
+    def __call__(self) -> None:
+        step = self.step_numbers[self.calls % len(self.step_numbers)]
+        with sowtel.at_step(int(step)):
+            out = jax.block_until_ready(
+                self.compiled(self.params, self.opt_state, self.batch, step))
+        self.params, self.opt_state = out[0], out[1]
+        self.calls += 1
+
+
 @dataclasses.dataclass
 class Variant:
     """A way of running a workload: its step, what drains it, and what it should stream."""
@@ -232,7 +245,20 @@ def workload_variants(
     returning = make_returning_train_step(work)
     add("returned as outputs", compile_step(returning))
     add("device stats only, returned (no callback)", compile_step(_summarized(returning)))
+
+    # Opened last, so its session is the active one while the rounds run: the host-side
+    # at_step picks between two programs through jit's cache.
+    session = _memory_session(stack, every=10)
+    host = jax.jit(make_train_step(work, sowtel.sow))
+    variants[HOST_EVERY] = Variant(
+        name=HOST_EVERY, trainer=HostStepTrainer(host, work, steps), drain=session.flush,
+        records_per_step=per_step, count_records=functools.partial(_received, session),
+        every=10, target=EVERY_TARGET,
+    )
     return variants, texts
+
+
+HOST_EVERY = "stats, every=10, host-side at_step"
 
 
 def _summarized(train_step: Callable[..., Any]) -> Callable[..., Any]:
@@ -253,7 +279,7 @@ def _rounds(work: Workload, quick: bool) -> tuple[int, dict[str, int]]:
         return (3 if quick else 10), {"*": 10}
     # A transformer step is ~20x an MLP step: fewer steps per round, but every=10 (and the
     # baseline around it) always sees a whole stride of 10 steps.
-    return (2 if quick else 6), {"*": 2, "stats, every=10": 10}
+    return (2 if quick else 6), {"*": 2, "stats, every=10": 10, HOST_EVERY: 10}
 
 
 def training_tables(quick: bool = False) -> Iterator[Table]:

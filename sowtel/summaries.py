@@ -25,7 +25,7 @@ from sowtel.records import HEALTH_KEYS, STAT_KEYS, SUMMARIES
 DEFAULT_BINS = 30
 
 #: How many arrays the device sends per leaf, by summary (see :func:`device_summary`).
-ARRAYS_PER_LEAF = {"full": 3, "histogram": 3, "stats": 2, "health": 1, "shape": 0}
+ARRAYS_PER_LEAF = {"full": 1, "histogram": 3, "stats": 2, "health": 1, "shape": 0}
 
 # Order of the float and count vectors the device sends for "stats".
 _FLOAT_KEYS = ("mean", "std", "min", "max", "l2", "mean_abs")
@@ -108,8 +108,9 @@ def _bucket_counts_host(finite: np.ndarray, lo: float, hi: float, bins: int) -> 
 def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     """JAX ops that reduce ``x`` on the device to the arrays the host callback receives.
 
-    Returns a list of arrays: ``stats`` -> ``[floats(6), counts(4)]``; ``full`` -> ``[x]`` and
-    the stats;
+    Returns a list of arrays: ``stats`` -> ``[floats(6), counts(4)]``; ``full`` -> ``[x]``
+    (its stats are computed on the host, off the training thread, so that the transfer runs at
+    copy speed);
     ``histogram`` -> the stats plus ``[counts(bins)]``; ``health`` -> ``[counts(3)]``;
     ``shape`` -> ``[]``. :func:`decode_device_summary` turns them back into a dict.
 
@@ -123,7 +124,7 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     import jax.numpy as jnp
 
     if summary == "full":
-        return [x, *device_summary(x, "stats", bins)]
+        return [x]
     if summary == "shape":
         return []
     is_float = jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating)
@@ -200,10 +201,10 @@ def decode_device_summary(
     arrays: list[np.ndarray], summary: str, size: int, bins: int = DEFAULT_BINS
 ) -> dict[str, Any]:
     """Turns :func:`device_summary`'s arrays (now on the host) into ``stats`` and ``histogram``."""
+    if summary == "full":
+        return {"stats": host_summary(arrays[0], "stats")["stats"], "histogram": None}
     if summary == "shape":
         return {"stats": {}, "histogram": None}
-    if summary == "full":
-        arrays = arrays[1:]
     if summary == "health":
         nan, posinf, neginf = arrays[0].tolist()
         return {"stats": dict(zip(HEALTH_KEYS, (float(size), float(nan), float(posinf),
