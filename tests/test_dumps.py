@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import numpy_stats
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -424,26 +425,6 @@ def test_a_newer_format_version_is_refused_with_advice(good_dump, tmp_path):
 
 
 # ----------------------------------------------------------------------------- records
-
-
-def numpy_stats(x: np.ndarray) -> dict[str, float]:
-    """The "stats" summary computed directly with numpy, as DESIGN §4 defines it."""
-    x = np.asarray(x)
-    v = (np.abs(x) if np.iscomplexobj(x) else x).astype(np.float64).ravel()
-    fin = v[np.isfinite(v)]
-    return {
-        "size": float(v.size),
-        "mean": float(np.mean(fin)) if fin.size else math.nan,
-        "std": float(np.std(fin)) if fin.size else math.nan,
-        "min": float(np.min(fin)) if fin.size else math.nan,
-        "max": float(np.max(fin)) if fin.size else math.nan,
-        "l2": float(np.linalg.norm(fin)),
-        "mean_abs": float(np.mean(np.abs(fin))) if fin.size else math.nan,
-        "nan": float(np.isnan(v).sum()),
-        "posinf": float(np.isposinf(v).sum()),
-        "neginf": float(np.isneginf(v).sum()),
-        "zeros": float((v == 0).sum()),
-    }
 
 
 def assert_stats_close(got: dict[str, float], want: dict[str, float], rtol: float) -> None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from reference import numpy_stats
 
 import sowtel
 from sowtel import exporters
@@ -33,19 +34,6 @@ def record(name: str = "h", mode: str = "primal", step: int = 0, **fields) -> Re
                 wall_time=1700000000.25, summary="stats", shape=(2, 3), dtype="float32")
     base.update(fields)
     return Record(**base)
-
-
-def numpy_stats(x: np.ndarray) -> dict[str, float]:
-    """The stats summary computed directly with numpy, as a reference."""
-    x = np.asarray(x, np.float64).ravel()
-    finite = x[np.isfinite(x)]
-    return {
-        "size": float(x.size), "mean": float(finite.mean()), "std": float(finite.std()),
-        "min": float(finite.min()), "max": float(finite.max()),
-        "l2": float(np.linalg.norm(finite)), "mean_abs": float(np.abs(finite).mean()),
-        "nan": float(np.isnan(x).sum()), "posinf": float(np.isposinf(x).sum()),
-        "neginf": float(np.isneginf(x).sum()), "zeros": float((x == 0).sum()),
-    }
 
 
 def strict_json(line: str) -> dict:

@@ -29,6 +29,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from reference import numpy_stats
 
 import sowtel
 from sowtel.exporters.memory import MemoryExporter
@@ -47,18 +48,6 @@ COUNTS = {"size", "nan", "posinf", "neginf", "zeros"}
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-def numpy_stats(x: np.ndarray) -> dict[str, float]:
-    """The "stats" summary computed directly with numpy, in float64."""
-    x = np.asarray(x, dtype=np.float64).ravel()
-    fin = x[np.isfinite(x)]
-    return {
-        "size": x.size, "mean": fin.mean(), "std": fin.std(), "min": fin.min(), "max": fin.max(),
-        "l2": np.sqrt(np.sum(fin * fin)), "mean_abs": np.abs(fin).mean(),
-        "nan": np.isnan(x).sum(), "posinf": np.isposinf(x).sum(),
-        "neginf": np.isneginf(x).sum(), "zeros": (x == 0).sum(),
-    }
 
 
 def make_record(name: str, step: int, x: np.ndarray, *, mode: str = "primal", index: Any = None,

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from PIL import Image
+from reference import numpy_stats
 from scipy import ndimage
 
 import sowtel
@@ -27,27 +28,6 @@ from sowtel.cli import main
 from sowtel.dumps import dump
 from sowtel.postmortem import diff_dumps, inspect_dump
 from sowtel.records import STAT_KEYS
-
-
-def numpy_stats(x: np.ndarray) -> dict[str, float]:
-    """DESIGN §4's "stats", computed here directly with numpy in float64."""
-    x = np.asarray(x)
-    v = (np.abs(x) if np.iscomplexobj(x) else x).astype(np.float64).ravel()
-    fin = v[np.isfinite(v)]
-    some = fin.size > 0
-    return {
-        "size": float(v.size),
-        "mean": float(fin.mean()) if some else math.nan,
-        "std": float(fin.std()) if some else math.nan,
-        "min": float(fin.min()) if some else math.nan,
-        "max": float(fin.max()) if some else math.nan,
-        "l2": float(np.sqrt(np.sum(fin * fin))),
-        "mean_abs": float(np.abs(fin).mean()) if some else math.nan,
-        "nan": float(np.isnan(v).sum()),
-        "posinf": float(np.isposinf(v).sum()),
-        "neginf": float(np.isneginf(v).sum()),
-        "zeros": float((v == 0).sum()),
-    }
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

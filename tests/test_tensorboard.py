@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference import numpy_stats
 from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.plugins.custom_scalar import layout_pb2
 
@@ -29,18 +30,6 @@ def load(run_dir: str | os.PathLike[str]) -> ea.EventAccumulator:
     acc = ea.EventAccumulator(os.fspath(run_dir), size_guidance=UNLIMITED)
     acc.Reload()
     return acc
-
-
-def numpy_stats(x: np.ndarray) -> dict[str, float]:
-    """The "stats" summary computed directly with numpy, in float64."""
-    x = np.asarray(x, dtype=np.float64).ravel()
-    fin = x[np.isfinite(x)]
-    return {
-        "size": x.size, "mean": fin.mean(), "std": fin.std(), "min": fin.min(), "max": fin.max(),
-        "l2": np.sqrt(np.sum(fin * fin)), "mean_abs": np.abs(fin).mean(),
-        "nan": np.isnan(x).sum(), "posinf": np.isposinf(x).sum(),
-        "neginf": np.isneginf(x).sum(), "zeros": (x == 0).sum(),
-    }
 
 
 def record(name: str, step: int, *, mode: str = "primal", index=None, summary: str = "stats",
