@@ -5,7 +5,8 @@ batching, queues and error isolation. Built-in exporters are looked up by name; 
 register under the entry-point group ``sowtel.exporters``.
 
 Example:
-    >>> from sowtel.exporters import MemoryExporter, resolve
+    >>> from sowtel.exporters import resolve
+    >>> from sowtel.exporters.memory import MemoryExporter
     >>> [e] = resolve("memory")
     >>> isinstance(e, MemoryExporter)
     True

@@ -7,7 +7,8 @@ function compiled before is recompiled on its next call, and stops streaming aft
 ``disable()`` the same way.
 
 The receiver, called by the host callbacks of running programs, does only this: count the
-occurrence, copy the arrays and enqueue them. Building records happens on the dispatcher thread.
+occurrence and enqueue the arrays (which the runtime has just copied from the device). Building
+records happens on the dispatcher thread.
 
 Example:
     >>> import jax, jax.numpy as jnp, sowtel
@@ -16,7 +17,7 @@ Example:
     ...     return sowtel.sow(x * 2, "y").sum()
     >>> with sowtel.enable(exporter="memory") as session:
     ...     _ = f(jnp.arange(4.0))
-    ...     sowtel.flush()
+    ...     _ = sowtel.flush()
     ...     [r] = session.exporters[0].records
     >>> r.name, r.mode, r.stats["mean"]
     ('y', 'primal', 3.0)

@@ -8,7 +8,7 @@ is the Euclidean norm of the finite elements; integers and bools are summarised 
 
 Example:
     >>> import numpy as np
-    >>> s = host_summary(np.array([1.0, -1.0, np.nan]), "stats")
+    >>> s = host_summary(np.array([1.0, -1.0, np.nan]), "stats")["stats"]
     >>> (s["size"], s["mean"], s["std"], s["nan"])
     (3.0, 0.0, 1.0, 1.0)
 """

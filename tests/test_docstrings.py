@@ -1,0 +1,24 @@
+"""Every example in the public docstrings runs and prints what it shows."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.summaries",
+    "sowtel.records", "sowtel.dispatcher", "sowtel.dumps", "sowtel.postmortem",
+    "sowtel.exporters", "sowtel.exporters.memory", "sowtel.exporters.console",
+    "sowtel.exporters.jsonl",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} failing example(s) in {name}"
+    if name in ("sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session"):
+        assert result.attempted > 0
