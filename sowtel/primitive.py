@@ -80,6 +80,8 @@ class StreamPolicy(Protocol):
 
     def enter_host_step(self, step: int) -> bool: ...
 
+    def exit_host_step(self) -> None: ...
+
 
 # session id -> the live session; written by enable()/disable(), read at bind time and by callbacks.
 STREAMS: dict[int, StreamPolicy] = {}
@@ -208,8 +210,12 @@ def _host_step(step: int) -> Iterator[None]:
         return
     logs = policy.enter_host_step(step)
     assert ctx is not None
-    with CONTEXT(dataclasses.replace(ctx, quiet=not logs)):
-        yield
+    try:
+        with CONTEXT(dataclasses.replace(ctx, quiet=not logs)):
+            yield
+    finally:
+        # A program with host callbacks returns only after they ran: the step is complete.
+        policy.exit_host_step()
 
 
 def _current_step() -> Any | None:

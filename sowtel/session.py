@@ -143,6 +143,9 @@ class Session:
         self._host_step = step
         return any(step % e == 0 for e in self._strides)
 
+    def exit_host_step(self) -> None:
+        self._host_step = None
+
     # -- the receiver: host callback threads -------------------------------------------------
 
     def receive(self, site: StreamSite, arrays: tuple[np.ndarray, ...]) -> None:

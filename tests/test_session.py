@@ -305,3 +305,10 @@ def test_host_side_at_step_runs_the_plain_program_on_quiet_steps() -> None:
     got = sorted((r.name, r.step) for r in s.exporters[0].records)
     assert got == [("hs", 0), ("hs", 4), ("hs", 8), ("hs3", 0), ("hs3", 3), ("hs3", 6), ("hs3", 9)]
     assert "callback" not in quiet_text and "sow" not in quiet_text
+    # Outside at_step again, steps count calls (the host step does not linger).
+    with sowtel.enable(exporter="memory") as s:
+        with sowtel.at_step(50):
+            step_fn(X)
+        step_fn(X)
+        sowtel.flush()
+    assert sorted(r.step for r in s.exporters[0].records if r.name == "hs") == [1, 50]
