@@ -60,6 +60,7 @@ from benchmarks import (
     write_markdown,
 )
 from benchmarks.workloads import (
+    Trainer,
     Workload,
     debug_tap,
     make_returning_train_step,
@@ -97,25 +98,6 @@ def callback_path(path: str) -> Iterator[None]:
 def compiled_text(compiled: Any) -> str:
     """The normalized HLO of a compiled program."""
     return normalized_hlo(compiled.as_text())
-
-
-class Trainer:
-    """One variant's training run: a compiled step and the state it carries from step to step.
-
-    Calling it runs one step and waits for its results.
-    """
-
-    def __init__(self, compiled: Any, work: Workload, step_numbers: Sequence[jax.Array]) -> None:
-        self.compiled = compiled
-        self.params, self.opt_state, self.batch = work.init()
-        self.step_numbers = step_numbers
-        self.calls = 0
-
-    def __call__(self) -> None:
-        step = self.step_numbers[self.calls % len(self.step_numbers)]
-        out = jax.block_until_ready(self.compiled(self.params, self.opt_state, self.batch, step))
-        self.params, self.opt_state = out[0], out[1]
-        self.calls += 1
 
 
 class HostStepTrainer(Trainer):

@@ -49,7 +49,7 @@ from benchmarks import (
     machine,
     write_markdown,
 )
-from benchmarks.workloads import make_train_step, mlp, no_tap
+from benchmarks.workloads import Trainer, make_train_step, mlp, no_tap
 from sowtel.exporters.memory import MemoryExporter
 from sowtel.exporters.tensorboard import TensorBoardExporter, series_tag
 from sowtel.records import Record
@@ -166,20 +166,6 @@ def histograms(quick: bool = False) -> Table:
                     "SummaryWriter.add_histogram_raw + add_scalar × 11", True, "histograms")
 
 
-class _Trainer:
-    def __init__(self, compiled: Any, work: Any) -> None:
-        self.compiled = compiled
-        self.params, self.opt_state, self.batch = work.init()
-        self.steps = [jnp.int32(i) for i in range(1000)]
-        self.calls = 0
-
-    def __call__(self) -> None:
-        step = self.steps[self.calls % len(self.steps)]
-        out = jax.block_until_ready(self.compiled(self.params, self.opt_state, self.batch, step))
-        self.params, self.opt_state = out[0], out[1]
-        self.calls += 1
-
-
 def training_step(quick: bool = False) -> Table:
     """The MLP step streaming ``stats`` to TensorBoard, against memory and against no sows."""
     work = mlp()
@@ -192,7 +178,7 @@ def training_step(quick: bool = False) -> Table:
         variants: dict[str, Callable[[], Any]] = {}
         drains: dict[str, Callable[[], Any]] = {}
         sessions: dict[str, sowtel.Session] = {}
-        variants["no sows"] = _Trainer(
+        variants["no sows"] = Trainer(
             jax.jit(make_train_step(work, no_tap)).lower(*args).compile(), work)
         drains["no sows"] = jax.effects_barrier
         exporters: dict[str, Callable[[], Any]] = {
@@ -205,7 +191,7 @@ def training_step(quick: bool = False) -> Table:
             session = sowtel.enable(exporter=make())
             stack.callback(session.close)
             sessions[name] = session
-            variants[name] = _Trainer(jax.jit(sown).lower(*args).compile(), work)
+            variants[name] = Trainer(jax.jit(sown).lower(*args).compile(), work)
             drains[name] = session.flush
         timings = interleave(variants, rounds=rounds, steps=10, warmup=2, drains=drains)
         for drain in drains.values():

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -291,3 +291,23 @@ def transformer_block(*, d_model: int = 256, heads: int = 4, seq: int = 128, bat
 def reference_workloads() -> list[Workload]:
     """The two workloads of DESIGN §8, at their reference sizes."""
     return [mlp(), transformer_block()]
+
+
+class Trainer:
+    """One variant's training run: a compiled step and the state it carries from step to step.
+
+    Calling it runs one step and waits for its results.
+    """
+
+    def __init__(self, compiled: Any, work: Workload,
+                 step_numbers: Sequence[jax.Array] | None = None) -> None:
+        self.compiled = compiled
+        self.params, self.opt_state, self.batch = work.init()
+        self.step_numbers = step_numbers or [jnp.int32(i) for i in range(1000)]
+        self.calls = 0
+
+    def __call__(self) -> None:
+        step = self.step_numbers[self.calls % len(self.step_numbers)]
+        out = jax.block_until_ready(self.compiled(self.params, self.opt_state, self.batch, step))
+        self.params, self.opt_state = out[0], out[1]
+        self.calls += 1
