@@ -34,21 +34,17 @@ from concurrent import futures
 from contextlib import ExitStack
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-import sowtel
 from benchmarks import (
     Table,
     add_common_arguments,
     fmt_ratio,
     fmt_time,
-    interleave,
     machine,
     write_markdown,
 )
-from benchmarks.workloads import Trainer, make_train_step, mlp, no_tap
+from benchmarks.workloads import exporter_training_table
 from sowtel.exporters.memory import MemoryExporter
 from sowtel.exporters.otel import OTelExporter
 from sowtel.records import Record
@@ -229,55 +225,19 @@ def throughput(quick: bool = False) -> Table:
 
 def training_step(quick: bool = False) -> Table:
     """The MLP step streaming ``stats`` through OTel, against memory and against no sows."""
-    work = mlp()
-    args = (*work.init(), jnp.int32(0))
-    sown = make_train_step(work, sowtel.sow, at_step=True)
-    rounds = 3 if quick else 12
-    with ExitStack() as stack:
-        variants: dict[str, Callable[[], Any]] = {}
-        drains: dict[str, Callable[[], Any]] = {}
-        sessions: dict[str, sowtel.Session] = {}
-        variants["no sows"] = Trainer(
-            jax.jit(make_train_step(work, no_tap)).lower(*args).compile(), work)
-        drains["no sows"] = jax.effects_barrier
+
+    def exporters(stack: ExitStack) -> dict[str, Callable[[], Any]]:
         tracer_provider, meter_provider = _discarding_providers()
         endpoint = _grpc_receiver(stack)
-        exporters = {
-            "memory exporter": lambda: MemoryExporter(max_records=256),
+        return {
             "otel exporter (spans discarded)": lambda: OTelExporter(
                 tracer_provider=tracer_provider, meter_provider=meter_provider),
             "otel exporter (OTLP/gRPC to 127.0.0.1)": lambda: OTelExporter(
                 otlp_endpoint=endpoint, metrics_interval_s=1.0),
         }
-        for name, make in exporters.items():
-            # Each variant is compiled while its own session is active; sessions stay open side
-            # by side, each streaming to its own exporter.
-            session = sowtel.enable(exporter=make())
-            stack.callback(session.close)
-            sessions[name] = session
-            variants[name] = Trainer(jax.jit(sown).lower(*args).compile(), work)
-            drains[name] = session.flush
-        timings = interleave(variants, rounds=rounds, steps=10, warmup=2, drains=drains)
-        for drain in drains.values():
-            drain()
-        statuses = {name: s.status() for name, s in sessions.items()}
-    base, memory = timings["no sows"], timings["memory exporter"]
-    table = Table(
-        f"Training step with the OTel exporter: {work.description}",
-        ["variant", "step", "vs no sows", "vs memory", "vs memory + drain", "records exported"],
-    )
-    for name, t in timings.items():
-        status = statuses.get(name)
-        exported = "" if status is None else str(sum(status["exported"].values()))
-        if status is not None and (status["dropped"] or any(status["exporter_dropped"].values())):
-            exported += " (some dropped)"
-        table.add(name, fmt_time(t.per_step()), fmt_ratio(t.ratio_to(base), t.ratio_spread(base)),
-                  fmt_ratio(t.ratio_to(memory), t.ratio_spread(memory)),
-                  fmt_ratio(t.ratio_to(memory, with_drain=True)), exported)
-    table.notes.append(
-        f"{rounds} interleaved rounds of 10 steps per variant; ratios are medians over rounds "
-        "of the per-round ratio. 12 records per step (6 sites, primal and cotangent).")
-    return table
+
+    return exporter_training_table("OTel", exporters, quick)
+
 
 
 def tables(quick: bool = False) -> Iterator[Table]:

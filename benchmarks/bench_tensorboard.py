@@ -35,22 +35,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-import sowtel
 from benchmarks import (
     Table,
     add_common_arguments,
     fmt_ratio,
     fmt_time,
-    interleave,
     machine,
     write_markdown,
 )
-from benchmarks.workloads import Trainer, make_train_step, mlp, no_tap
-from sowtel.exporters.memory import MemoryExporter
+from benchmarks.workloads import exporter_training_table
 from sowtel.exporters.tensorboard import TensorBoardExporter, series_tag
 from sowtel.records import Record
 from sowtel.summaries import host_summary
@@ -168,54 +163,17 @@ def histograms(quick: bool = False) -> Table:
 
 def training_step(quick: bool = False) -> Table:
     """The MLP step streaming ``stats`` to TensorBoard, against memory and against no sows."""
-    work = mlp()
-    args = (*work.init(), jnp.int32(0))
-    sown = make_train_step(work, sowtel.sow, at_step=True)
-    rounds = 3 if quick else 12
-    with ExitStack() as stack:
+
+    def exporters(stack: ExitStack) -> dict[str, Callable[[], Any]]:
         logdir = tempfile.mkdtemp(prefix="sowtel-bench-")
         stack.callback(shutil.rmtree, logdir, ignore_errors=True)
-        variants: dict[str, Callable[[], Any]] = {}
-        drains: dict[str, Callable[[], Any]] = {}
-        sessions: dict[str, sowtel.Session] = {}
-        variants["no sows"] = Trainer(
-            jax.jit(make_train_step(work, no_tap)).lower(*args).compile(), work)
-        drains["no sows"] = jax.effects_barrier
-        exporters: dict[str, Callable[[], Any]] = {
-            "memory exporter": lambda: MemoryExporter(max_records=256),
-            "tensorboard exporter": lambda: TensorBoardExporter(logdir=logdir),
-        }
-        for name, make in exporters.items():
-            # Each variant is compiled while its own session is active; sessions stay open side
-            # by side, each streaming to its own exporter.
-            session = sowtel.enable(exporter=make())
-            stack.callback(session.close)
-            sessions[name] = session
-            variants[name] = Trainer(jax.jit(sown).lower(*args).compile(), work)
-            drains[name] = session.flush
-        timings = interleave(variants, rounds=rounds, steps=10, warmup=2, drains=drains)
-        for drain in drains.values():
-            drain()
-        statuses = {name: s.status() for name, s in sessions.items()}
-    base, memory = timings["no sows"], timings["memory exporter"]
-    table = Table(
-        f"Training step with the TensorBoard exporter: {work.description}",
-        ["variant", "step", "vs no sows", "vs memory", "vs memory + drain", "records exported"],
-    )
-    for name, t in timings.items():
-        status = statuses.get(name)
-        exported = "" if status is None else str(sum(status["exported"].values()))
-        if status is not None and (status["dropped"] or any(status["exporter_dropped"].values())):
-            exported += " (some dropped)"
-        table.add(name, fmt_time(t.per_step()), fmt_ratio(t.ratio_to(base), t.ratio_spread(base)),
-                  fmt_ratio(t.ratio_to(memory), t.ratio_spread(memory)),
-                  fmt_ratio(t.ratio_to(memory, with_drain=True)), exported)
-    table.notes.append(
-        f"{rounds} interleaved rounds of 10 steps per variant; ratios are medians over rounds "
-        "of the per-round ratio. 12 records per step (6 sites, primal and cotangent). The "
-        "exporter's writes run on its worker thread: 'vs memory' near 1 means the training "
-        "thread does not wait on them.")
-    return table
+        return {"tensorboard exporter": lambda: TensorBoardExporter(logdir=logdir)}
+
+    return exporter_training_table(
+        "TensorBoard", exporters, quick,
+        note=" The exporter's writes run on its worker thread: 'vs memory' near 1 means the "
+             "training thread does not wait on them.")
+
 
 
 def tables(quick: bool = False) -> Iterator[Table]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import jax
@@ -311,3 +311,59 @@ class Trainer:
         out = jax.block_until_ready(self.compiled(self.params, self.opt_state, self.batch, step))
         self.params, self.opt_state = out[0], out[1]
         self.calls += 1
+
+
+def exporter_training_table(
+    label: str,
+    make_exporters: Callable[[ExitStack], dict[str, Callable[[], Any]]],
+    quick: bool = False,
+    note: str = "",
+) -> Any:
+    """The MLP step streaming ``stats`` to each exporter, against the memory exporter and
+    against no sows, interleaved in one process. ``make_exporters(stack)`` returns the
+    exporter factories to compare (anything they open is closed by ``stack``)."""
+    from benchmarks import Table, fmt_ratio, fmt_time, interleave
+    from sowtel.exporters.memory import MemoryExporter
+
+    work = mlp()
+    args = (*work.init(), jnp.int32(0))
+    sown = make_train_step(work, sowtel.sow, at_step=True)
+    rounds = 3 if quick else 12
+    with ExitStack() as stack:
+        variants: dict[str, Callable[[], Any]] = {}
+        drains: dict[str, Callable[[], Any]] = {}
+        sessions: dict[str, sowtel.Session] = {}
+        variants["no sows"] = Trainer(
+            jax.jit(make_train_step(work, no_tap)).lower(*args).compile(), work)
+        drains["no sows"] = jax.effects_barrier
+        exporters = {"memory exporter": lambda: MemoryExporter(max_records=256),
+                     **make_exporters(stack)}
+        for name, make in exporters.items():
+            # Each variant is compiled while its own session is active; sessions stay open side
+            # by side, each streaming to its own exporter.
+            session = sowtel.enable(exporter=make())
+            stack.callback(session.close)
+            sessions[name] = session
+            variants[name] = Trainer(jax.jit(sown).lower(*args).compile(), work)
+            drains[name] = session.flush
+        timings = interleave(variants, rounds=rounds, steps=10, warmup=2, drains=drains)
+        for drain in drains.values():
+            drain()
+        statuses = {name: s.status() for name, s in sessions.items()}
+    base, memory = timings["no sows"], timings["memory exporter"]
+    table = Table(
+        f"Training step with the {label} exporter: {work.description}",
+        ["variant", "step", "vs no sows", "vs memory", "vs memory + drain", "records exported"],
+    )
+    for name, t in timings.items():
+        status = statuses.get(name)
+        exported = "" if status is None else str(sum(status["exported"].values()))
+        if status is not None and (status["dropped"] or any(status["exporter_dropped"].values())):
+            exported += " (some dropped)"
+        table.add(name, fmt_time(t.per_step()), fmt_ratio(t.ratio_to(base), t.ratio_spread(base)),
+                  fmt_ratio(t.ratio_to(memory), t.ratio_spread(memory)),
+                  fmt_ratio(t.ratio_to(memory, with_drain=True)), exported)
+    table.notes.append(
+        f"{rounds} interleaved rounds of 10 steps per variant; ratios are medians over rounds "
+        "of the per-round ratio. 12 records per step (6 sites, primal and cotangent)." + note)
+    return table
