@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sowtel import _jax_compat as jc
-from sowtel.primitive import CONTEXT, Context, current_context, sow_p
+from sowtel.primitive import CONTEXT, Context, check_tag, current_context, sow_p
 
 __all__ = ["Intermediates", "save_intermediates"]
 
@@ -487,8 +487,6 @@ def save_intermediates(
         raise ValueError(
             f"duplicates={duplicates!r} is not a duplicate policy: use 'error' or 'number'"
         )
-    from sowtel.primitive import check_tag
-
     check_tag(tag)
     cache: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
 
