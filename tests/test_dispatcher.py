@@ -536,7 +536,10 @@ if mode == "ignored":
             print("still alive after SIGTERM", flush=True)
             sys.exit(0)
     sys.exit(5)
-time.sleep(60)
+# Short sleeps: a signal that lands between the last check for pending signals and the start
+# of a sleep is only handled when that sleep ends.
+for _ in range(1200):
+    time.sleep(0.05)
 sys.exit(4)
 """
 
