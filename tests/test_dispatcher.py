@@ -340,7 +340,7 @@ def test_hung_exporter_in_drop_mode_never_blocks_training_nor_the_others(made, r
         time.sleep(0.02)  # lets the dispatcher drain, so only the hung backlog overflows
     assert hung.entered.is_set()
     # A put that waited for the hung exporter would take exporter_timeout (2 s).
-    assert slowest < 0.5
+    assert slowest < 1.5
     t0 = time.monotonic()
     assert d.flush(timeout=10.0)  # waits until the hung exporter counts as stalled, then skips it
     assert 1.0 < time.monotonic() - t0 < 5.0
@@ -353,7 +353,7 @@ def test_hung_exporter_in_drop_mode_never_blocks_training_nor_the_others(made, r
     assert s["pending"]["Hung"] + s["exporter_dropped"]["Hung"] == n
     t0 = time.monotonic()
     d.close(timeout=10.0)
-    assert time.monotonic() - t0 < 1.0  # already stalled: close does not wait for it
+    assert time.monotonic() - t0 < 3.0  # already stalled: close does not wait (10 s) for it
 
 
 def test_hung_exporter_in_block_mode_applies_back_pressure_then_is_skipped(made, release):
@@ -372,7 +372,7 @@ def test_hung_exporter_in_block_mode_applies_back_pressure_then_is_skipped(made,
     assert s["stalled"] == ["Hung"] and s["dropped"] == 0
     t0 = time.monotonic()
     d.close(timeout=10.0)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0  # a close that waited for the hung exporter takes 10 s
 
 
 def test_close_is_bounded_by_its_timeout_while_an_exporter_hangs(release):
@@ -397,7 +397,7 @@ def test_flush_delivers_everything_then_flushes_each_exporter_on_its_own_thread(
     assert log.steps == []  # nothing moves before the interval or a flush
     t0 = time.monotonic()
     assert d.flush(timeout=5.0)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0
     assert log.steps == list(range(10))
     assert log.calls[-1] == ("flush", 0) and ("write", 10) in log.calls
     d.close()
@@ -414,14 +414,14 @@ def test_flush_delivers_everything_then_flushes_each_exporter_on_its_own_thread(
 
 
 def test_flush_returns_false_on_timeout_then_true(made):
-    slow = CallLog(write_delay=1.0)
+    slow = CallLog(write_delay=3.0)
     d = Dispatcher([slow], convert=convert, exporter_timeout=30.0, flush_interval=60.0)
     made.append(d)
     d.put(1)
     t0 = time.monotonic()
     assert d.flush(timeout=0.2) is False
-    assert 0.15 < time.monotonic() - t0 < 0.8
-    assert d.flush(timeout=5.0) is True
+    assert 0.15 < time.monotonic() - t0 < 2.0  # returned before the 3 s write ended
+    assert d.flush(timeout=10.0) is True
     assert slow.steps == [1]
 
 

@@ -203,13 +203,15 @@ def test_events_are_synced_to_disk_every_flush_secs(tmp_path, monkeypatch):
     exporter = TensorBoardExporter(logdir=tmp_path, flush_secs=0.2)
     start = time.monotonic()
     step = 0
-    while time.monotonic() - start < 1.1:
+    while time.monotonic() - start < 2.0:
         exporter.write([record("h", step, x=np.ones(3))])
         step += 1
         time.sleep(0.01)
     exporter.close()
     gaps = np.diff([start] + synced)
-    assert len(synced) >= 5 and gaps.max() < 0.2 + 0.1, gaps
+    # Without the periodic sync the only fsync would come at close, 2 s in; a loaded machine may
+    # stretch one loop turn, so the bound leaves room for that.
+    assert len(synced) >= 4 and gaps.max() < 0.2 + 0.5, gaps
 
 
 def test_registered_as_tensorboard(tmp_path):
