@@ -21,7 +21,7 @@ Example:
     ['cotangent', 'primal']
 """
 
-from sowtel.capture import save_intermediates
+from sowtel.capture import Intermediates, save_intermediates
 from sowtel.dumps import dump, load
 from sowtel.primitive import at_step, sow
 from sowtel.records import Record
@@ -30,6 +30,6 @@ from sowtel.session import Session, disable, enable, export, flush, status
 __version__ = "0.1.0"
 
 __all__ = [
-    "Record", "Session", "at_step", "disable", "dump", "enable", "export", "flush", "load",
+    "Intermediates", "Record", "Session", "at_step", "disable", "dump", "enable", "export", "flush", "load",
     "save_intermediates", "sow", "status",
 ]

@@ -22,6 +22,9 @@ construct                           what ``intermediates[name][mode]`` holds
 ``vmap`` (inside or outside)        the batch axis leading
 ==================================  ===================================================
 
+Each site's ``{mode: value}`` dict records in ``stacked`` which leading axes scans and shard_maps
+added (see :class:`Intermediates`).
+
 Example:
     >>> import jax, jax.numpy as jnp, sowtel
     >>> def f(x):
@@ -50,12 +53,36 @@ from sowtel.primitive import CONTEXT, Context, check_tag, current_context, sow_p
 __all__ = ["Intermediates", "save_intermediates"]
 
 
+#: How a value was stacked: ``(("scan", length) | ("shard", count), ...)``, outermost first.
+Stacking = tuple[tuple[str, int], ...]
+
+
 class Intermediates(dict):  # type: ignore[type-arg]
     """A dict that keeps its insertion order through ``jit`` (plain dicts come back sorted).
 
     ``save_intermediates`` returns ``{name: {mode: value}}`` as nested ``Intermediates``, names
     in the order sites ran, modes as primal, tangent, cotangent, then compositions.
+
+    A site's ``{mode: value}`` dict also says which leading axes of a value are not the value's
+    own: ``stacked[mode]`` is ``(("scan", length) | ("shard", count), ...)``, outermost first,
+    for each mode whose value a ``scan`` or a ``shard_map`` stacked (modes with nothing
+    stacked are absent). :func:`sowtel.export` and :func:`sowtel.dump` use it to give one
+    record per iteration and shard, as streaming does.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, sowtel
+        >>> def f(xs):
+        ...     return jax.lax.scan(lambda c, x: (c + sowtel.sow(x * 2.0, "h"), None), 0.0, xs)[0]
+        >>> _, inter = sowtel.save_intermediates(f)(jnp.arange(3.0))
+        >>> inter["h"]["primal"], inter["h"].stacked
+        (Array([0., 2., 4.], dtype=float32), {'primal': (('scan', 3),)})
     """
+
+    stacked: dict[str, Stacking]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stacked = {}
 
     def __repr__(self) -> str:
         return f"Intermediates({dict.__repr__(self)})"
@@ -63,13 +90,19 @@ class Intermediates(dict):  # type: ignore[type-arg]
 
 def _flatten_intermediates(d: Intermediates) -> tuple[Any, tuple[Any, ...]]:
     keys = tuple(d)
-    return [(jax.tree_util.DictKey(k), d[k]) for k in keys], keys
+    stacked = tuple(sorted(getattr(d, "stacked", {}).items()))
+    return [(jax.tree_util.DictKey(k), d[k]) for k in keys], (keys, stacked)
+
+
+def _unflatten_intermediates(aux: tuple[Any, ...], values: Any) -> Intermediates:
+    keys, stacked = aux
+    out = Intermediates(zip(keys, values, strict=True))
+    out.stacked = dict(stacked)
+    return out
 
 
 jax.tree_util.register_pytree_with_keys(
-    Intermediates,
-    _flatten_intermediates,
-    lambda keys, values: Intermediates(zip(keys, values, strict=True)),
+    Intermediates, _flatten_intermediates, _unflatten_intermediates,
 )
 
 DUPLICATE_POLICIES = ("error", "number")
@@ -81,6 +114,10 @@ class _Captured:
     mode: str
     treedef: Any
     leaves: list[Any]
+    stacked: Stacking = ()
+
+    def stacked_in(self, kind: str, count: int) -> _Captured:
+        return dataclasses.replace(self, stacked=((kind, count), *self.stacked))
 
     def with_leaves(self, leaves: list[Any]) -> _Captured:
         return dataclasses.replace(self, leaves=list(leaves))
@@ -244,7 +281,7 @@ def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
     carry, (ys, flat) = jax.lax.scan(
         body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
     )
-    return [*carry, *ys], _unflat(meta, flat)
+    return [*carry, *ys], [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
 
 
 def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
@@ -343,7 +380,8 @@ def _shard_map_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captu
         axis_names=set(p["newly_manual_axes"]), check_vma=p["check_vma"],
     )
     outs, flat = fn(*invals)
-    return list(outs), _unflat(meta, flat)
+    shards = int(np.prod([mesh.shape[a] for a in manual]))
+    return list(outs), [c.stacked_in("shard", shards) for c in _unflat(meta, flat)]
 
 
 _RULES: dict[str, Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]] = {
@@ -404,7 +442,10 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
             for i, c in enumerate(ordered):
                 key = f"{name}_{i}" if repeated else name
                 value = jax.tree_util.tree_unflatten(c.treedef, c.leaves)
-                result.setdefault(key, Intermediates())[mode] = value
+                site = result.setdefault(key, Intermediates())
+                site[mode] = value
+                if c.stacked:
+                    site.stacked[mode] = c.stacked
     return result
 
 

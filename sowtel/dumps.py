@@ -62,6 +62,8 @@ __all__ = [
 
 FORMAT = "sowtel.dump"
 FORMAT_VERSION = 1
+#: The kinds of stacked axes (:attr:`sowtel.Intermediates.stacked`) a dump may record.
+STACKING_KINDS = ("scan", "shard")
 SUFFIX = ".safetensors"
 _STEP_FILE = re.compile(r"^step_(\d+)\.safetensors$")
 
@@ -397,6 +399,10 @@ def dump(
         [name, [[mode, encoder.node(value, name, mode, ())] for mode, value in modes.items()]]
         for name, modes in intermediates.items()
     ]
+    stacked = {
+        name: {mode: [list(axis) for axis in axes] for mode, axes in _stacking(modes).items()}
+        for name, modes in intermediates.items() if _stacking(modes)
+    }
     fields = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
@@ -406,6 +412,8 @@ def dump(
         "metadata": json.dumps(metadata),
         "sites": json.dumps(sites),
     }
+    if stacked:  # absent from dumps with nothing stacked, and from those older versions wrote
+        fields["stacked"] = json.dumps(stacked)
     table = {k: (a.dtype.name, list(a.shape)) for k, a in encoder.tensors.items()}
     checksums = {"header": _header_crc(fields, table),
                  "tensors": {k: _array_crc(a) for k, a in encoder.tensors.items()}}
@@ -583,8 +591,10 @@ class _DumpFile:
             self.sowtel_version = str(fields["sowtel_version"])
             self.created = float(fields["created"])
             self.sites = json.loads(fields["sites"])
+            stacked = json.loads(fields.get("stacked", "{}"))
         except (KeyError, TypeError, ValueError) as e:
             raise self._bad(f"a header field is missing or malformed ({e!r})") from e
+        self.stacked = self._check_stacked(stacked)
         self.entries = self._entries()
 
     def _entries(self) -> tuple[DumpEntry, ...]:
@@ -628,6 +638,21 @@ class _DumpFile:
         if used != set(self.spans):
             raise self._bad(f"tensors {sorted(set(self.spans) - used)} belong to no site")
         return tuple(out)
+
+    def _check_stacked(self, stacked: Any) -> dict[str, dict[str, tuple[tuple[str, int], ...]]]:
+        out: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {}
+        if not isinstance(stacked, dict):
+            raise self._bad("its stacked axes are not a JSON object")
+        for site, modes in stacked.items():
+            if not isinstance(modes, dict):
+                raise self._bad(f"the stacked axes of {site!r} are not a JSON object")
+            for mode, axes in modes.items():
+                if not (isinstance(axes, list) and all(
+                        isinstance(a, list) and len(a) == 2 and a[0] in STACKING_KINDS
+                        and type(a[1]) is int and a[1] >= 0 for a in axes)):
+                    raise self._bad(f"the stacked axes of {site!r} ({mode}) are malformed")
+                out.setdefault(site, {})[mode] = tuple((a[0], a[1]) for a in axes)
+        return out
 
     def info(self) -> DumpInfo:
         return DumpInfo(
@@ -678,10 +703,11 @@ class _DumpFile:
         # The same container save_intermediates returns, so the site order survives jit too.
         from sowtel.capture import Intermediates
 
-        return Intermediates(
-            (name, Intermediates((mode, build(node)) for mode, node in modes))
-            for name, modes in self.sites
-        )
+        out = Intermediates()
+        for name, modes in self.sites:
+            site = out[name] = Intermediates((mode, build(node)) for mode, node in modes)
+            site.stacked = dict(self.stacked.get(name, {}))
+        return out
 
 
 def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
@@ -808,6 +834,38 @@ def _key_part(k: Any) -> Any:
     return str(k)
 
 
+def _stacking(modes: Any) -> dict[str, tuple[tuple[str, int], ...]]:
+    """``{mode: stacked axes}`` of a site's modes dict (empty for a plain dict)."""
+    stacked = getattr(modes, "stacked", None)
+    return dict(stacked) if isinstance(stacked, dict) else {}
+
+
+def _stack_indices(
+    axes: tuple[tuple[str, int], ...], shape: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], int | tuple[int, ...]]] | None:
+    """``(position, record index)`` for each element of a stack, or None when not stacked.
+
+    The record index is the one streaming gives: the shard first (shard axes combined
+    row-major), then the scan iterations, outermost first; listed in index order. None when
+    ``shape`` does not start with the stacked axes (a ``vmap`` around ``save_intermediates``
+    puts its batch axis first).
+    """
+    lengths = tuple(n for _, n in axes)
+    if not axes or tuple(shape[:len(axes)]) != lengths:
+        return None
+    out: list[tuple[tuple[int, ...], int | tuple[int, ...]]] = []
+    for pos in np.ndindex(*lengths):
+        shard, has_shard, loops = 0, False, []
+        for (kind, n), i in zip(axes, pos, strict=True):
+            if kind == "shard":
+                shard, has_shard = shard * n + i, True
+            else:
+                loops.append(i)
+        parts = ([shard] if has_shard else []) + loops
+        out.append((pos, parts[0] if len(parts) == 1 else tuple(parts)))
+    return out
+
+
 def _process_index() -> int:
     try:
         import jax
@@ -831,7 +889,10 @@ def records_from_intermediates(
     order), numbered by ``seq`` in that order; a pytree sown at one site gives records named
     ``name/<leaf path>`` (``"pair/0"``, ``"params/w"``). Summaries are computed on the host with
     :func:`sowtel.summaries.host_summary`, the same definitions the device uses. A value stacked
-    by ``scan`` or ``shard_map`` gives one record for the whole stack (``index=None``).
+    by ``scan`` or ``shard_map`` (see :attr:`sowtel.Intermediates.stacked`) gives one record per
+    iteration and shard, in index order, with the ``index`` streaming gives them; a value
+    whose leading axes do not match its stacking (under a ``vmap`` of ``save_intermediates``)
+    gives one record for the whole stack (``index=None``).
     :func:`sowtel.export` calls this and hands the records to the active exporters.
 
     Example:
@@ -849,18 +910,29 @@ def records_from_intermediates(
     wall_time = time.time()
     process_index = _process_index()
     values = [
-        (program_order(i, mode, j), site, mode, value)
+        (program_order(i, mode, j), site, mode, value, _stacking(modes).get(mode, ()))
         for i, (site, modes) in enumerate(intermediates.items())
         for j, (mode, value) in enumerate(modes.items())
     ]
     values.sort(key=lambda v: v[0])
     records: list[Record] = []
-    for _, site, mode, value in values:
-        for leaf, x in _site_leaves(value):
-            arr = np.asarray(x)
+    for _, site, mode, value, axes in values:
+        leaves = [(leaf, np.asarray(x)) for leaf, x in _site_leaves(value)]
+        stacks = [_stack_indices(axes, arr.shape) for _, arr in leaves]
+        # One record per leaf and element of the stack, a stack's leaves together (as streaming
+        # sends them); leaves that are not stacked as their site says come whole, after them.
+        positions = next((s for s in stacks if s is not None), [])
+        parts: list[tuple[tuple[Any, ...], np.ndarray, int | tuple[int, ...] | None]] = [
+            (leaf, np.asarray(arr[pos]), index)
+            for pos, index in positions
+            for (leaf, arr), stack in zip(leaves, stacks, strict=True) if stack is not None
+        ]
+        parts += [(leaf, arr, None)
+                  for (leaf, arr), stack in zip(leaves, stacks, strict=True) if stack is None]
+        for leaf, arr, index in parts:
             s = host_summary(arr, summary)
             records.append(Record(
-                name=leaf_name(site, leaf), mode=mode, tag=tag, step=step, index=None,
+                name=leaf_name(site, leaf), mode=mode, tag=tag, step=step, index=index,
                 wall_time=wall_time, summary=summary, shape=tuple(arr.shape),
                 dtype=arr.dtype.name, value=arr if summary == "full" else None,
                 stats=s["stats"], histogram=s["histogram"], process_index=process_index,

@@ -424,6 +424,29 @@ def test_a_newer_format_version_is_refused_with_advice(good_dump, tmp_path):
         load(newer)
 
 
+@pytest.mark.parametrize("stacked", ['[]', '{"h": []}', '{"h": {"primal": [["loop", 3]]}}',
+                                     '{"h": {"primal": [["scan", -1]]}}',
+                                     '{"h": {"primal": [["scan", 2.5]]}}'])
+def test_malformed_stacked_axes_are_refused_even_with_a_valid_checksum(tmp_path, stacked):
+    path = dump({"h": {"primal": np.arange(3.0)}}, tmp_path / "ok.safetensors")
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    fields = header.pop("__metadata__")
+    fields.pop("checksums")
+    fields["stacked"] = stacked
+    table = {k: (dumps._CODE_TO_DTYPE[v["dtype"]].name, v["shape"]) for k, v in header.items()}
+    fields["checksums"] = json.dumps({"header": dumps._header_crc(fields, table), "tensors": {
+        k: dumps._array_crc(np.arange(3.0)) for k in header}})
+    header["__metadata__"] = fields
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    with pytest.raises(ValueError, match="stacked axes"):
+        load(forged)
+
+
 # ----------------------------------------------------------------------------- records
 
 
@@ -534,6 +557,76 @@ def test_export_gives_the_records_streaming_gives(tmp_path):
         assert (r.step, r.shape, r.dtype, r.tag) == (0, s.shape, s.dtype, s.tag)
         assert_stats_close(r.stats, s.stats, rtol=1e-5)
     assert batch[("head/bias", "primal")].stats["nan"] == 1
+
+
+def _stacked_loss(w, xs):
+    # A reverse scan of layers, each with an inner scan and a pytree site, then a shard_map.
+    def layer(h, x):
+        def inner(c, y):
+            return c + sowtel.sow(jnp.tanh(y * h), "inner").sum(), None
+
+        c, _ = jax.lax.scan(inner, 0.0, x)
+        pair = sowtel.sow({"a": h * c, "b": x * 2.0}, "pair")
+        return jnp.sin(pair["a"]) + pair["b"].sum(), None
+
+    h, _ = jax.lax.scan(layer, w, xs, reverse=True)
+    mesh = jax.make_mesh((4,), ("i",))
+    sharded = jax.shard_map(lambda v: sowtel.sow(v * v, "shard"), mesh=mesh,
+                            in_specs=jax.sharding.PartitionSpec("i"),
+                            out_specs=jax.sharding.PartitionSpec("i"))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i"))
+    tiled = jax.reshard(jnp.tile(h, 8), spec)
+    return jnp.sum(sharded(tiled))
+
+
+def test_export_of_stacked_values_gives_the_records_streaming_gives(tmp_path):
+    from sowtel.exporters.memory import MemoryExporter
+
+    w = jnp.float32(0.3)
+    xs = jnp.linspace(-1.0, 1.0, 3 * 2).reshape(3, 2)
+    _, inter = jax.jit(sowtel.save_intermediates(jax.grad(_stacked_loss)))(w, xs)
+    assert inter["inner"].stacked == {"primal": (("scan", 3), ("scan", 2)),
+                                      "cotangent": (("scan", 3), ("scan", 2))}
+    assert inter["pair"].stacked["primal"] == (("scan", 3),)
+    assert inter["shard"].stacked["cotangent"] == (("shard", 4),)
+    # The stacking survives a dump.
+    back = load(dump(inter, tmp_path / "d.safetensors"))
+    assert {k: v.stacked for k, v in back.items()} == {k: v.stacked for k, v in inter.items()}
+
+    streamed, exported = MemoryExporter(), MemoryExporter()
+    with sowtel.enable(exporter=streamed, summary="stats"):
+        jax.jit(jax.grad(_stacked_loss))(w, xs)
+        sowtel.flush()
+    with sowtel.enable(exporter=exported):
+        handed = sowtel.export(back, step=0)
+        sowtel.flush()
+    assert handed == len(exported.records)
+    live = {(r.name, r.mode, r.index): r for r in streamed.records}
+    batch = {(r.name, r.mode, r.index): r for r in exported.records}
+    assert len(batch) == len(exported.records) == 2 * (3 * 2 + 2 * 3 + 4)
+    assert sorted(batch, key=repr) == sorted(live, key=repr)
+    assert ("inner", "cotangent", (2, 1)) in batch and ("shard", "primal", 3) in batch
+    for key, r in batch.items():
+        s = live[key]
+        assert (r.step, r.shape, r.dtype) == (0, s.shape, s.dtype), key
+        assert_stats_close(r.stats, s.stats, rtol=1e-5)
+    # Values by hand: iteration i of the reverse scan runs layer on xs[i]; its "pair/b" is 2 xs[i].
+    for i in range(3):
+        np.testing.assert_allclose(batch[("pair/b", "primal", i)].stats["mean"],
+                                   2 * float(np.mean(np.asarray(xs)[i])), rtol=1e-6)
+    # One site's records come in index order, whatever order the passes visited them in.
+    order = [r.index for r in exported.records if (r.name, r.mode) == ("pair/a", "cotangent")]
+    assert order == [0, 1, 2]
+
+
+def test_export_under_a_vmap_of_save_intermediates_keeps_each_stack_whole():
+    def f(xs):
+        return jax.lax.scan(lambda c, x: (c + sowtel.sow(x * 2.0, "h"), None), 0.0, xs)[0]
+
+    _, inter = jax.vmap(sowtel.save_intermediates(f))(jnp.ones((5, 3)))
+    assert inter["h"]["primal"].shape == (5, 3) and inter["h"].stacked == {"primal": (("scan", 3),)}
+    [r] = records_from_intermediates(inter, step=1)
+    assert (r.index, r.shape, r.stats["mean"]) == (None, (5, 3), 2.0)
 
 
 def test_export_reaches_tensorboard_and_opentelemetry(tmp_path):
