@@ -411,15 +411,21 @@ def test_files_that_are_not_dumps(tmp_path):
             load(path)
 
 
-def test_a_newer_format_version_is_refused_with_advice(good_dump, tmp_path):
-    raw = good_dump.read_bytes()
+def _rewritten(path: Path, out: Path, edit) -> Path:
+    """A copy of a dump whose header JSON ``edit`` changed in place."""
+    raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
-    header["__metadata__"]["format_version"] = "99"
+    edit(header)
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
-    newer = tmp_path / "newer.safetensors"
-    newer.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    out.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    return out
+
+
+def test_a_newer_format_version_is_refused_with_advice(good_dump, tmp_path):
+    newer = _rewritten(good_dump, tmp_path / "newer.safetensors",
+                       lambda h: h["__metadata__"].update(format_version="99"))
     with pytest.raises(ValueError, match="format version '99'.*upgrade sowtel"):
         load(newer)
 
@@ -428,21 +434,17 @@ def test_a_newer_format_version_is_refused_with_advice(good_dump, tmp_path):
                                      '{"h": {"primal": [["scan", -1]]}}',
                                      '{"h": {"primal": [["scan", 2.5]]}}'])
 def test_malformed_stacked_axes_are_refused_even_with_a_valid_checksum(tmp_path, stacked):
+    def forge(header):
+        fields = header["__metadata__"]
+        fields.pop("checksums")
+        fields["stacked"] = stacked
+        table = {k: (dumps._CODE_TO_DTYPE[v["dtype"]].name, v["shape"])
+                 for k, v in header.items() if k != "__metadata__"}
+        fields["checksums"] = json.dumps({"header": dumps._header_crc(fields, table), "tensors": {
+            k: dumps._array_crc(np.arange(3.0)) for k in table}})
+
     path = dump({"h": {"primal": np.arange(3.0)}}, tmp_path / "ok.safetensors")
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    fields = header.pop("__metadata__")
-    fields.pop("checksums")
-    fields["stacked"] = stacked
-    table = {k: (dumps._CODE_TO_DTYPE[v["dtype"]].name, v["shape"]) for k, v in header.items()}
-    fields["checksums"] = json.dumps({"header": dumps._header_crc(fields, table), "tensors": {
-        k: dumps._array_crc(np.arange(3.0)) for k in header}})
-    header["__metadata__"] = fields
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    forged = tmp_path / "forged.safetensors"
-    forged.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    forged = _rewritten(path, tmp_path / "forged.safetensors", forge)
     with pytest.raises(ValueError, match="stacked axes"):
         load(forged)
 
