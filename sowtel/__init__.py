@@ -30,6 +30,6 @@ from sowtel.session import Session, disable, enable, export, flush, status
 __version__ = "0.1.0"
 
 __all__ = [
-    "Intermediates", "Record", "Session", "at_step", "disable", "dump", "enable", "export", "flush", "load",
-    "save_intermediates", "sow", "status",
+    "Intermediates", "Record", "Session", "at_step", "disable", "dump", "enable", "export",
+    "flush", "load", "save_intermediates", "sow", "status",
 ]

@@ -110,6 +110,9 @@ class DumpEntry:
       leaf: the path of the leaf inside the sown value (``()`` for a single array).
       shape, dtype: of the stored array (``dtype`` is a numpy name such as ``"bfloat16"``).
       key: the tensor's key inside the safetensors file.
+      stacked: the leading axes a scan or shard_map added (``(("scan", 4),)``; see
+        :attr:`sowtel.Intermediates.stacked`), ``()`` when none or when the shape does not
+        start with them.
 
     Example:
       >>> DumpEntry("pair/0", "pair", "primal", (0,), (2,), "float32", "pair::primal::0").leaf
@@ -123,6 +126,7 @@ class DumpEntry:
     shape: tuple[int, ...]
     dtype: str
     key: str
+    stacked: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,8 +616,11 @@ class _DumpFile:
                     raise self._bad(f"the structure names tensor {body!r}, absent or used twice")
                 used.add(body)
                 _, _, dtype, shape = self.spans[body]
+                axes = self.stacked.get(site, {}).get(mode, ())
+                if shape[:len(axes)] != tuple(n for _, n in axes):
+                    axes = ()
                 out.append(DumpEntry(leaf_name(site, leaf), site, mode, leaf, shape,
-                                     dtype.name, body))
+                                     dtype.name, body, axes))
             elif kind in ("list", "tuple") and isinstance(body, list):
                 for i, child in enumerate(body):
                     walk(child, site, mode, (*leaf, i))

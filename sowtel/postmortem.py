@@ -72,6 +72,9 @@ class EntryStats:
 
     entry: DumpEntry
     stats: dict[str, float]
+    #: For a stacked entry (scan iterations, shards): the stack indices whose slice holds a NaN
+    #: or an infinity, in index order (``(2,)``, ``(0, 1)``); empty otherwise.
+    nonfinite_at: tuple[tuple[int, ...], ...] = ()
 
     @property
     def nonfinite(self) -> int:
@@ -86,6 +89,8 @@ class EntryStats:
             "shape": list(e.shape), "dtype": e.dtype,
             "stats": {k: _json_float(v) for k, v in self.stats.items()},
             "nonfinite": self.nonfinite > 0,
+            "stacked": [list(axis) for axis in e.stacked],
+            "nonfinite_at": [list(i) for i in self.nonfinite_at],
         }
 
 
@@ -129,7 +134,8 @@ class InspectReport:
 
 
 def _ref(row: EntryStats) -> dict[str, Any]:
-    return {"name": row.entry.name, "site": row.entry.site, "mode": row.entry.mode}
+    return {"name": row.entry.name, "site": row.entry.site, "mode": row.entry.mode,
+            "nonfinite_at": [list(i) for i in row.nonfinite_at]}
 
 
 def _json_float(v: float) -> float | None:
@@ -179,11 +185,27 @@ def inspect_dump(path: str | os.PathLike[str]) -> InspectReport:
     """
     f = _DumpFile(path)
     info = f.info()
-    rows = tuple(
-        EntryStats(e, host_summary(arr, "stats")["stats"])
-        for e, arr in _iter_arrays(f, info.entries)
-    )
-    return InspectReport(info, rows, _first_nonfinite(info, rows))
+    rows = []
+    for e, arr in _iter_arrays(f, info.entries):
+        row = EntryStats(e, host_summary(arr, "stats")["stats"])
+        if row.nonfinite and e.stacked and np.issubdtype(arr.dtype, np.inexact):
+            lengths = tuple(n for _, n in e.stacked)
+            bad = ~np.isfinite(arr).reshape(*lengths, -1).all(axis=-1)
+            at = tuple(tuple(int(i) for i in ix) for ix in np.argwhere(bad))
+            row = dataclasses.replace(row, nonfinite_at=at)
+        rows.append(row)
+    return InspectReport(info, tuple(rows), _first_nonfinite(info, rows))
+
+
+def _where(row: EntryStats) -> str:
+    """``" at index 2 of [scan 4]"``: where in its stack an entry's non-finite values are."""
+    if not row.nonfinite_at:
+        return ""
+    kinds = " x ".join(f"{kind} {n}" for kind, n in row.entry.stacked)
+    shown = [i[0] if len(i) == 1 else i for i in row.nonfinite_at[:6]]
+    more = f" and {len(row.nonfinite_at) - 6} more" if len(row.nonfinite_at) > 6 else ""
+    which = "index" if len(row.nonfinite_at) == 1 else "indices"
+    return f" at {which} {', '.join(map(str, shown))}{more} of [{kinds}]"
 
 
 def _fmt(v: float) -> str:
@@ -229,7 +251,7 @@ def format_report(report: InspectReport) -> str:
     for r in report.rows:
         note = ""
         if r.nonfinite:
-            note = "<- NON-FINITE"
+            note = "<- NON-FINITE" + _where(r)
             if r is report.origin:
                 note += ", first in program order (likely origin)"
         e = r.entry
@@ -245,7 +267,8 @@ def format_report(report: InspectReport) -> str:
         o = report.origin
         lines.append(
             f"{len(report.nonfinite)} of {len(report.rows)} arrays hold NaN or Inf; the first in "
-            f"program order is {o.entry.name!r} ({o.entry.mode}): nan={_fmt(o.stats['nan'])} "
+            f"program order is {o.entry.name!r} ({o.entry.mode}){_where(o)}: "
+            f"nan={_fmt(o.stats['nan'])} "
             f"+inf={_fmt(o.stats['posinf'])} -inf={_fmt(o.stats['neginf'])} - the likely origin"
         )
     return "\n".join(lines)

@@ -91,7 +91,7 @@ def test_inspect_json_figures_match_numpy(capsys, mixed):
     assert [n["name"] for n in d["nonfinite"]] == ["params/w"]
     assert got[("params/w", "primal")]["nonfinite"] is True
     assert report["origin"] == {"path": str(path), "step": 12, "name": "params/w",
-                                "site": "params", "mode": "primal"}
+                                "site": "params", "mode": "primal", "nonfinite_at": []}
 
 
 def test_inspect_table_is_aligned_and_flags_non_finite(capsys, mixed):
@@ -171,6 +171,39 @@ def test_first_non_finite_in_program_order_is_the_origin(capsys, tmp_path, fn, x
     assert f"the first in program order is {origin[0]!r} ({origin[1]})" in out
     status, out, _ = run(capsys, "inspect", path, "--json")
     assert json.loads(out)["origin"]["site"] == origin[0]
+
+
+def test_origin_names_the_iteration_of_a_stacked_site(capsys, tmp_path):
+    # Layers scanned over, each with an inner scan over heads: log(-1) is born in layer 2,
+    # head 1, and spreads to every later layer through the carry.
+    def f(w):
+        def layer(h, x):
+            def head(c, y):
+                return c + sowtel.sow(jnp.log(h * y), "head").sum(), None
+
+            c, _ = jax.lax.scan(head, 0.0, x)
+            return sowtel.sow(h + c, "layer"), None
+
+        return jax.lax.scan(layer, w, jnp.array([[1.0, 1.0], [1.0, 1.0], [1.0, -1.0],
+                                                 [1.0, 1.0]]))[0]
+
+    _, inter = sowtel.save_intermediates(f)(jnp.float32(2.0))
+    report = inspect_dump(sowtel.dump(inter, tmp_path / "layers.safetensors"))
+    # Where the NaNs are, by numpy on the captured values.
+    head = np.asarray(inter["head"]["primal"])
+    assert [tuple(i) for i in np.argwhere(np.isnan(head))] == [(2, 1), (3, 0), (3, 1)]
+    origin = report.origin
+    assert (origin.entry.site, origin.entry.stacked) == ("head", (("scan", 4), ("scan", 2)))
+    assert origin.nonfinite_at == ((2, 1), (3, 0), (3, 1))
+    [layer] = [r for r in report.rows if r.entry.site == "layer"]
+    assert layer.nonfinite_at == ((2,), (3,))
+    status, out, _ = run(capsys, "inspect", report.info.path)
+    assert status == 0
+    assert ("the first in program order is 'head' (primal) at indices (2, 1), (3, 0), (3, 1) "
+            "of [scan 4 x scan 2]") in out
+    assert "<- NON-FINITE at indices 2, 3 of [scan 4]" in out
+    status, out, _ = run(capsys, "inspect", report.info.path, "--json")
+    assert json.loads(out)["origin"]["nonfinite_at"] == [[2, 1], [3, 0], [3, 1]]
 
 
 def test_jvp_origin_is_the_tangent_where_it_is_born(tmp_path):
