@@ -33,6 +33,7 @@ Prometheus to scrape.
 from __future__ import annotations
 
 import collections
+import importlib
 import logging
 import math
 import os
@@ -647,7 +648,7 @@ class OTelExporter:
                 tracer_provider.add_span_processor(processor)
             if otlp_endpoint:
                 span_exporter = _CountingSpanExporter(
-                    self._otlp_span_exporter(otlp_endpoint, otlp_protocol), self._count_failure
+                    self._otlp_exporter("traces", otlp_endpoint, otlp_protocol), self._count_failure
                 )
                 self._counted_exporters.append(span_exporter)
                 # A short delay keeps a live trace view close to the training loop.
@@ -661,7 +662,8 @@ class OTelExporter:
         if own_meter:
             if otlp_endpoint:
                 metric_exporter = _CountingMetricExporter(
-                    self._otlp_metric_exporter(otlp_endpoint, otlp_protocol), self._count_failure
+                    self._otlp_exporter("metrics", otlp_endpoint, otlp_protocol),
+                    self._count_failure,
                 )
                 self._counted_exporters.append(metric_exporter)
                 readers.append(
@@ -734,39 +736,17 @@ class OTelExporter:
         with self._state.lock:
             self._state.export_failures[signal] += 1
 
-    def _otlp_span_exporter(self, endpoint: str, protocol: str) -> SpanExporter:
-        if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-                OTLPSpanExporter as GrpcSpanExporter,
-            )
-
-            return GrpcSpanExporter(
-                endpoint=endpoint, insecure=endpoint.startswith("http://"), timeout=self._timeout_s
-            )
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-            OTLPSpanExporter as HttpSpanExporter,
-        )
-
-        return HttpSpanExporter(
-            endpoint=endpoint.rstrip("/") + "/v1/traces", timeout=self._timeout_s
-        )
-
-    def _otlp_metric_exporter(self, endpoint: str, protocol: str) -> MetricExporter:
-        if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-                OTLPMetricExporter as GrpcMetricExporter,
-            )
-
-            return GrpcMetricExporter(
-                endpoint=endpoint, insecure=endpoint.startswith("http://"), timeout=self._timeout_s
-            )
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-            OTLPMetricExporter as HttpMetricExporter,
-        )
-
-        return HttpMetricExporter(
-            endpoint=endpoint.rstrip("/") + "/v1/metrics", timeout=self._timeout_s
-        )
+    def _otlp_exporter(self, signal: str, endpoint: str, protocol: str) -> Any:
+        """The OTLP exporter of ``signal`` (``"traces"`` or ``"metrics"``) over ``protocol``."""
+        module, name = {"traces": ("trace_exporter", "OTLPSpanExporter"),
+                        "metrics": ("metric_exporter", "OTLPMetricExporter")}[signal]
+        transport = "grpc" if protocol == "grpc" else "http"
+        exporter = getattr(importlib.import_module(
+            f"opentelemetry.exporter.otlp.proto.{transport}.{module}"), name)
+        if transport == "grpc":
+            return exporter(endpoint=endpoint, insecure=endpoint.startswith("http://"),
+                            timeout=self._timeout_s)
+        return exporter(endpoint=f"{endpoint.rstrip('/')}/v1/{signal}", timeout=self._timeout_s)
 
     def _start_prometheus(self, host: str, port: int) -> MetricReader:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader

@@ -519,7 +519,12 @@ class _HttpHandler(BaseHTTPRequestHandler):
         pass
 
 
-class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+class _Service:
+    """An OTLP gRPC service that keeps what it receives in ``receiver.<store>``."""
+
+    store: str
+    response: Any
+
     def __init__(self, receiver: Receiver, behaviour: str) -> None:
         self.receiver, self.behaviour = receiver, behaviour
 
@@ -528,21 +533,16 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         if self.behaviour == "unavailable":
             context.abort(grpc.StatusCode.UNAVAILABLE, "receiver refusing on purpose")
         with self.receiver.lock:
-            self.receiver.traces.append(request)
-        return trace_service_pb2.ExportTraceServiceResponse()
+            getattr(self.receiver, self.store).append(request)
+        return self.response()
 
 
-class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
-    def __init__(self, receiver: Receiver, behaviour: str) -> None:
-        self.receiver, self.behaviour = receiver, behaviour
+class _TraceService(_Service, trace_service_pb2_grpc.TraceServiceServicer):
+    store, response = "traces", trace_service_pb2.ExportTraceServiceResponse
 
-    def Export(self, request, context):  # noqa: N802 (the service's naming)
-        self.receiver.requests += 1
-        if self.behaviour == "unavailable":
-            context.abort(grpc.StatusCode.UNAVAILABLE, "receiver refusing on purpose")
-        with self.receiver.lock:
-            self.receiver.metrics.append(request)
-        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+class _MetricsService(_Service, metrics_service_pb2_grpc.MetricsServiceServicer):
+    store, response = "metrics", metrics_service_pb2.ExportMetricsServiceResponse
 
 
 def serve_otlp(protocol: str, behaviour: str = "ok") -> tuple[str, Receiver, Any]:
