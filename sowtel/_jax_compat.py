@@ -1,8 +1,9 @@
 """The one place sowtel touches JAX's private API.
 
-Checked on JAX 0.10.2 (jaxlib 0.10.2). Everything else in sowtel imports JAX internals from here,
-so a JAX upgrade is a change to this file alone. Each function says what it relies on and what
-happens when that is gone.
+Checked on the JAX versions in ``JAX_VERSIONS_CHECKED`` (0.10.2 through 0.12.x). Everything else
+in sowtel imports JAX internals from here, and nothing else asks which JAX version runs, so a JAX
+upgrade is a change to this file alone. Each function says what it relies on and what happens
+when that is gone.
 
 - ``emit_host_callback``: the fast host callback (``jax._src.callback.emit_python_callback``,
   ~2 µs a call); ``SOWTEL_CALLBACK=debug`` (or the private API missing) selects the public
@@ -13,6 +14,13 @@ happens when that is gone.
   their frames, so host-side records can carry iteration indices.
 - ``traced_for``: what the innermost trace is tracing (``"while_cond"``, ``"scan"``, ...).
 - ``manual_axes``: the mesh axes that are manual here (inside ``shard_map`` / ``pmap``).
+- ``as_jaxpr`` / ``jaxpr_and_consts``: sub-jaxprs of an equation's parameters. JAX 0.10 wraps a
+  ``Jaxpr`` and its constants in a ``ClosedJaxpr``; 0.11 merged the two (``ClosedJaxpr`` became an
+  alias of ``Jaxpr``, its ``.jaxpr`` a legacy accessor returning itself); 0.12 removed the alias.
+- ``scan_split_counts``: how many of a ``scan`` equation's inputs are constants and carries
+  (``num_consts`` / ``num_carry`` up to 0.10, the flat trees ``ft_in`` / ``ft_out`` since 0.11).
+- ``effects_barrier``: ``jax.effects_barrier`` that returns, rather than raises, the error of an
+  earlier failed computation (0.12 re-raises it there).
 """
 
 from __future__ import annotations
@@ -47,11 +55,11 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
-    "is_tracing",
-    "manual_axes", "traced_for",
+    "as_jaxpr", "effects_barrier", "is_tracing", "jaxpr_and_consts",
+    "manual_axes", "scan_split_counts", "traced_for",
 ]
 
-JAX_VERSIONS_CHECKED = ("0.10.2",)
+JAX_VERSIONS_CHECKED = ("0.10.2", "0.11.2", "0.12.0.1")
 
 
 def callback_path() -> str:
@@ -186,3 +194,72 @@ def manual_axes() -> tuple[str, ...]:
         return ()
     manual = set(mesh.manual_axes)
     return tuple(a for a in mesh.axis_names if a in manual)
+
+
+# A distinct ClosedJaxpr class exists up to JAX 0.10 only: since 0.11 a Jaxpr carries its consts.
+_CLOSED_JAXPR: Any = getattr(core, "ClosedJaxpr", None)
+if _CLOSED_JAXPR is core.Jaxpr:
+    _CLOSED_JAXPR = None
+
+
+def as_jaxpr(value: Any) -> Any:
+    """The jaxpr to walk if ``value`` (an equation parameter) is a jaxpr, closed or not; else None.
+
+    Example:
+        >>> import jax
+        >>> closed = jax.make_jaxpr(lambda x: x + 1)(1.0)
+        >>> [e.primitive.name for e in as_jaxpr(closed).eqns], as_jaxpr(3)
+        (['add'], None)
+    """
+    if _CLOSED_JAXPR is not None and isinstance(value, _CLOSED_JAXPR):
+        return value.jaxpr
+    return value if isinstance(value, core.Jaxpr) else None
+
+
+def jaxpr_and_consts(value: Any) -> tuple[Any, list[Any]]:
+    """``(jaxpr, consts)`` of a jaxpr, closed or not: evaluate ``jaxpr`` with ``consts`` bound
+    to its ``constvars`` (an open jaxpr has none).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> jaxpr, consts = jaxpr_and_consts(jax.make_jaxpr(lambda x: x + jnp.arange(2.0))(1.0))
+        >>> len(jaxpr.constvars) == len(consts), len(jaxpr.invars)
+        (True, 1)
+    """
+    if _CLOSED_JAXPR is not None and isinstance(value, _CLOSED_JAXPR):
+        return value.jaxpr, list(value.consts)
+    return value, list(getattr(value, "consts", ()))
+
+
+def scan_split_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation: its inputs are consts, carry, xs.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> step = lambda c, x: (c + x, c * x)
+        >>> closed = jax.make_jaxpr(lambda c, xs: jax.lax.scan(step, c, xs))(0.0, jnp.ones(3))
+        >>> [scan_split_counts(e.params) for e in closed.eqns if e.primitive.name == "scan"]
+        [(0, 1)]
+    """
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def effects_barrier() -> Exception | None:
+    """Waits until every dispatched computation's side effects (host callbacks) have run.
+
+    Returns the error of an earlier computation that failed (JAX 0.12 re-raises it from
+    ``jax.effects_barrier``) instead of raising it: that error belongs to the computation, and
+    the wait has completed either way.
+
+    Example:
+        >>> effects_barrier() is None
+        True
+    """
+    try:
+        jax.effects_barrier()
+    except Exception as error:  # noqa: BLE001 - any failure of the user's computation
+        return error
+    return None

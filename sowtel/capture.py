@@ -148,14 +148,10 @@ def _fill_like(aval: Any) -> Any:
 
 
 def _subjaxprs(eqn: Any) -> list[Any]:
-    found = []
+    found: list[Any] = []
     for value in eqn.params.values():
         items = value if isinstance(value, (tuple, list)) else (value,)
-        for item in items:
-            if isinstance(item, jc.core.ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, jc.core.Jaxpr):
-                found.append(item)
+        found.extend(j for j in map(jc.as_jaxpr, items) if j is not None)
     return found
 
 
@@ -243,10 +239,7 @@ def _eval_sow(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
 
 def _inline(key: str) -> Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]:
     def rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
-        closed = eqn.params[key]
-        if isinstance(closed, jc.core.ClosedJaxpr):
-            return _eval(closed.jaxpr, closed.consts, invals)
-        return _eval(closed, (), invals)
+        return _eval(*jc.jaxpr_and_consts(eqn.params[key]), invals)
 
     return rule
 
@@ -256,7 +249,7 @@ def _remat_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
     meta: list[_Captured] = []
 
     def body(*args: Any) -> tuple[list[Any], list[Any]]:
-        outs, caps = _eval(jaxpr, (), args)
+        outs, caps = _eval(*jc.jaxpr_and_consts(jaxpr), args)
         meta[:] = caps
         return outs, _flat(caps)
 
@@ -267,14 +260,14 @@ def _remat_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
 
 def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     p = eqn.params
-    closed = p["jaxpr"]
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    jaxpr, jconsts = jc.jaxpr_and_consts(p["jaxpr"])
+    n_consts, n_carry = jc.scan_split_counts(p)
     consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[
         n_consts + n_carry:]
     meta: list[_Captured] = []
 
     def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
-        outs, caps = _eval(closed.jaxpr, closed.consts, [*consts, *carry, *x])
+        outs, caps = _eval(jaxpr, jconsts, [*consts, *carry, *x])
         meta[:] = caps
         return outs[:n_carry], (outs[n_carry:], _flat(caps))
 
@@ -286,10 +279,10 @@ def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
 
 def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     p = eqn.params
-    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
-    if _has_capture(cond.jaxpr):
+    cond, body = jc.jaxpr_and_consts(p["cond_jaxpr"]), jc.jaxpr_and_consts(p["body_jaxpr"])
+    if _has_capture(cond[0]):
         raise ValueError(
-            f"sow {_first_capture_name(cond.jaxpr)!r} is inside a while_loop cond function: it "
+            f"sow {_first_capture_name(cond[0])!r} is inside a while_loop cond function: it "
             "can never be captured there; sow it in the body instead"
         )
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
@@ -297,12 +290,12 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
     meta: list[_Captured] = []
 
     def body_fn(state: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
-        outs, caps = _eval(body.jaxpr, body.consts, [*body_consts, *state[0]])
+        outs, caps = _eval(*body, [*body_consts, *state[0]])
         meta[:] = caps
         return outs, _flat(caps)
 
     def cond_fn(state: tuple[list[Any], list[Any]]) -> Any:
-        return _eval(cond.jaxpr, cond.consts, [*cond_consts, *state[0]])[0][0]
+        return _eval(*cond, [*cond_consts, *state[0]])[0][0]
 
     shapes = jax.eval_shape(body_fn, (list(init), []))[1]
     state = jax.lax.while_loop(cond_fn, body_fn, (list(init), [_fill_like(s) for s in shapes]))
@@ -316,7 +309,7 @@ def _cond_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
 
     def make(i: int) -> Callable[..., Any]:
         def branch(*ops: Any) -> tuple[list[Any], list[Any]]:
-            outs, caps = _eval(branches[i].jaxpr, branches[i].consts, ops)
+            outs, caps = _eval(*jc.jaxpr_and_consts(branches[i]), ops)
             metas[i][:] = caps
             return outs, _flat(caps)
 
@@ -370,7 +363,7 @@ def _shard_map_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captu
     meta: list[_Captured] = []
 
     def inner(*args: Any) -> tuple[tuple[Any, ...], list[Any]]:
-        outs, caps = _eval(jaxpr, (), args)
+        outs, caps = _eval(*jc.jaxpr_and_consts(jaxpr), args)
         meta[:] = caps
         return tuple(outs), [jnp.expand_dims(leaf, 0) for leaf in _flat(caps)]
 
@@ -550,7 +543,7 @@ def save_intermediates(
 
             with CONTEXT(Context(session=ctx.session, capture=tag)):
                 closed = jax.make_jaxpr(flat_fn)(*dyn)
-            outs, caps = _eval(closed.jaxpr, closed.consts, list(dyn))
+            outs, caps = _eval(*jc.jaxpr_and_consts(closed), list(dyn))
             result = jax.tree_util.tree_unflatten(out_store[-1], outs)
             return result, _assemble(caps, duplicates)
 
