@@ -20,7 +20,8 @@ when that is gone.
 - ``scan_split_counts``: how many of a ``scan`` equation's inputs are constants and carries
   (``num_consts`` / ``num_carry`` up to 0.10, the flat trees ``ft_in`` / ``ft_out`` since 0.11).
 - ``effects_barrier``: ``jax.effects_barrier`` that returns, rather than raises, the error of an
-  earlier failed computation (0.12 re-raises it there).
+  earlier failed computation (JAX re-raises it there: 0.12 once, 0.10 and 0.11 at every later
+  barrier and at exit, as they keep the failed token).
 """
 
 from __future__ import annotations
@@ -250,9 +251,9 @@ def scan_split_counts(params: dict[str, Any]) -> tuple[int, int]:
 def effects_barrier() -> Exception | None:
     """Waits until every dispatched computation's side effects (host callbacks) have run.
 
-    Returns the error of an earlier computation that failed (JAX 0.12 re-raises it from
-    ``jax.effects_barrier``) instead of raising it: that error belongs to the computation, and
-    the wait has completed either way.
+    Returns the error of an earlier computation that failed (``jax.effects_barrier`` re-raises
+    it) instead of raising it: that error belongs to the computation, and the wait completes
+    either way. The failure is then forgotten, so later barriers do not meet it again.
 
     Example:
         >>> effects_barrier() is None
@@ -261,5 +262,14 @@ def effects_barrier() -> Exception | None:
     try:
         jax.effects_barrier()
     except Exception as error:  # noqa: BLE001 - any failure of the user's computation
+        # JAX 0.10 and 0.11 stop at the first failed token and keep every token, so each later
+        # barrier (and interpreter exit) would raise again: wait for the others, then drop them.
+        tokens = dispatch.runtime_tokens
+        for token in [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]:
+            try:
+                token.block_until_ready()
+            except Exception:  # noqa: BLE001, S110 - the same failure, already returned
+                pass
+        tokens.clear()
         return error
     return None

@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sowtel import _jax_compat as jc
 from sowtel.dispatcher import Dispatcher
 from sowtel.exporters import Exporter, resolve
 from sowtel.primitive import CONTEXT, STREAMS, Context, StreamSite, check_positive_int
@@ -117,6 +118,7 @@ class Session:
         self._host_step: int | None = None  # the step of a host-side at_step
         self._seq = itertools.count()
         self._closed = False
+        self._effect_errors = 0
 
     # -- what the primitive asks at bind time ------------------------------------------------
 
@@ -225,12 +227,23 @@ class Session:
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Blocks until every record accepted so far reached every exporter; False on timeout."""
-        jax.effects_barrier()
+        self._effects_barrier()
         return self.dispatcher.flush(timeout)
+
+    def _effects_barrier(self) -> None:
+        # A user computation that failed earlier is the user's error, already raised to them
+        # (or never awaited); it must not make flush() or disable() fail: count it, log once.
+        error = jc.effects_barrier()
+        if error is not None:
+            self._effect_errors += 1
+            if self._effect_errors == 1:
+                logger.warning("sowtel: waiting for host callbacks met the error of an earlier "
+                               "failed computation (flushing went on; counted in "
+                               "status()['effect_errors']): %s", error)
 
     def status(self) -> dict[str, Any]:
         s = dict(self.dispatcher.status())
-        s.update(enabled=not self._closed, session=self.id)
+        s.update(enabled=not self._closed, session=self.id, effect_errors=self._effect_errors)
         return s
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -243,7 +256,7 @@ class Session:
                 _stack.remove(self)
             _activate(_stack[-1] if _stack else None)
         try:
-            jax.effects_barrier()
+            self._effects_barrier()
         finally:
             STREAMS.pop(self.id, None)
             self.dispatcher.close(timeout)
@@ -368,7 +381,8 @@ def flush(timeout: float | None = 30.0) -> bool:
 def status() -> dict[str, Any]:
     """Counters of the active session: received, exported per exporter, dropped, errors, and
     the first non-finite record (step, name, mode). With nothing enabled: ``enabled=False`` and
-    zero counts.
+    zero counts. ``effect_errors`` counts earlier failed computations that flushing met (and
+    went past).
 
     Example:
         >>> import sowtel
@@ -378,7 +392,7 @@ def status() -> dict[str, Any]:
     session = active_session()
     if session is None:
         return {"enabled": False, "received": 0, "dropped": 0, "queued": 0, "exported": {},
-                "errors": {}, "stalled": [], "first_nonfinite": None}
+                "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0}
     return session.status()
 
 

@@ -259,6 +259,44 @@ def test_flush_and_status_with_nothing_enabled() -> None:
     sowtel.disable()  # nothing to disable: no error
 
 
+def _user_callback_fails(x: np.ndarray) -> None:
+    raise RuntimeError("a user callback failed")
+
+
+def test_flush_and_disable_go_past_an_earlier_failed_computation(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # On several devices a failed callback surfaces when awaited; JAX then re-raises it from
+    # every effects barrier, which flush() and disable() wait on.
+    mesh = jax.make_mesh((8,), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+
+    def fails(x: jax.Array) -> jax.Array:
+        jax.debug.callback(_user_callback_fails, x)
+        return x * 2.0
+
+    broken = jax.jit(jax.shard_map(fails, mesh=mesh, in_specs=spec, out_specs=spec))
+    xs = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, spec))
+    with caplog.at_level("WARNING", logger="sowtel"):
+        session = sowtel.enable(exporter="memory")
+        try:
+            with pytest.raises(Exception, match="a user callback failed"):
+                broken(xs).block_until_ready()  # the user meets their error where they wait
+            f(X)
+            assert sowtel.flush() is True
+            assert sowtel.status()["effect_errors"] == 1
+            with pytest.raises(Exception, match="a user callback failed"):
+                broken(xs).block_until_ready()
+            f(X)
+        finally:
+            sowtel.disable()
+    assert session.status()["effect_errors"] == 2
+    assert sowtel.flush() is True  # the failure is not left behind for later barriers
+    records = session.exporters[0].records
+    assert [(r.name, r.stats["mean"]) for r in records] == [("y", 0.5), ("y", 0.5)]
+    warned = [r for r in caplog.records if "earlier failed computation" in r.getMessage()]
+    assert len(warned) == 1 and "a user callback failed" in warned[0].getMessage()
+
+
 def test_export_needs_a_session_and_an_int_step() -> None:
     with pytest.raises(RuntimeError, match="needs an active session"):
         sowtel.export({"h": {"primal": np.ones(2)}}, step=0)
