@@ -4,7 +4,18 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+# The newest end of the supported JAX range runs in a second environment: JAX >= 0.11 needs
+# Python >= 3.12. The default finds 3.12 through pyenv; point PYTHON_NEW at any 3.12+ interpreter.
+PYTHON_NEW ?= PYENV_VERSION=3.12.1 python3.12
+VENV_NEW ?= .venv-new
+STAMP_NEW := $(VENV_NEW)/.installed
+JAX_NEW ?= jax>=0.12,<0.13 jaxlib>=0.12,<0.13
+# The suites that exercise JAX itself (tracing, transforms, lowering), run on both JAX ends.
+JAX_TESTS ?= tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/test_sow.py \
+	tests/test_session.py tests/test_summaries.py tests/test_dumps.py tests/test_postmortem.py \
+	tests/test_docstrings.py tests/test_examples.py tests/test_flax.py
+
+.PHONY: demo test test-old test-new lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +26,20 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/sowtel demo
 
-test: $(STAMP)
+test: test-old test-new
+
+test-old: $(STAMP)
 	$(VENV)/bin/pytest -q
+
+$(STAMP_NEW): pyproject.toml
+	$(PYTHON_NEW) -m venv $(VENV_NEW)
+	$(VENV_NEW)/bin/python -m pip install -q --upgrade pip
+	$(VENV_NEW)/bin/python -m pip install -q -e '.[dev]' $(foreach r,$(JAX_NEW),'$(r)')
+	touch $(STAMP_NEW)
+
+test-new: $(STAMP_NEW)
+	$(VENV_NEW)/bin/python -c 'import jax; print("JAX", jax.__version__)'
+	$(VENV_NEW)/bin/pytest -q $(JAX_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sowtel exporters tests benchmarks examples
@@ -26,4 +49,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_NEW) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
