@@ -4,11 +4,13 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed
 
-# The newest end of the supported JAX range runs in a second environment: JAX >= 0.11 needs
+# The newest end of the supported JAX range runs in a second environment, as JAX >= 0.11 needs
 # Python >= 3.12. The default finds 3.12 through pyenv; point PYTHON_NEW at any 3.12+ interpreter.
 PYTHON_NEW ?= PYENV_VERSION=3.12.1 python3.12
 VENV_NEW ?= .venv-new
 STAMP_NEW := $(VENV_NEW)/.installed
+# The two ends of the supported range: .venv holds the oldest, .venv-new the newest.
+JAX_OLD ?= jax==0.10.2 jaxlib==0.10.2
 JAX_NEW ?= jax>=0.12,<0.13 jaxlib>=0.12,<0.13
 # The suites that exercise JAX itself (tracing, transforms, lowering), run on both JAX ends.
 JAX_TESTS ?= tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/test_sow.py \
@@ -20,7 +22,7 @@ JAX_TESTS ?= tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/t
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[dev]'
+	$(VENV)/bin/python -m pip install -q -e '.[dev]' $(foreach r,$(JAX_OLD),'$(r)')
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -29,6 +31,7 @@ demo: $(STAMP)
 test: test-old test-new
 
 test-old: $(STAMP)
+	$(VENV)/bin/python -c 'import jax; print("JAX", jax.__version__)'
 	$(VENV)/bin/pytest -q
 
 $(STAMP_NEW): pyproject.toml

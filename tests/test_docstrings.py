@@ -11,7 +11,7 @@ MODULES = [
     "sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.summaries",
     "sowtel.records", "sowtel.dispatcher", "sowtel.dumps", "sowtel.postmortem",
     "sowtel.exporters", "sowtel.exporters.memory", "sowtel.exporters.console",
-    "sowtel.exporters.jsonl",
+    "sowtel.exporters.jsonl", "sowtel._jax_compat",
 ]
 
 
