@@ -138,8 +138,9 @@ def run_dashboard(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         return _fail(str(e))
     if not os.path.isdir(logdir):
-        print(f"note: {args.logdir!r} does not exist yet; TensorBoard shows runs once they are "
-              "written there (try: sowtel demo)", file=sys.stderr)
+        print(f"sowtel dashboard: warning: --logdir {args.logdir!r} does not exist ({logdir}), "
+              "so the board is empty until runs are written there: check the path, or start "
+              "one with: sowtel demo", file=sys.stderr, flush=True)
     url = _launch(logdir, args.host, port)
     print(f"TensorBoard: {url}")
     print(f"sowtel's layout (one category per site): {url}#custom_scalars", flush=True)
