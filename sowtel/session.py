@@ -339,12 +339,14 @@ def enable(
             f"sowtel.enable(): {below!r} is still active, so the new session stacks on it and it "
             "resumes when the new one is disabled; call sowtel.disable() first to replace it, "
             "or use `with sowtel.enable(...):` for a temporary one", RuntimeWarning, stacklevel=2)
-    _announce(exporters)
+    specs = list(exporter) if isinstance(exporter, (list, tuple)) else [exporter]
+    _announce([e for e, spec in zip(exporters, specs, strict=True) if isinstance(spec, str)])
     return session
 
 
 def _announce(exporters: list[Exporter]) -> None:
-    # One line per TensorBoard run, so a bare enable() does not write files unseen.
+    # One line per TensorBoard run enable() created, so a bare enable() does not write files
+    # unseen; whoever built an exporter instance knows where it writes.
     from sowtel.dashboard import dashboard_command
 
     for e in exporters:
