@@ -5,6 +5,8 @@ Every server and browser a test starts is stopped by it; all traffic goes to 127
 
 from __future__ import annotations
 
+import base64
+import collections
 import json
 import os
 import re
@@ -304,3 +306,143 @@ def test_dashboard_in_headless_chromium_shows_sow_charts(live, tmp_path):
     pixels = np.asarray(Image.open(shot).convert("RGB"))
     # TensorBoard's orange header and white chart area, not a blank page.
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50
+
+
+class Chromium:
+    """Headless Chromium driven through its DevTools pipe: NUL-terminated JSON on fds 3 and 4.
+
+    The custom-scalars page is built of web components whose charts live in shadow roots,
+    which ``--dump-dom`` leaves out; the DevTools protocol evaluates a script that walks them.
+    """
+
+    def __init__(self, binary: str, profile: Path, width: int = 1400, height: int = 1000):
+        to_chromium, self._to_w = os.pipe()
+        self._from_r, from_chromium = os.pipe()
+
+        def child_fds() -> None:  # runs in the child, before exec
+            a, b = os.dup(to_chromium), os.dup(from_chromium)
+            os.dup2(a, 3)
+            os.dup2(b, 4)
+
+        self.proc = subprocess.Popen(
+            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--no-first-run", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
+             f"--window-size={width},{height}", "about:blank"],
+            preexec_fn=child_fds, close_fds=False, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        os.close(to_chromium)
+        os.close(from_chromium)
+        self._buffer = b""
+        self._id = 0
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self._session = self.call("Target.attachToTarget", targetId=target,
+                                  flatten=True)["sessionId"]
+        self.call("Emulation.setDeviceMetricsOverride", page=True, width=width, height=height,
+                  deviceScaleFactor=1, mobile=False)
+
+    def call(self, method: str, page: bool = False, **params: object) -> dict:
+        self._id += 1
+        message: dict[str, object] = {"id": self._id, "method": method, "params": params}
+        if page:
+            message["sessionId"] = self._session
+        os.write(self._to_w, json.dumps(message).encode() + b"\0")
+        while True:  # events arrive between the replies: skip them
+            while b"\0" not in self._buffer:
+                chunk = os.read(self._from_r, 1 << 20)
+                assert chunk, f"Chromium closed its DevTools pipe (exit {self.proc.poll()})"
+                self._buffer += chunk
+            raw, self._buffer = self._buffer.split(b"\0", 1)
+            reply = json.loads(raw)
+            if reply.get("id") == self._id:
+                assert "error" not in reply, reply
+                return reply["result"]
+
+    def evaluate(self, expression: str) -> object:
+        result = self.call("Runtime.evaluate", page=True, expression=expression,
+                           returnByValue=True)
+        return result["result"].get("value")
+
+    def screenshot(self) -> bytes:
+        return base64.b64decode(self.call("Page.captureScreenshot", page=True,
+                                          format="png")["data"])
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close")
+            self.proc.wait(30)
+        except (AssertionError, OSError, subprocess.TimeoutExpired):
+            stop(self.proc)
+        finally:
+            os.close(self._to_w)
+            os.close(self._from_r)
+
+
+# Every custom-scalars chart card, through the shadow roots: [element, title, category].
+CUSTOM_SCALAR_CARDS = r"""(() => {
+  const categoryOf = (el) => {
+    for (let p = el; p; p = p.parentElement || (p.getRootNode() && p.getRootNode().host)) {
+      if (p.tagName === 'TF-CATEGORY-PAGINATED-VIEW') return p.category.name;
+    }
+    return null;
+  };
+  const cards = [];
+  const walk = (root) => {
+    for (const el of root.querySelectorAll('*')) {
+      const tag = el.tagName.toLowerCase();
+      if (tag.startsWith('tf-custom-scalar-') && tag.endsWith('-chart-card'))
+        cards.push([tag.slice('tf-custom-scalar-'.length), el.title, categoryOf(el)]);
+      if (el.shadowRoot) walk(el.shadowRoot);
+    }
+  };
+  walk(document);
+  return cards;
+})()"""
+
+
+def test_custom_scalars_page_in_headless_chromium_has_one_chart_per_site_and_mode(live,
+                                                                                   tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Chromium is missing: install Debian's chromium (make system-deps does)"
+    logdir = live["logdir"]
+    assert isinstance(logdir, Path)
+    port = free_port()
+    dashboard = subprocess.Popen(
+        sowtel_cmd("dashboard", "--logdir", str(logdir.parent), "--port", str(port)),
+        cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    want = {  # the demo's sites: a scan (4 iterations), two layers, the loss
+        ("multi-line-chart-card", "primal: mean", "blocks/h"),
+        ("multi-line-chart-card", "cotangent: l2 norm", "blocks/h"),
+        ("margin-chart-card", "primal: mean, band min to max", "embed/h"),
+        ("multi-line-chart-card", "cotangent: l2 norm", "embed/h"),
+        ("margin-chart-card", "primal: mean, band min to max", "head/out"),
+        ("multi-line-chart-card", "cotangent: l2 norm", "head/out"),
+        ("margin-chart-card", "primal: mean, band min to max", "loss"),
+    }
+    browser = None
+    try:
+        wait_for("the sow tags in the dashboard", lambda: sow_tags(base).get("demo"), 60,
+                 dashboard)
+        browser = Chromium(chromium, tmp_path / "profile")
+        browser.call("Page.navigate", page=True, url=f"{base}/#custom_scalars")
+        cards = wait_for("the custom-scalars charts",
+                         lambda: (c := browser.evaluate(CUSTOM_SCALAR_CARDS)) and len(c) >= 7
+                         and c, 90, dashboard)
+        time.sleep(3)  # let the curves draw before the screenshot
+        shot = browser.screenshot()
+    finally:
+        if browser is not None:
+            browser.close()
+        stop(dashboard)
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "tensorboard-custom-scalars.png").write_bytes(shot)
+    got = collections.Counter(tuple(c) for c in cards)
+    assert set(got) == want and all(n == 1 for n in got.values()), sorted(got)
+    assert shot[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(ARTIFACTS / "tensorboard-custom-scalars.png").convert("RGB"))
+    assert pixels.shape == (1000, 1400, 3)
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50  # charts, not a blank page
