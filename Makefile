@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test system-deps lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/sowtel demo
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(VENV)/bin/pytest -q
+
+# Prometheus and Chromium for the end-to-end tests: installed with apt when possible, else a
+# message with the command to run, within seconds.
+system-deps:
+	@tests/system-deps.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sowtel exporters tests benchmarks examples

@@ -243,7 +243,7 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     binary = shutil.which("prometheus") or "/usr/bin/prometheus"
     assert os.path.exists(binary), (
         "the prometheus binary is missing: install Debian's package (apt-get install "
-        "prometheus; .ci/run does) to run this test")
+        "prometheus; make test does it with make system-deps) to run this test")
     targets = tmp_path / "targets.json"
     targets.write_text("[]")
     config = tmp_path / "prometheus.yml"

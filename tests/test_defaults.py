@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -177,3 +178,42 @@ def test_dump_files_get_the_umask_permissions(tmp_path, umask):
 def test_memory_exporter_is_still_what_tests_and_notebooks_name():
     with sowtel.enable(exporter="memory") as session:
         assert isinstance(session.exporters[0], MemoryExporter)
+
+
+def run_system_deps(tmp_path, *, uid: int, apt: bool, have: tuple[str, ...] = ()):
+    """tests/system-deps.sh with a PATH of stand-ins: ``id``, and ``apt-get`` that records its
+    arguments instead of installing (the real one would change this machine)."""
+    bin_dir = tmp_path / f"bin-{uid}-{apt}-{len(have)}"
+    bin_dir.mkdir()
+    log = tmp_path / "apt.log"
+    stubs = {"id": f"echo {uid}"} | {name: "true" for name in have}
+    if apt:
+        stubs["apt-get"] = f'echo "$@" >> {log}'
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    script = Path(__file__).parent / "system-deps.sh"
+    out = subprocess.run(["/bin/bash", str(script)], env={"PATH": str(bin_dir)},
+                         capture_output=True, text=True, timeout=60)
+    return out, (log.read_text().splitlines() if log.exists() else [])
+
+
+def test_system_deps_installs_what_is_missing_as_root_with_apt(tmp_path):
+    out, apt_calls = run_system_deps(tmp_path, uid=0, apt=True, have=("chromium",))
+    assert out.returncode == 0, out.stderr
+    assert apt_calls == ["update -qq", "install -y -qq --no-install-recommends prometheus"]
+
+
+def test_system_deps_does_nothing_when_everything_is_there(tmp_path):
+    out, apt_calls = run_system_deps(tmp_path, uid=0, apt=True, have=("chromium", "prometheus"))
+    assert (out.returncode, out.stderr, apt_calls) == (0, "", [])
+
+
+def test_system_deps_stops_with_the_command_to_run_when_it_cannot_install(tmp_path):
+    out, apt_calls = run_system_deps(tmp_path, uid=1000, apt=True)
+    assert out.returncode == 1 and apt_calls == []
+    assert ("Run:  sudo apt-get install -y --no-install-recommends prometheus chromium"
+            in out.stderr)
+    out, _ = run_system_deps(tmp_path, uid=1000, apt=False)
+    assert out.returncode == 1
+    assert "need prometheus chromium" in out.stderr and "brew install prometheus" in out.stderr

@@ -261,7 +261,7 @@ def test_live_demo_curves_grow_in_a_running_tensorboard(live):
 
 def test_dashboard_in_headless_chromium_shows_sow_charts(live, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "Chromium is missing: install Debian's chromium (.ci/run does)"
+    assert chromium, "Chromium is missing: install Debian's chromium (make system-deps does)"
     logdir = live["logdir"]
     assert isinstance(logdir, Path)
     # The dashboard under test is `sowtel dashboard`, on the live demo's runs.
