@@ -1,7 +1,8 @@
 """The Grafana dashboards: their structure, and their queries against what the exporter emits.
 
 The metrics dashboard's PromQL runs against a real Prometheus (Debian's ``prometheus``, which
-``make system-deps`` installs) that scrapes the exporter's Prometheus endpoint while a jitted MLP trains.
+``make system-deps`` installs) that scrapes the exporter's Prometheus endpoint while a jitted
+MLP trains.
 The traces dashboard's TraceQL may only name spans, events and attributes the exporter writes.
 """
 
