@@ -217,3 +217,27 @@ def test_system_deps_stops_with_the_command_to_run_when_it_cannot_install(tmp_pa
     out, _ = run_system_deps(tmp_path, uid=1000, apt=False)
     assert out.returncode == 1
     assert "need prometheus chromium" in out.stderr and "brew install prometheus" in out.stderr
+
+
+def test_logged_scalars_reach_jsonl_console_and_opentelemetry(tmp_path, capsys):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sowtel.exporters.jsonl import read_records
+
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    with sowtel.enable(exporter=["jsonl", "console", "otel"], logdir=tmp_path,
+                       tracer_provider=tracer_provider, meter_provider=MeterProvider()):
+        sowtel.log({"train/loss": 0.25}, step=3)
+    [record] = read_records(tmp_path / "records.jsonl")
+    assert (record.name, record.step, record.summary, record.stats) == (
+        "train/loss", 3, SCALAR_SUMMARY, {"value": 0.25})
+    assert "step     3  train/loss primal" in capsys.readouterr().out
+    [span] = spans.get_finished_spans()
+    [event] = span.events
+    assert (event.attributes["sowtel.name"], event.attributes["sowtel.stat.value"],
+            event.attributes["sowtel.tag"]) == ("train/loss", 0.25, LOG_TAG)
