@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import fcntl
 import json
 import os
 import re
@@ -318,21 +319,19 @@ class Chromium:
     def __init__(self, binary: str, profile: Path, width: int = 1400, height: int = 1000):
         to_chromium, self._to_w = os.pipe()
         self._from_r, from_chromium = os.pipe()
-
-        def child_fds() -> None:  # runs in the child, before exec
-            a, b = os.dup(to_chromium), os.dup(from_chromium)
-            os.dup2(a, 3)
-            os.dup2(b, 4)
-
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+                 f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank"]
+        # bash moves the pipe ends to fds 3 and 4, where Chromium expects them: no Python
+        # runs between fork and exec (a preexec_fn would, in a process with JAX's threads).
+        # Copies numbered 10 and up, so that moving them never overwrites one another.
+        a, b = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (to_chromium, from_chromium))
         self.proc = subprocess.Popen(
-            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--no-first-run", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
-             f"--window-size={width},{height}", "about:blank"],
-            preexec_fn=child_fds, close_fds=False, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
-        os.close(to_chromium)
-        os.close(from_chromium)
+            ["bash", "-c", f'exec "$0" "$@" 3<&{a} 4>&{b} {a}<&- {b}>&-', binary, *flags],
+            pass_fds=(a, b), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for fd in (a, b, to_chromium, from_chromium):
+            os.close(fd)
         self._buffer = b""
         self._id = 0
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
