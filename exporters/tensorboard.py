@@ -389,8 +389,10 @@ class TensorBoardExporter:
             if h is not None:
                 values.append(h)
         site = layout.setdefault(r.name, _Site())
-        if site.learn(r.mode, frozenset(written), r.index is not None,
-                      any(k in COUNT_STATS for k in written)):
+        # A chart of counts once one is non-zero, or for a health site, which has nothing else.
+        counts_chart = any(k in COUNT_STATS for k in written) and (
+            nonfinite or r.summary == "health")
+        if site.learn(r.mode, frozenset(written), r.index is not None, counts_chart):
             layout_due.add(r.process_index)
 
     def _chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],

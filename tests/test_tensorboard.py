@@ -549,3 +549,12 @@ def test_each_jax_process_writes_its_own_run(tmp_path):
     for i in range(2):
         [mean] = load(tmp_path / f"process_{i}").Scalars("h/primal/mean")
         assert mean.value == pytest.approx(1.5 * (i + 1))
+
+
+def test_layout_has_no_count_chart_until_a_count_is_non_zero_even_with_all_statistics(tmp_path):
+    exporter = TensorBoardExporter(logdir=tmp_path, stats="all")
+    exporter.write([record("h", 0, x=np.ones(3)), record("g", 0, summary="health", x=np.ones(3))])
+    exporter.close()
+    categories = read_layout(load(tmp_path))
+    assert list(categories["h"]) == ["primal: mean, band min to max"]
+    assert list(categories["g"]) == ["NaN and infinities"]  # all that a health summary has
