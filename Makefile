@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/sowtel demo
 
-test: $(STAMP) system-deps
+test: system-deps $(STAMP)
 	$(VENV)/bin/pytest -q
 
 # Prometheus and Chromium for the end-to-end tests: installed with apt when possible, else a
