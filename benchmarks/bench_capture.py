@@ -107,7 +107,8 @@ def capture_table(quick: bool = False) -> Table:
         ["workload", "program", "call", "ratio to by hand [quartiles]", "target"],
     )
     notes = []
-    for work, steps in ((mlp(), 10), (mlp(batch=32, width=64), 200)):
+    sizes = ((mlp(), 4 if quick else 10), (mlp(batch=32, width=64), 50 if quick else 200))
+    for work, steps in sizes:
         params, _, batch = work.init()
         programs = _programs(work)
         ours = programs["save_intermediates"](params, batch)

@@ -328,7 +328,7 @@ def exporter_training_table(
     work = mlp()
     args = (*work.init(), jnp.int32(0))
     sown = make_train_step(work, sowtel.sow, at_step=True)
-    rounds = 3 if quick else 12
+    rounds = 2 if quick else 12
     with ExitStack() as stack:
         variants: dict[str, Callable[[], Any]] = {}
         drains: dict[str, Callable[[], Any]] = {}
@@ -341,8 +341,7 @@ def exporter_training_table(
         for name, make in exporters.items():
             # Each variant is compiled while its own session is active; sessions stay open side
             # by side, each streaming to its own exporter.
-            session = sowtel.enable(exporter=make())
-            stack.callback(session.close)
+            session = stack.enter_context(sowtel.enable(exporter=make()))
             sessions[name] = session
             variants[name] = Trainer(jax.jit(sown).lower(*args).compile(), work)
             drains[name] = session.flush

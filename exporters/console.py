@@ -66,6 +66,8 @@ def format_record(record: Record) -> str:
         parts.append(" ".join(f"{k}={_number(stats[k])}" for k in _SHOWN if k in stats))
     elif "size" in stats:
         parts.append(f"size={_number(stats['size'])}")
+    elif "value" in stats:  # a scalar of sowtel.log
+        parts.append(f"value={_number(stats['value'])}")
     nan, posinf, neginf = (stats.get(k, 0.0) for k in ("nan", "posinf", "neginf"))
     if nan or posinf or neginf:
         parts.append(

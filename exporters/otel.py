@@ -471,6 +471,34 @@ class _MetricHub:
         return callback
 
 
+def _is_pull_reader(reader: Any) -> bool:
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    except ImportError:
+        return False
+    return isinstance(reader, PrometheusMetricReader)
+
+
+def _flush_push_readers(meter_provider: Any, millis: int) -> None:
+    """Flushes a meter provider's push readers (OTLP, console), never its pull readers.
+
+    ``MeterProvider.force_flush`` collects every reader; a Prometheus reader queues each such
+    collection until the next scrape, which then serves every queued copy: each flush between
+    two scrapes would add a duplicate of every series.
+    """
+    # The SDK keeps its readers private (checked on opentelemetry-sdk 1.45); without them, the
+    # provider's own flush is the fallback.
+    readers = getattr(meter_provider, "_metric_readers", None)
+    if not isinstance(readers, (list, tuple)):
+        force_flush = getattr(meter_provider, "force_flush", None)
+        if callable(force_flush):
+            force_flush(millis)
+        return
+    for reader in readers:
+        if not _is_pull_reader(reader):
+            reader.force_flush(timeout_millis=millis)
+
+
 def _attrs_key(attrs: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in attrs.items()))
 
@@ -1012,10 +1040,10 @@ class OTelExporter:
 
     def _force_flush(self) -> None:
         millis = int(self._timeout_s * 1000)
-        for provider in (self._tracer_provider, self._meter_provider):
-            force_flush = getattr(provider, "force_flush", None)
-            if callable(force_flush):
-                force_flush(millis)
+        force_flush = getattr(self._tracer_provider, "force_flush", None)
+        if callable(force_flush):
+            force_flush(millis)
+        _flush_push_readers(self._meter_provider, millis)
 
     def _shutdown_owned(self) -> None:
         millis = int(self._timeout_s * 1000)
@@ -1025,5 +1053,5 @@ class OTelExporter:
             self._tracer_provider.force_flush(millis)
         if self._owns_meter_provider:
             self._meter_provider.shutdown(timeout_millis=millis)
-        elif callable(getattr(self._meter_provider, "force_flush", None)):
-            self._meter_provider.force_flush(millis)
+        else:
+            _flush_push_readers(self._meter_provider, millis)

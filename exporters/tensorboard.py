@@ -2,16 +2,26 @@
 
 Each record becomes, in the run's event file:
 
-- scalars ``{name}/{mode}/{stat}`` for every statistic it carries (``"stats"``, ``"histogram"``,
-  ``"health"`` and ``"full"`` summaries; ``"full"`` values are summarised on the host with
-  :func:`sowtel.summaries.host_summary`);
+- scalars ``{name}/{mode}/{stat}`` for the statistics chosen with ``stats=`` (``"stats"``,
+  ``"histogram"``, ``"health"`` and ``"full"`` summaries; ``"full"`` values are summarised on the
+  host with :func:`sowtel.summaries.host_summary`). By default ``mean``, ``std``, ``min``,
+  ``max`` and ``l2``, and the counts ``nan``, ``posinf``, ``neginf`` of a series from the first
+  step one of them is non-zero (a ``"health"`` record writes its counts always);
+  ``stats="all"`` writes every statistic a record carries;
+- derivative records (tangent, cotangent) of scalar sites are skipped unless
+  ``scalar_derivatives=True``: the cotangent of a scalar loss is 1.0 at every step;
+- host-side scalars from :func:`sowtel.log` as plain tags ``{name}``;
 - a histogram ``{name}/{mode}``: for ``"histogram"`` records the bucket counts computed on the
   device are written as they are (TensorBoard's raw histogram format, no re-bucketing on the
   host); ``"full"`` values are bucketed on the host with the same rule as the device;
-- a custom-scalars layout (the "Custom Scalars" tab): one category per site (sorted by name),
-  one chart per statistic holding every mode (primal, tangent, cotangent, ...) and every scan
-  iteration;
-- the first record holding NaN or infinities, as a text summary ``sowtel/alerts``.
+- a custom-scalars layout (the "Custom Scalars" tab): the logged scalars first, then one
+  category per site (sorted by name) with one chart per mode: the primal value's mean with a
+  band from min to max, a derivative's l2 norm (its magnitude, which spans decades, so one
+  series per chart keeps its axis readable), and, once a NaN or infinity appeared, the counts.
+  TensorBoard colours custom-scalars lines by run, so a chart holds one statistic (scan
+  iterations of a site are its several lines);
+- the first record holding NaN or infinities, as a text summary ``sowtel/alerts/text_summary``
+  (TensorBoard's text plugin appends ``/text_summary`` to :data:`ALERT_TAG`).
 
 A record with an ``index`` (scan iteration, shard, or a tuple of them for nested scans) gets its
 own series: the index is written in brackets after the site name, ``{name}[3]/{mode}/{stat}`` or
@@ -58,13 +68,20 @@ from tensorboardX.summary import custom_scalars, histogram_raw, text
 from sowtel.records import STAT_KEYS, Record
 from sowtel.summaries import host_summary
 
-__all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG"]
+__all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFAULT_STATS",
+           "COUNT_STATS", "LOG_CATEGORY"]
 
 #: Tag of the text summary holding the first non-finite alert (TensorBoard's text plugin adds
 #: ``/text_summary``).
 ALERT_TAG = "sowtel/alerts"
 #: Tag under which TensorBoard's custom-scalars plugin looks for its layout.
 LAYOUT_TAG = "custom_scalars__config__"
+#: The statistics written by default: those that change from step to step for most sites.
+DEFAULT_STATS: tuple[str, ...] = ("mean", "std", "min", "max", "l2")
+#: Counts written by default only from the first step one of them is non-zero.
+COUNT_STATS: tuple[str, ...] = ("nan", "posinf", "neginf")
+#: Category of the custom-scalars layout holding the scalars of :func:`sowtel.log`.
+LOG_CATEGORY = "logged scalars"
 
 # Charts of the layout, in this order; any other statistic a record carries follows them.
 _CHART_ORDER = {k: i for i, k in enumerate(STAT_KEYS)}
@@ -100,9 +117,48 @@ def series_tag(name: str, mode: str, index: int | tuple[int, ...] | None = None)
     return f"{name}{_index_text(index)}/{mode}"
 
 
-def _chart_regex(name: str, stat: str) -> str:
-    # Every mode and every scan iteration of one site and one statistic, as one chart.
-    return "^" + re.escape(name) + r"(\[[0-9,]+\])?/[^/]+/" + re.escape(stat) + "$"
+def _chart_regex(name: str, mode: str | None, stat: str) -> str:
+    # One statistic of one site and mode (any mode for None), every scan iteration.
+    modes = "[^/]+" if mode is None else re.escape(mode)
+    return "^" + re.escape(name) + r"(\[[0-9,]+\])?/" + modes + "/" + stat + "$"
+
+
+def _check_stats(stats: Any) -> tuple[str, ...] | None:
+    """``stats=`` as a tuple of names, or None for every statistic a record carries."""
+    if isinstance(stats, str) and stats in ("default", "all"):
+        return None if stats == "all" else DEFAULT_STATS
+    items = [stats] if isinstance(stats, str) else stats
+    if (not isinstance(items, (list, tuple)) or not items
+            or not all(isinstance(k, str) and k in STAT_KEYS for k in items)):
+        raise ValueError(
+            f"stats={stats!r} is not a choice of statistics: use 'default' "
+            f"({', '.join(DEFAULT_STATS)}, and the non-finite counts once non-zero), 'all', or "
+            f"a list of some of {', '.join(STAT_KEYS)}"
+        )
+    return tuple(dict.fromkeys(items))
+
+
+class _Site:
+    """What the custom-scalars layout needs to know of one site."""
+
+    __slots__ = ("modes", "indexed", "nonfinite", "logged")
+
+    def __init__(self) -> None:
+        self.modes: dict[str, frozenset[str]] = {}  # mode -> statistics written
+        self.indexed = False
+        self.nonfinite = False
+        self.logged = False  # a name of sowtel.log
+
+    def learn(self, mode: str, stats: frozenset[str], indexed: bool, nonfinite: bool) -> bool:
+        """Adds what one record shows; returns whether the layout changed."""
+        known = self.modes.get(mode)
+        changed = known is None or not known.issuperset(stats)
+        if changed:
+            self.modes[mode] = stats if known is None else known | stats
+        changed |= (indexed and not self.indexed) or (nonfinite and not self.nonfinite)
+        self.indexed |= indexed
+        self.nonfinite |= nonfinite
+        return changed
 
 
 class _EventFile:
@@ -182,6 +238,12 @@ class TensorBoardExporter:
       flush_secs: the longest time, in seconds, events stay in the operating system's cache
         before they are synced to the disk while records arrive. Events are visible to a
         running TensorBoard as soon as ``write()`` returns.
+      stats: the statistics written as scalars: ``"default"`` (:data:`DEFAULT_STATS`, plus the
+        counts :data:`COUNT_STATS` of a series from its first non-zero one), ``"all"`` (every
+        statistic a record carries, constant ones included), or a list of names from
+        :data:`sowtel.records.STAT_KEYS` (written at every step).
+      scalar_derivatives: also write tangent and cotangent records of sites whose value is a
+        scalar (shape ``()``); off by default, as the cotangent of a loss is always 1.0.
 
     Attributes:
       logdir: the absolute run directory (the parent of the per-process runs, if several).
@@ -198,7 +260,8 @@ class TensorBoardExporter:
     label = "tensorboard"
 
     def __init__(self, logdir: str | os.PathLike[str] | None = None, *,
-                 flush_secs: float = 2.0) -> None:
+                 flush_secs: float = 2.0, stats: str | Sequence[str] = "default",
+                 scalar_derivatives: bool = False) -> None:
         if logdir is None:
             logdir = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         if not isinstance(logdir, (str, os.PathLike)):
@@ -210,7 +273,12 @@ class TensorBoardExporter:
             raise ValueError(
                 f"flush_secs={flush_secs!r} must be a positive number of seconds, such as 2.0"
             )
+        if not isinstance(scalar_derivatives, bool):
+            raise TypeError(f"scalar_derivatives={scalar_derivatives!r} must be True or False")
         self.flush_secs = float(flush_secs)
+        self.stats = _check_stats(stats)
+        self._counts_once_nonzero = stats == "default"
+        self.scalar_derivatives = scalar_derivatives
         self.logdir = os.path.abspath(os.fspath(logdir))
         self.errors = 0
         self.last_error: str | None = None
@@ -218,7 +286,8 @@ class TensorBoardExporter:
         self._per_process_runs = process_count > 1
         self._files: dict[int, _EventFile] = {}
         self._prefixes: dict[tuple[str, str, Any], str] = {}
-        self._layouts: dict[int, dict[str, set[str]]] = {}
+        self._layouts: dict[int, dict[str, _Site]] = {}
+        self._counting: set[tuple[str, str, Any]] = set()  # series whose counts are written
         self._layout_due: set[int] = set()
         self._alerted: set[int] = set()
         self._last_sync = time.monotonic()
@@ -289,7 +358,14 @@ class TensorBoardExporter:
             )
 
     def _record_values(self, r: Record, values: list[Summary.Value],
-                       layout: dict[str, set[str]], layout_due: set[int]) -> None:
+                       layout: dict[str, _Site], layout_due: set[int]) -> None:
+        if r.summary == "scalar":  # sowtel.log
+            values.append(Summary.Value(tag=str(r.name), simple_value=float(r.stats["value"])))
+            site = layout.setdefault(r.name, _Site())
+            if not site.logged:
+                site.logged = True
+                layout_due.add(r.process_index)
+            return
         key = (r.name, r.mode, r.index)
         prefix = self._prefixes.get(key)
         if prefix is None:
@@ -299,19 +375,39 @@ class TensorBoardExporter:
         if r.value is not None:
             summary = host_summary(r.value, "histogram")
             stats, hist = summary["stats"], summary["histogram"]
-        for stat, v in stats.items():
-            values.append(Summary.Value(tag=f"{prefix}/{stat}", simple_value=float(v)))
+        nonfinite = _nonfinite(stats) > 0
+        if r.process_index not in self._alerted and nonfinite:
+            self._alerted.add(r.process_index)
+            values.append(text(ALERT_TAG, _alert_text(r, stats)).value[0])
+        if r.shape == () and r.mode != "primal" and not self.scalar_derivatives:
+            return
+        written = self._chosen(key, r.summary, stats, nonfinite)
+        for stat in written:
+            values.append(Summary.Value(tag=f"{prefix}/{stat}", simple_value=float(stats[stat])))
         if hist is not None:
             h = _histogram_value(prefix, stats, hist)
             if h is not None:
                 values.append(h)
-        charts = layout.get(r.name)
-        if charts is None or not charts.issuperset(stats):
-            layout.setdefault(r.name, set()).update(stats)
+        site = layout.setdefault(r.name, _Site())
+        # A chart of counts once one is non-zero, or for a health site, which has nothing else.
+        counts_chart = any(k in COUNT_STATS for k in written) and (
+            nonfinite or r.summary == "health")
+        if site.learn(r.mode, frozenset(written), r.index is not None, counts_chart):
             layout_due.add(r.process_index)
-        if r.process_index not in self._alerted and _nonfinite(stats) > 0:
-            self._alerted.add(r.process_index)
-            values.append(text(ALERT_TAG, _alert_text(r, stats)).value[0])
+
+    def _chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
+                nonfinite: bool) -> list[str]:
+        if self.stats is None:
+            return list(stats)
+        chosen = [k for k in self.stats if k in stats]
+        if self._counts_once_nonzero:
+            # Counts are zero for almost every series: a chart of them from the first non-zero
+            # step on, and for a health summary, whose counts are all it has.
+            if nonfinite or summary == "health":
+                self._counting.add(key)
+            if key in self._counting:
+                chosen += [k for k in COUNT_STATS if k in stats]
+        return chosen
 
     def _write_out(self, sync: bool) -> None:
         failures = []
@@ -406,15 +502,38 @@ def _histogram_value(prefix: str, stats: dict[str, float],
     return summary.value[0]
 
 
-def _layout_summary(layout: dict[str, set[str]]) -> Summary:
-    categories = {
-        site: {
-            stat: ["Multiline", [_chart_regex(site, stat)]]
-            for stat in sorted(stats, key=lambda s: (_CHART_ORDER.get(s, len(_CHART_ORDER)), s))
-        }
-        for site, stats in sorted(layout.items())
-    }
+def _layout_summary(layout: dict[str, _Site]) -> Summary:
+    categories: dict[str, dict[str, list[Any]]] = {}
+    logged = sorted(name for name, site in layout.items() if site.logged)
+    if logged:
+        categories[LOG_CATEGORY] = {
+            name: ["Multiline", ["^" + re.escape(name) + "$"]] for name in logged}
+    for name, site in sorted(layout.items()):
+        if site.modes:
+            categories[name] = _site_charts(name, site)
     return custom_scalars(categories)
+
+
+def _site_charts(name: str, site: _Site) -> dict[str, list[Any]]:
+    charts: dict[str, list[Any]] = {}
+    for mode in sorted(site.modes, key=lambda m: (m.count("."), m != "primal", m)):
+        written = site.modes[mode]
+        if mode == "primal" and not site.indexed and {"mean", "min", "max"} <= written:
+            prefix = series_tag(name, mode)
+            charts[f"{mode}: mean, band min to max"] = [
+                "Margin", [f"{prefix}/mean", f"{prefix}/min", f"{prefix}/max"]]
+            continue
+        preferred = "mean" if mode == "primal" else "l2"
+        shown = [preferred] if preferred in written else sorted(
+            (k for k in written if k not in COUNT_STATS and k != "size"),
+            key=lambda k: _CHART_ORDER.get(k, len(_CHART_ORDER)))[:1]
+        for stat in shown:
+            title = f"{mode}: {'l2 norm' if stat == 'l2' else stat}"
+            charts[title] = ["Multiline", [_chart_regex(name, mode, stat)]]
+    if site.nonfinite:
+        counts = "(" + "|".join(COUNT_STATS) + ")"
+        charts["NaN and infinities"] = ["Multiline", [_chart_regex(name, None, counts)]]
+    return charts
 
 
 def _alert_text(r: Record, stats: dict[str, float]) -> str:

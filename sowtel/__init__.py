@@ -25,11 +25,11 @@ from sowtel.capture import Intermediates, save_intermediates
 from sowtel.dumps import dump, load
 from sowtel.primitive import at_step, sow
 from sowtel.records import Record
-from sowtel.session import Session, disable, enable, export, flush, status
+from sowtel.session import Session, disable, enable, export, flush, log, status
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Intermediates", "Record", "Session", "at_step", "disable", "dump", "enable", "export",
-    "flush", "load", "save_intermediates", "sow", "status",
+    "flush", "load", "log", "save_intermediates", "sow", "status",
 ]

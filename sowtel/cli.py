@@ -3,6 +3,7 @@
 Each subcommand lives in the module that owns its subject; this file only routes to it.
 
 Example:
+    $ sowtel --version
     $ sowtel demo --steps 200
     $ sowtel dashboard --logdir runs
     $ sowtel inspect dump.safetensors
@@ -26,7 +27,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sowtel import __version__
+
     parser = argparse.ArgumentParser(prog="sowtel", description="Observability for JAX.")
+    parser.add_argument("--version", action="version", version=f"sowtel {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command, (module_name, help_text) in _COMMANDS.items():
         p = sub.add_parser(command, help=help_text, description=help_text)

@@ -16,18 +16,41 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import shlex
 import signal
 import socket
 import sys
 import threading
 from typing import Any
 
-__all__ = ["DEFAULT_PORT", "configure_dashboard", "run_dashboard", "pick_port"]
+__all__ = ["DEFAULT_PORT", "configure_dashboard", "run_dashboard", "pick_port",
+           "dashboard_command"]
 
 #: The port TensorBoard usually listens on; taken when free.
 DEFAULT_PORT = 6006
 # Matches the exporter's default flush interval, so a new point shows within about 4 s.
 _RELOAD_SECS = 2
+
+
+def dashboard_command(logdir: str | os.PathLike[str]) -> str:
+    """The ``sowtel dashboard`` command that shows the run in ``logdir``.
+
+    A run under ``./runs`` (the TensorBoard exporter's default) is shown with every other run
+    there, to compare them; any other run alone. Paths under the working directory are
+    relative.
+
+    Example:
+        >>> dashboard_command(os.path.join("runs", "20250101-120000"))
+        'sowtel dashboard --logdir runs'
+        >>> dashboard_command(os.path.join(os.sep, "data", "exp 1"))
+        "sowtel dashboard --logdir '/data/exp 1'"
+    """
+    path = os.path.abspath(os.fspath(logdir))
+    cwd = os.getcwd()
+    if os.path.dirname(path) == os.path.join(cwd, "runs"):
+        path = os.path.dirname(path)
+    shown = os.path.relpath(path, cwd) if path.startswith(cwd + os.sep) else path
+    return f"sowtel dashboard --logdir {shlex.quote(shown)}"
 
 
 def configure_dashboard(parser: argparse.ArgumentParser) -> None:
@@ -115,8 +138,9 @@ def run_dashboard(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         return _fail(str(e))
     if not os.path.isdir(logdir):
-        print(f"note: {args.logdir!r} does not exist yet; TensorBoard shows runs once they are "
-              "written there (try: sowtel demo)", file=sys.stderr)
+        print(f"sowtel dashboard: warning: --logdir {args.logdir!r} does not exist ({logdir}), "
+              "so the board is empty until runs are written there: check the path, or start "
+              "one with: sowtel demo", file=sys.stderr, flush=True)
     url = _launch(logdir, args.host, port)
     print(f"TensorBoard: {url}")
     print(f"sowtel's layout (one category per site): {url}#custom_scalars", flush=True)

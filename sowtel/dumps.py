@@ -425,7 +425,12 @@ def dump(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
+        # safetensors makes its file private (0600); a dump gets the permissions the umask
+        # gives any new file, learnt from a file created the ordinary way.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
+        permissions = os.stat(tmp).st_mode & 0o777
         save_file(encoder.tensors, tmp, metadata={**fields, "checksums": json.dumps(checksums)})
+        os.chmod(tmp, permissions)
         os.replace(tmp, target)
     finally:
         if tmp.exists():

@@ -17,6 +17,10 @@ HEALTH_KEYS: tuple[str, ...] = ("size", "nan", "posinf", "neginf")
 SUMMARIES: tuple[str, ...] = ("full", "histogram", "stats", "health", "shape")
 #: Derivative modes a site can report.
 BASE_MODES: tuple[str, ...] = ("primal", "tangent", "cotangent")
+#: ``Record.summary`` and ``Record.tag`` of a host-side scalar from :func:`sowtel.log`; its
+#: number is ``stats["value"]``, its mode ``"primal"`` and its shape ``()``.
+SCALAR_SUMMARY = "scalar"
+LOG_TAG = "log"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,8 +28,10 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import logging
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -40,10 +42,10 @@ from sowtel import _jax_compat as jc
 from sowtel.dispatcher import Dispatcher
 from sowtel.exporters import Exporter, resolve
 from sowtel.primitive import CONTEXT, STREAMS, Context, StreamSite, check_positive_int
-from sowtel.records import BASE_MODES, Record
+from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record
 from sowtel.summaries import check_summary, decode_device_summary
 
-__all__ = ["Session", "enable", "disable", "flush", "status", "export", "active_session"]
+__all__ = ["Session", "enable", "disable", "flush", "status", "export", "log", "active_session"]
 
 logger = logging.getLogger("sowtel")
 
@@ -119,6 +121,7 @@ class Session:
         self._seq = itertools.count()
         self._closed = False
         self._effect_errors = 0
+        self.scoped = False  # entered as a context manager
 
     # -- what the primitive asks at bind time ------------------------------------------------
 
@@ -262,6 +265,7 @@ class Session:
             self.dispatcher.close(timeout)
 
     def __enter__(self) -> Session:
+        self.scoped = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -277,7 +281,7 @@ def _activate(session: Session | None) -> None:
 
 
 def enable(
-    exporter: Any = "memory",
+    exporter: Any = "tensorboard",
     *,
     summary: str = "stats",
     tags: Sequence[str] | str = ("intermediates",),
@@ -293,9 +297,10 @@ def enable(
     """Streams every selected sow, in every program traced from now on, to ``exporter``.
 
     Args:
-      exporter: ``"tensorboard"``, ``"otel"``, ``"jsonl"``, ``"memory"``, ``"console"``, a name
-        registered under the ``sowtel.exporters`` entry-point group, an exporter instance, or a
-        list of these.
+      exporter: ``"tensorboard"`` (the default; ``logdir=`` defaults to ``runs/<date-time>``, and
+        one line on stderr says where and how to view it), ``"otel"``, ``"jsonl"``,
+        ``"memory"``, ``"console"``, a name registered under the ``sowtel.exporters``
+        entry-point group, an exporter instance, or a list of these.
       summary: what crosses to the host per site (``"stats"``, ``"histogram"``, ``"full"``,
         ``"health"``, ``"shape"``); a site's own ``summary=`` wins.
       tags: stream sites with these tags.
@@ -309,7 +314,9 @@ def enable(
       **exporter_options: passed to exporters named by string (``logdir=...``).
 
     Returns:
-      The :class:`Session`; also a context manager that disables it on exit.
+      The :class:`Session`; also a context manager that disables it on exit. Enabling while a
+      session enabled without ``with`` is active stacks the new one on it (it resumes when the
+      new one is disabled) and warns, as re-running a notebook cell would do that unawares.
 
     Example:
         >>> import sowtel
@@ -336,10 +343,30 @@ def enable(
         max_bytes=max_bytes,
     )
     with _lock:
+        below = _stack[-1] if _stack else None
         STREAMS[session.id] = session
         _stack.append(session)
         _activate(session)
+    if below is not None and not below.scoped:
+        warnings.warn(
+            f"sowtel.enable(): {below!r} is still active, so the new session stacks on it and it "
+            "resumes when the new one is disabled; call sowtel.disable() first to replace it, "
+            "or use `with sowtel.enable(...):` for a temporary one", RuntimeWarning, stacklevel=2)
+    specs = list(exporter) if isinstance(exporter, (list, tuple)) else [exporter]
+    _announce([e for e, spec in zip(exporters, specs, strict=True) if isinstance(spec, str)])
     return session
+
+
+def _announce(exporters: list[Exporter]) -> None:
+    # One line per TensorBoard run enable() created, so a bare enable() does not write files
+    # unseen; whoever built an exporter instance knows where it writes.
+    from sowtel.dashboard import dashboard_command
+
+    for e in exporters:
+        logdir = getattr(e, "logdir", None)
+        if getattr(e, "label", None) == "tensorboard" and isinstance(logdir, str):
+            print(f"sowtel: streaming to TensorBoard in {logdir}; view it with: "
+                  f"{dashboard_command(logdir)}", file=sys.stderr, flush=True)
 
 
 def active_session() -> Session | None:
@@ -419,5 +446,56 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
     records = records_from_intermediates(
         intermediates, step=int(step), summary=summary or session.summary,
     )
+    session.dispatcher.put_records(records)
+    return len(records)
+
+
+def log(scalars: dict[str, Any], *, step: int) -> int:
+    """Sends host-side numbers (loss, accuracy, learning rate) to the active exporters.
+
+    Each ``name: number`` becomes one record of its own kind: ``summary="scalar"``,
+    ``tag="log"``, mode ``"primal"``, shape ``()``, the number in ``stats["value"]``.
+    TensorBoard writes it as the plain scalar ``name`` in the same run as the sows; NaN and
+    infinities are kept as they are. Returns the number of records handed over.
+
+    Example:
+        >>> import sowtel
+        >>> with sowtel.enable(exporter="memory") as s:
+        ...     sowtel.log({"train/loss": 0.25, "lr": 1e-3}, step=10)
+        ...     _ = sowtel.flush()
+        2
+        >>> [(r.name, r.step, r.stats["value"]) for r in s.exporters[0].records]
+        [('train/loss', 10, 0.25), ('lr', 10, 0.001)]
+    """
+    from sowtel.primitive import check_name
+
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise ValueError(f"sowtel.log step must be an int, got {step!r}")
+    if not isinstance(scalars, dict):
+        raise TypeError(
+            f"sowtel.log takes a dict of name -> number, got {type(scalars).__name__}: "
+            "write sowtel.log({'loss': loss}, step=step)")
+    values: list[tuple[str, float]] = []
+    for name, value in scalars.items():
+        try:
+            check_name(name)
+        except ValueError as e:
+            raise ValueError(f"sowtel.log: {e}") from None
+        number = np.asarray(value)
+        if number.shape != () or number.dtype.kind not in "biuf":
+            raise ValueError(
+                f"sowtel.log: {name!r} is {value!r}, not a number: pass a Python or NumPy "
+                "number or a 0-d array (sow arrays with sowtel.sow)")
+        values.append((name, float(number)))
+    session = active_session()
+    if session is None:
+        raise RuntimeError("sowtel.log needs an active session: call sowtel.enable(...) first")
+    now = time.time()
+    records = [
+        Record(name=name, mode="primal", tag=LOG_TAG, step=int(step), index=None, wall_time=now,
+               summary=SCALAR_SUMMARY, shape=(), dtype="float64", stats={"value": v},
+               process_index=session.process_index)
+        for name, v in values
+    ]
     session.dispatcher.put_records(records)
     return len(records)

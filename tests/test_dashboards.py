@@ -1,7 +1,8 @@
 """The Grafana dashboards: their structure, and their queries against what the exporter emits.
 
 The metrics dashboard's PromQL runs against a real Prometheus (Debian's ``prometheus``, which
-``.ci/run`` installs) that scrapes the exporter's Prometheus endpoint while a jitted MLP trains.
+``make system-deps`` installs) that scrapes the exporter's Prometheus endpoint while a jitted
+MLP trains.
 The traces dashboard's TraceQL may only name spans, events and attributes the exporter writes.
 """
 
@@ -243,7 +244,7 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     binary = shutil.which("prometheus") or "/usr/bin/prometheus"
     assert os.path.exists(binary), (
         "the prometheus binary is missing: install Debian's package (apt-get install "
-        "prometheus; .ci/run does) to run this test")
+        "prometheus; make test does it with make system-deps) to run this test")
     targets = tmp_path / "targets.json"
     targets.write_text("[]")
     config = tmp_path / "prometheus.yml"
@@ -344,3 +345,52 @@ def test_every_promql_expression_returns_data_from_a_real_prometheus(prometheus)
     latest = http_json(f"{url}/api/v1/query",
                      query='sowtel_step{sowtel_name="mlp/out", sowtel_mode="primal"}')["result"]
     assert 0 < float(latest[0]["value"][1]) < step
+
+
+def scraped_series(text: str) -> list[str]:
+    """The series of one scrape in Prometheus's text format, one entry per sample line."""
+    return [line.rsplit(" ", 1)[0] for line in text.splitlines()
+            if line and not line.startswith("#")]
+
+
+def prometheus_counter(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    [value] = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{")]
+    return value
+
+
+def test_one_series_per_label_set_in_each_scrape_after_flushes(prometheus):
+    # Every sowtel.flush() flushes the exporter's meter provider; a Prometheus reader must not
+    # turn each flush into one more copy of every series in the next scrape.
+    url, targets = prometheus
+    loss = jax.jit(jax.grad(lambda w: jnp.sum(sowtel.sow(jnp.tanh(w), "h") ** 2)))
+    with sowtel.enable(exporter="otel", prometheus="127.0.0.1:0") as session:
+        [otel] = session.exporters
+        for step in range(4):
+            loss(jnp.linspace(-1.0, 1.0, 8) * step)
+            sowtel.flush()
+        assert isinstance(otel, OTelExporter) and otel.prometheus_url
+        targets.write_text(json.dumps(
+            [{"targets": [urllib.parse.urlparse(otel.prometheus_url).netloc]}]))
+        deadline = time.monotonic() + 60
+        while not http_json(f"{url}/api/v1/query", query='up{job="sowtel"} == 1')["result"]:
+            assert time.monotonic() < deadline, "Prometheus did not scrape the exporter in 60 s"
+            time.sleep(0.2)
+        # The real Prometheus: every sample it scraped is a series of its own.
+        scraped = http_json(f"{url}/api/v1/query", query='scrape_samples_scraped{job="sowtel"}')
+        stored = http_json(f"{url}/api/v1/query",
+                           query='count({job="sowtel", __name__=~"sowtel_.*|target_info"})')
+        assert float(scraped["result"][0]["value"][1]) == float(stored["result"][0]["value"][1])
+        assert prometheus_counter(
+            url, "prometheus_target_scrapes_sample_duplicate_timestamp_total") == 0
+        # And one scrape of our own, after more flushes.
+        for _ in range(3):
+            sowtel.flush()
+        with urllib.request.urlopen(otel.prometheus_url, timeout=10) as response:
+            series = scraped_series(response.read().decode())
+    assert len(series) == len(set(series))
+    means = [s for s in series if s.startswith("sowtel_mean{")]
+    assert sorted(re.search(r'sowtel_mode="(\w+)"', s).group(1) for s in means) == [
+        "cotangent", "primal"]

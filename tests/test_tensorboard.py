@@ -18,7 +18,13 @@ from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from sowtel.exporters import resolve
-from sowtel.exporters.tensorboard import ALERT_TAG, LAYOUT_TAG, TensorBoardExporter
+from sowtel.exporters.tensorboard import (
+    ALERT_TAG,
+    COUNT_STATS,
+    DEFAULT_STATS,
+    LAYOUT_TAG,
+    TensorBoardExporter,
+)
 from sowtel.records import STAT_KEYS, Record
 from sowtel.summaries import host_summary
 
@@ -78,7 +84,7 @@ def test_scalars_and_histograms_read_back_equal_independent_numbers(tmp_path):
         records.append(record("full_value", step, summary="full", x=full[k]))
         records.append(record("health_only", step, summary="health", x=embed[k]))
         records.append(record("shape_only", step, summary="shape", x=embed[k]))
-    exporter = TensorBoardExporter(logdir=tmp_path)
+    exporter = TensorBoardExporter(logdir=tmp_path, stats="all")
     # In two batches, shuffled inside each, as unordered host callbacks deliver them.
     half = len(records) // 2
     for batch in (records[:half], records[half:]):
@@ -133,41 +139,115 @@ def test_device_buckets_are_written_as_they_are(tmp_path):
     assert (h.min, h.max, h.num, h.sum, h.sum_squares) == (-1.0, 3.0, 12.0, 6.0, 16.0)
 
 
-def test_custom_scalars_layout_groups_each_sites_modes_per_statistic(tmp_path):
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=10)
-    exporter = TensorBoardExporter(logdir=tmp_path)
-    exporter.write([record("c", 0, x=x), record("c", 0, mode="cotangent", x=x)])
-    # A site first seen later is added to the layout, in name order.
-    exporter.write([record("c", 1, index=2, x=x), record("c", 1, mode="tangent", index=2, x=x),
-                    record("c", 1, summary="health", mode="cotangent.tangent", index=(0, 1),
-                           x=x), record("a/b", 1, x=x), record("a/b", 1, mode="cotangent", x=x)])
-    exporter.close()
-    acc = load(tmp_path)
+def read_layout(acc: ea.EventAccumulator) -> dict[str, dict[str, layout_pb2.Chart]]:
     layout = layout_pb2.Layout()
     layout.ParseFromString(acc.Tensors(LAYOUT_TAG)[-1].tensor_proto.string_val[0])
-    categories = {c.title: c for c in layout.category}
+    return {c.title: {ch.title: ch for ch in c.chart} for c in layout.category}
+
+
+def matching(chart: layout_pb2.Chart, tags: list[str]) -> list[str]:
+    [regex] = chart.multiline.tag
+    return sorted(t for t in tags if re.match(regex, t))
+
+
+def test_custom_scalars_layout_has_one_readable_chart_per_site_and_mode(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=10)
+    bad = np.array([1.0, np.nan, 2.0])
+    exporter = TensorBoardExporter(logdir=tmp_path)
+    exporter.write([record("c", 0, x=x), record("c", 0, mode="cotangent", x=x * 1e-9)])
+    # A site first seen later is added to the layout, in name order; counts get a chart once
+    # a series has a non-finite element.
+    exporter.write([record("c", 1, x=x), record("c", 1, mode="tangent", index=2, x=x),
+                    record("a/b", 1, x=x), record("a/b", 1, mode="cotangent", x=x),
+                    record("a/b", 2, mode="cotangent", x=bad)])
+    exporter.close()
+    acc = load(tmp_path)
+    categories = read_layout(acc)
     assert list(categories) == ["a/b", "c"]
-    assert [ch.title for ch in categories["a/b"].chart] == list(STAT_KEYS)
+    assert list(categories["a/b"]) == [
+        "primal: mean, band min to max", "cotangent: l2 norm", "NaN and infinities"]
+    # c's tangent has scan iterations: its primal chart is no longer one series with a band.
+    assert list(categories["c"]) == ["primal: mean", "cotangent: l2 norm", "tangent: l2 norm"]
+    band = categories["a/b"]["primal: mean, band min to max"].margin.series
+    assert [(s.value, s.lower, s.upper) for s in band] == [
+        ("a/b/primal/mean", "a/b/primal/min", "a/b/primal/max")]
     scalars = acc.Tags()["scalars"]
-    for title, category in categories.items():
-        for chart in category.chart:
-            [regex] = chart.multiline.tag
-            matched = sorted(t for t in scalars if re.match(regex, t))
-            want = sorted(t for t in scalars
-                          if t.startswith(title + "/") or t.startswith(title + "[")
-                          if t.endswith("/" + chart.title))
-            assert matched == want and matched, (title, chart.title)
-    mean_c = next(ch for ch in categories["c"].chart if ch.title == "mean").multiline.tag[0]
-    assert sorted(t for t in scalars if re.match(mean_c, t)) == [
-        "c/cotangent/mean", "c/primal/mean", "c[2]/primal/mean", "c[2]/tangent/mean"]
-    nan_c = next(ch for ch in categories["c"].chart if ch.title == "nan").multiline.tag[0]
-    assert sorted(t for t in scalars if re.match(nan_c, t)) == [
-        "c/cotangent/nan", "c/primal/nan", "c[0,1]/cotangent.tangent/nan", "c[2]/primal/nan",
-        "c[2]/tangent/nan"]
-    # A version of the layout per batch that brought a new site, all at step 0; TensorBoard's
+    assert matching(categories["c"]["primal: mean"], scalars) == ["c/primal/mean"]
+    assert matching(categories["c"]["cotangent: l2 norm"], scalars) == ["c/cotangent/l2"]
+    assert matching(categories["c"]["tangent: l2 norm"], scalars) == ["c[2]/tangent/l2"]
+    assert matching(categories["a/b"]["NaN and infinities"], scalars) == [
+        "a/b/cotangent/nan", "a/b/cotangent/neginf", "a/b/cotangent/posinf"]
+    every_chart = [t for charts in categories.values() for ch in charts.values()
+                   for t in (matching(ch, scalars) if ch.HasField("multiline") else
+                             [ch.margin.series[0].value])]
+    assert not [t for t in every_chart if t.endswith(("/size", "/zeros", "/mean_abs"))]
+    # A version of the layout per batch that changed it, all at step 0; TensorBoard's
     # custom-scalars plugin shows the last one (the one checked above).
     assert [e.step for e in acc.Tensors(LAYOUT_TAG)] == [0, 0]
+
+
+def test_default_statistics_and_counts_only_from_their_first_non_zero_step(tmp_path):
+    rng = np.random.default_rng(4)
+    xs = [rng.normal(size=(6,)) for _ in range(4)]
+    xs[2][1] = np.inf
+    exporter = TensorBoardExporter(logdir=tmp_path)
+    exporter.write([record("h", s, x=x) for s, x in enumerate(xs)])
+    exporter.write([record("g", s, x=xs[0]) for s in range(2)])
+    exporter.write([record("health", s, summary="health", x=x) for s, x in enumerate(xs)])
+    exporter.close()
+    acc = load(tmp_path)
+    scalars = set(acc.Tags()["scalars"])
+    assert {t for t in scalars if t.startswith("g/")} == {f"g/primal/{k}" for k in DEFAULT_STATS}
+    assert {t for t in scalars if t.startswith("h/")} == {
+        f"h/primal/{k}" for k in (*DEFAULT_STATS, *COUNT_STATS)}
+    # From step 2 on, zero again at step 3: the curve shows the return to zero.
+    assert [(e.step, e.value) for e in acc.Scalars("h/primal/posinf")] == [(2, 1.0), (3, 0.0)]
+    assert [e.step for e in acc.Scalars("h/primal/mean")] == [0, 1, 2, 3]
+    # A health summary has only its counts: they are written at every step.
+    assert {t for t in scalars if t.startswith("health/")} == {
+        f"health/primal/{k}" for k in COUNT_STATS}
+    assert [e.value for e in acc.Scalars("health/primal/posinf")] == [0, 0, 1, 0]
+
+
+def test_statistics_are_selectable(tmp_path):
+    x = np.array([0.0, 3.0, 4.0])
+    exporter = TensorBoardExporter(logdir=tmp_path, stats=["l2", "zeros", "nan"])
+    exporter.write([record("h", 0, x=x)])
+    exporter.close()
+    acc = load(tmp_path)
+    assert sorted(acc.Tags()["scalars"]) == ["h/primal/l2", "h/primal/nan", "h/primal/zeros"]
+    assert [e.value for e in acc.Scalars("h/primal/l2")] == [5.0]
+    assert [e.value for e in acc.Scalars("h/primal/zeros")] == [1.0]
+    assert [e.value for e in acc.Scalars("h/primal/nan")] == [0.0]  # asked for: always written
+    for bad in (["mean", "median"], [], 3, "everything"):
+        with pytest.raises(ValueError, match=r"is not a choice of statistics: use 'default'"):
+            TensorBoardExporter(logdir=tmp_path, stats=bad)  # type: ignore[arg-type]
+    only_mean = TensorBoardExporter(logdir=tmp_path / "m", stats="mean")  # one, by name
+    only_mean.write([record("h", 0, x=x)])
+    only_mean.close()
+    assert load(tmp_path / "m").Tags()["scalars"] == ["h/primal/mean"]
+    with pytest.raises(TypeError, match=r"scalar_derivatives=1 must be True or False"):
+        TensorBoardExporter(logdir=tmp_path, scalar_derivatives=1)  # type: ignore[arg-type]
+
+
+def test_derivatives_of_scalar_sites_are_skipped_unless_asked(tmp_path):
+    loss = np.float64(2.5)
+    for asked, run in ((False, tmp_path / "default"), (True, tmp_path / "asked")):
+        exporter = TensorBoardExporter(logdir=run, scalar_derivatives=asked)
+        exporter.write([record("loss", 0, x=loss), record("loss", 0, mode="cotangent", x=1.0),
+                        record("h", 0, mode="cotangent", x=np.ones(3)),
+                        record("loss", 1, mode="tangent", x=np.float64(np.nan))])
+        exporter.close()
+        acc = load(run)
+        scalars = acc.Tags()["scalars"]
+        derivative = sorted(t for t in scalars if t.startswith("loss/") and "/primal/" not in t)
+        assert bool(derivative) == asked, derivative
+        assert "loss/primal/mean" in scalars and "h/cotangent/l2" in scalars
+        assert ("loss/cotangent/l2" in scalars) == asked
+        # A skipped record still raises the non-finite alert.
+        [alert] = acc.Tensors(ALERT_TAG + "/text_summary")
+        assert "`loss` (tangent)" in alert.tensor_proto.string_val[0].decode()
 
 
 def test_first_non_finite_record_becomes_one_text_alert(tmp_path):
@@ -360,7 +440,7 @@ def test_streamed_sows_read_back_equal_stats_of_the_same_arrays(tmp_path):
     rng = np.random.default_rng(3)
     w = rng.normal(size=(5, 16)).astype(np.float32)
     xs = [rng.normal(size=(8, 5)).astype(np.float32) for _ in range(3)]
-    with sowtel.enable(exporter="tensorboard", logdir=tmp_path):
+    with sowtel.enable(exporter="tensorboard", logdir=tmp_path, stats="all"):
         for step, x in enumerate(xs):
             grad(w, x, step)
         sowtel.flush()
@@ -469,3 +549,12 @@ def test_each_jax_process_writes_its_own_run(tmp_path):
     for i in range(2):
         [mean] = load(tmp_path / f"process_{i}").Scalars("h/primal/mean")
         assert mean.value == pytest.approx(1.5 * (i + 1))
+
+
+def test_layout_has_no_count_chart_until_a_count_is_non_zero_even_with_all_statistics(tmp_path):
+    exporter = TensorBoardExporter(logdir=tmp_path, stats="all")
+    exporter.write([record("h", 0, x=np.ones(3)), record("g", 0, summary="health", x=np.ones(3))])
+    exporter.close()
+    categories = read_layout(load(tmp_path))
+    assert list(categories["h"]) == ["primal: mean, band min to max"]
+    assert list(categories["g"]) == ["NaN and infinities"]  # all that a health summary has
