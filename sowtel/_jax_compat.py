@@ -48,7 +48,7 @@ __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
     "is_tracing",
-    "manual_axes", "traced_for",
+    "manual_axes", "module_state", "register_uncached_lowering", "traced_for",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2",)
@@ -186,3 +186,29 @@ def manual_axes() -> tuple[str, ...]:
         return ()
     manual = set(mesh.manual_axes)
     return tuple(a for a in mesh.axis_names if a in manual)
+
+
+_MODULE_STATE_KEY = ("sowtel", "module_state")
+
+
+def module_state(ctx: Any) -> dict[Any, Any]:
+    """A dict that lives as long as the program being lowered (one per compiled module).
+
+    Stored in the module context's dict of cached lowerings, whose other keys are JAX's own
+    tuples of jaxprs and parameters.
+    """
+    cache = ctx.module_context.cached_primitive_lowerings
+    state: dict[Any, Any] = cache.setdefault(_MODULE_STATE_KEY, {})
+    return state
+
+
+def register_uncached_lowering(prim: Any, rule: Any) -> None:
+    """Registers ``rule`` so that every equation of ``prim`` is lowered on its own.
+
+    JAX lowers equal equations (same parameters and shapes) once and calls the result; sites
+    that must stay apart in the compiled program (one per occurrence) opt out of that cache.
+    """
+    try:
+        mlir.register_lowering(prim, rule, cacheable=False)
+    except TypeError:  # pragma: no cover - a JAX without the lowering cache
+        mlir.register_lowering(prim, rule)

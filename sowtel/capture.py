@@ -48,6 +48,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sowtel import _jax_compat as jc
+from sowtel import naming
 from sowtel.primitive import CONTEXT, Context, check_tag, current_context, sow_p
 
 __all__ = ["Intermediates", "save_intermediates"]
@@ -405,11 +406,6 @@ _RULES: dict[str, Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]]
 # Assembling {name: {mode: value}}.
 
 
-def _runs_backward(mode: str) -> bool:
-    # Backward passes run sites in reverse, so cotangent occurrences are numbered from the end.
-    return "cotangent" in mode.split(".")
-
-
 def _mode_rank(mode: str) -> tuple[int, int, str]:
     base = {"primal": 0, "tangent": 1, "cotangent": 2}
     parts = mode.split(".")
@@ -438,9 +434,9 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
                 f"{name}_0, {name}_1, ..."
             )
         for mode, group in modes:
-            ordered = list(reversed(group)) if _runs_backward(mode) else group
+            ordered = list(reversed(group)) if naming.runs_backward(mode) else group
             for i, c in enumerate(ordered):
-                key = f"{name}_{i}" if repeated else name
+                key = naming.numbered(name, i) if repeated else name
                 value = jax.tree_util.tree_unflatten(c.treedef, c.leaves)
                 site = result.setdefault(key, Intermediates())
                 site[mode] = value
@@ -548,7 +544,8 @@ def save_intermediates(
                 out_store.append(out_tree)
                 return leaves
 
-            with CONTEXT(Context(session=ctx.session, capture=tag)):
+            # Under disable_jit, lax.scan would unroll while tracing: one site per iteration.
+            with CONTEXT(Context(session=ctx.session, capture=tag)), jax.disable_jit(False):
                 closed = jax.make_jaxpr(flat_fn)(*dyn)
             outs, caps = _eval(closed.jaxpr, closed.consts, list(dyn))
             result = jax.tree_util.tree_unflatten(out_store[-1], outs)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sowtel import _jax_compat as jc
+from sowtel import naming
 from sowtel.records import SUMMARIES
 from sowtel.summaries import ARRAYS_PER_LEAF, DEFAULT_BINS, device_summary
 
@@ -132,17 +133,20 @@ def check_positive_int(value: Any, what: str) -> int:
     return int(value)
 
 
-def _as_array_leaf(leaf: Any, path: str, name: str) -> Any:
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or (
+def _check_leaf(leaf: Any, path: Any, name: str) -> None:
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or (
         hasattr(leaf, "aval") and hasattr(leaf, "dtype")
     ):
-        return leaf
-    if isinstance(leaf, (bool, int, float, complex)):
-        return jnp.asarray(leaf)
+        return
+    where = jax.tree_util.keystr(path) or "<root>"
     raise ValueError(
-        f"sow {name!r}: the leaf at {path or '<root>'} is a {type(leaf).__name__} ({leaf!r:.60}), "
+        f"sow {name!r}: the leaf at {where} is a {type(leaf).__name__} ({leaf!r:.60}), "
         "not an array: sow pytrees of arrays only (mark other values static)"
     )
+
+
+def _as_array_leaf(leaf: Any) -> Any:
+    return jnp.asarray(leaf) if isinstance(leaf, (bool, int, float, complex)) else leaf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,6 +341,11 @@ def sow(
         raise ValueError(f"sow summary={summary!r} is not a summary: use one of {SUMMARIES}")
     if every is not None:
         check_positive_int(every, "sow every")
+    # Validated whatever is enabled: turning streaming on never breaks a working program.
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
+    for path, leaf in paths_leaves:
+        _check_leaf(leaf, path, name)
+    name = naming.scoped(name)
     ctx = current_context()
     if ctx is None:
         return value
@@ -350,10 +359,7 @@ def sow(
             f"sow {name!r} is inside a while_loop cond function: its value can never be captured "
             "or streamed there; sow it in the body (or before the loop) instead"
         )
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
-    leaves = [
-        _as_array_leaf(leaf, jax.tree_util.keystr(path), name) for path, leaf in paths_leaves
-    ]
+    leaves = [_as_array_leaf(leaf) for _, leaf in paths_leaves]
     if not leaves:
         return value
     extras: list[Any] = []
@@ -575,7 +581,8 @@ def _deliver(site: StreamSite, *arrays: np.ndarray) -> None:
 
 
 def _emit_lowering(ctx: Any, *args: Any, site: StreamSite) -> list[Any]:
-    jc.emit_host_callback(ctx, lambda *a: _deliver(site, *a), args, ctx.avals_in)
+    named = naming.number_in_program(ctx, site)  # a name repeated in the program gets numbered
+    jc.emit_host_callback(ctx, lambda *a: _deliver(named(), *a), args, ctx.avals_in)
     return []
 
 
@@ -613,4 +620,4 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
     return leaves
 
 
-jc.mlir.register_lowering(sow_p, _sow_lowering)
+jc.register_uncached_lowering(sow_p, _sow_lowering)  # one host callback per occurrence
