@@ -242,7 +242,9 @@ class SiteStatic:
     every: int | None
     # ((length, reverse), ...) of enclosing scans, outermost first; None inside a while_loop.
     loops: tuple[tuple[int, bool], ...] | None
-    extras: tuple[str, ...] = ()  # extra operands after the leaves: "step", "shard"
+    # Extra operands after the leaves: "batch" (derivative sites: a zero-size slice of the
+    # primal, so vmap batches the derivative whenever it batches the primal), "step", "shard".
+    extras: tuple[str, ...] = ()
 
     def transposed(self) -> SiteStatic:
         loops = None if self.loops is None else tuple((n, not r) for n, r in self.loops)
@@ -427,6 +429,10 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str,
         site_t = dataclasses.replace(site, treedef=jax.tree_util.tree_structure(skeleton))
     chosen = [jc.ad.instantiate_zeros(t) for t, d in zip(leaves_t, differentiable, strict=True)
               if d]
+    if "batch" not in site_t.extras:
+        witness = jax.lax.slice(jnp.ravel(primals[differentiable.index(True)]), (0,), (0,))
+        extras = [witness, *extras]
+        site_t = dataclasses.replace(site_t, extras=("batch", *site_t.extras))
     reported = iter(_bind(chosen, extras, site_t, jvp_mode(mode)))
     return out, [next(reported) if d else t
                  for t, d in zip(leaves_t, differentiable, strict=True)]
@@ -450,12 +456,18 @@ def _sow_batch(args: Any, dims: Any, *, site: SiteStatic, **params: Any) -> tupl
     leaves, extras = _split(args, site)
     leaf_dims, extra_dims = _split(dims, site)
     not_mapped = None
-    if any(d is not not_mapped for d in extra_dims):
+    if any(d is not not_mapped for k, d in zip(site.extras, extra_dims, strict=True)
+           if k != "batch"):
         raise ValueError(
             f"sow {site.name!r}: the at_step step (or shard index) is batched by vmap; "
             "enter at_step outside the vmapped function"
         )
     sizes = [x.shape[d] for x, d in zip(leaves, leaf_dims, strict=True) if d is not not_mapped]
+    if "batch" in site.extras and not sizes:
+        # A derivative whose primal is batched carries the batch axis too (broadcast).
+        i = site.extras.index("batch")
+        if extra_dims[i] is not not_mapped:
+            sizes = [extras[i].shape[extra_dims[i]]]
     if not sizes:
         return sow_p.bind(*args, site=site, **params), list(dims[: len(leaves)])
     size = sizes[0]
