@@ -252,6 +252,37 @@ def _inline(key: str) -> Callable[[Any, list[Any]], tuple[list[Any], list[_Captu
     return rule
 
 
+def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    """Captures inside a ``custom_jvp`` function, keeping its rule for transformations outside.
+
+    Where ``save_intermediates`` is itself differentiated, JAX runs the function's jvp rule
+    instead of the function: the outputs then come from the user's rule, the captured values
+    from running the function, with their own derivatives.
+    """
+    closed = eqn.params["call_jaxpr"]
+    meta: list[_Captured] = []
+
+    def captures(*args: Any) -> list[Any]:
+        _, caps = _eval(closed.jaxpr, closed.consts, list(args))
+        meta[:] = caps
+        return _flat(caps)
+
+    @jax.custom_jvp
+    def fun(*args: Any) -> tuple[list[Any], list[Any]]:
+        outs, caps = _eval(closed.jaxpr, closed.consts, list(args))
+        meta[:] = caps
+        return outs, _flat(caps)
+
+    @fun.defjvp
+    def fun_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
+        outs, outs_dot = jax.jvp(lambda *a: _bind_plain(eqn, list(a)), primals, tangents)
+        flat, flat_dot = jax.jvp(captures, primals, tangents)
+        return (outs, flat), (outs_dot, flat_dot)
+
+    outs, flat = fun(*invals)
+    return list(outs), _unflat(meta, flat)
+
+
 def _remat_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     jaxpr = eqn.params["jaxpr"]
     meta: list[_Captured] = []
@@ -390,7 +421,7 @@ _RULES: dict[str, Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]]
     "pjit": _inline("jaxpr"),
     "closed_call": _inline("call_jaxpr"),
     "core_call": _inline("call_jaxpr"),
-    "custom_jvp_call": _inline("call_jaxpr"),
+    "custom_jvp_call": _custom_jvp_rule,
     "custom_vjp_call": _inline("call_jaxpr"),
     "custom_vjp_call_jaxpr": _inline("fun_jaxpr"),
     "remat2": _remat_rule,
