@@ -48,7 +48,7 @@ __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
     "is_tracing",
-    "manual_axes", "module_state", "register_uncached_lowering", "traced_for",
+    "branch_path", "manual_axes", "module_state", "register_uncached_lowering", "traced_for",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2",)
@@ -212,3 +212,32 @@ def register_uncached_lowering(prim: Any, rule: Any) -> None:
         mlir.register_lowering(prim, rule, cacheable=False)
     except TypeError:  # pragma: no cover - a JAX without the lowering cache
         mlir.register_lowering(prim, rule)
+
+
+def branch_path(ctx: Any) -> tuple[tuple[int, int], ...]:
+    """``((case op, branch index), ...)`` of the cond/switch branches being lowered, outermost
+    first, read from the MLIR insertion point (the case op as an opaque key).
+
+    Stops at a function boundary: a sow inside a jitted function called from a branch does
+    not see the branch.
+    """
+    from jax._src.lib.mlir import ir
+
+    path = []
+    block = ir.InsertionPoint.current.block
+    while True:
+        owner = block.owner
+        if owner is None:
+            break
+        op = owner.operation
+        if op.name == "stablehlo.case":
+            for i, region in enumerate(op.regions):
+                if any(b == block for b in region.blocks):
+                    path.append((hash(op), i))
+        if op.name.startswith("func."):
+            break
+        try:
+            block = op.block
+        except (ValueError, AttributeError):  # a detached op: no enclosing block
+            break
+    return tuple(reversed(path))

@@ -146,12 +146,12 @@ class NumberedSite:
     then it is not known whether the name repeats.
     """
 
-    __slots__ = ("_site", "_position", "_program", "_resolved")
+    __slots__ = ("_site", "_slot", "_slots", "_resolved")
 
-    def __init__(self, site: StreamSite, position: int, program: dict[Any, Any]) -> None:
+    def __init__(self, site: StreamSite, slot: int, slots: list[int]) -> None:
         self._site = site
-        self._position = position
-        self._program = program
+        self._slot = slot
+        self._slots = slots  # [number of occurrences of the name in the program], shared
         self._resolved: StreamSite | None = None
 
     def __call__(self) -> StreamSite:
@@ -164,28 +164,55 @@ class NumberedSite:
         import dataclasses
 
         site = self._site
-        if self._program[("repeated", site.name)] is False:
+        count = self._slots[0]
+        if count == 1:
             return site
-        count = len(self._program[(site.name, site.mode)])
-        occurrence = count - 1 - self._position if runs_backward(site.mode) else self._position
+        occurrence = count - 1 - self._slot if runs_backward(site.mode) else self._slot
         name = numbered(site.name, occurrence)
         return dataclasses.replace(
             site, name=name,
             leaf_names=tuple(name + leaf[len(site.name):] for leaf in site.leaf_names))
 
 
+def _occurrence(earlier: list[tuple[Any, tuple[int, ...], int]],
+                path: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], int | None]:
+    """Per branch level, how many earlier sites share the branch; and the occurrence this site
+    shares with a site in a sibling branch of the same cond (as capture unites branches)."""
+    counts = tuple(
+        sum(1 for p, _, _ in earlier if p[:level + 1] == path[:level + 1])
+        for level in range(len(path)))
+    for p, c, slot in earlier:
+        for level in range(min(len(p), len(path))):
+            if p[:level] != path[:level]:
+                break
+            if p[level][0] == path[level][0] and p[level][1] != path[level][1]:
+                if c[level] == counts[level]:
+                    return counts, slot
+                break
+    return counts, None
+
+
 def number_in_program(ctx: Any, site: StreamSite) -> NumberedSite:
     """Notes ``site`` among the sites of the program being lowered (lowering follows trace order).
 
-    Called by the streaming lowering; returns what the host callback calls to get the site
-    under its final name.
+    Called by the streaming lowering with the lowering context of the sow; returns what the host
+    callback calls to get the site under its final name. Sites of one name in sibling branches
+    of a cond/switch are one occurrence, as ``save_intermediates`` unites them.
     """
     program = jc.module_state(ctx)
-    group = program.setdefault((site.name, site.mode), [])
-    group.append(site)
-    if len(group) == 2:
-        program[("repeated", site.name)] = True
-        _warn_repeated(site.name)
-    else:
-        program.setdefault(("repeated", site.name), False)
-    return NumberedSite(site, len(group) - 1, program)
+    path = program.pop(("branch_path", site), None) or ()
+    earlier = program.setdefault((site.name, site.mode), [])
+    slots = program.setdefault(("slots", site.name, site.mode), [0])
+    counts, slot = _occurrence(earlier, path)
+    if slot is None:
+        slot = slots[0]
+        slots[0] += 1
+        if slot == 1:
+            _warn_repeated(site.name)
+    earlier.append((path, counts, slot))
+    return NumberedSite(site, slot, slots)
+
+
+def note_branches(ctx: Any, site: StreamSite) -> None:
+    """Notes which cond/switch branches enclose ``site`` (for :func:`number_in_program`)."""
+    jc.module_state(ctx)[("branch_path", site)] = jc.branch_path(ctx)

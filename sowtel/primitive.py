@@ -613,6 +613,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
         bins=DEFAULT_BINS, loops=site.loops, extras=site.extras, order=next(_lowering_order),
     )
+    naming.note_branches(ctx, info)
 
     def on_device(*operands: Any) -> list[Any]:
         values, extras = _split(operands, site)
