@@ -22,7 +22,8 @@ Example:
     >>> class Model(nn.Module):
     ...     @nn.compact
     ...     def __call__(self, x):
-    ...         return Block()(Block()(x)).sum()
+    ...         x = Block()(x)
+    ...         return Block()(x).sum()
     >>> params = Model().init(jax.random.key(0), jnp.ones(2))
     >>> _, inter = sowtel.save_intermediates(Model().apply)(params, jnp.ones(2))
     >>> list(inter)
@@ -127,7 +128,8 @@ def module_scopes() -> Iterator[None]:
         >>> class Model(nn.Module):
         ...     @nn.compact
         ...     def __call__(self, x):
-        ...         return Block()(Block()(x)).sum()
+        ...         x = Block()(x)
+        ...         return Block()(x).sum()
         >>> params = Model().init(jax.random.key(0), jnp.ones(2))
         >>> def loss(params, x):
         ...     with sowtel.flax.module_scopes():

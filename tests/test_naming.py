@@ -4,6 +4,7 @@ vmap batch axes of derivatives, custom_jvp under an outer jvp)."""
 
 from __future__ import annotations
 
+import doctest
 import re
 import warnings
 
@@ -314,3 +315,10 @@ def test_custom_jvp_under_an_outer_jvp_keeps_its_rule_and_is_captured() -> None:
     # Not differentiated: captured once, the same value.
     out, inter = jax.jit(wrapped)(x)
     np.testing.assert_allclose(inter["inside"]["primal"], np.sin(x), rtol=1e-6)
+
+
+def test_docstring_examples() -> None:
+    import sowtel.naming
+
+    result = doctest.testmod(sowtel.naming, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted >= 4
