@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["scope", "scoped", "runs_backward", "numbered", "number_in_program"]
 
 _SCOPES = threading.local()
+_open = 0  # scopes open in all threads together
+_open_lock = threading.Lock()
 
 
 def _stack() -> list[str | None]:
@@ -58,6 +60,8 @@ def current_prefix() -> str | None:
 
 def scoped(name: str) -> str:
     """``name`` under the current scope (``name`` itself outside any scope)."""
+    if not _open:  # no scope open in any thread: the common case costs one global read
+        return name
     stack = getattr(_SCOPES, "stack", None)
     prefix = stack[-1] if stack else None
     return name if prefix is None else f"{prefix}/{name}"
@@ -97,12 +101,17 @@ def scope(prefix: str) -> Iterator[None]:
 @contextmanager
 def absolute_prefix(prefix: str | None) -> Iterator[None]:
     """Sows traced inside are named ``<prefix>/<name>``, whatever scopes enclose this one."""
+    global _open
     stack = _stack()
     stack.append(prefix)
+    with _open_lock:
+        _open += 1
     try:
         yield
     finally:
         stack.pop()
+        with _open_lock:
+            _open -= 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -133,16 +133,23 @@ def check_positive_int(value: Any, what: str) -> int:
     return int(value)
 
 
-def _check_leaf(leaf: Any, path: Any, name: str) -> None:
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or (
-        hasattr(leaf, "aval") and hasattr(leaf, "dtype")
-    ):
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _is_array_leaf(leaf: Any) -> bool:
+    return isinstance(leaf, _ARRAY_TYPES) or (hasattr(leaf, "aval") and hasattr(leaf, "dtype"))
+
+
+def _check_leaves(value: Any, leaves: list[Any], name: str) -> None:
+    if all(map(_is_array_leaf, leaves)):
         return
-    where = jax.tree_util.keystr(path) or "<root>"
-    raise ValueError(
-        f"sow {name!r}: the leaf at {where} is a {type(leaf).__name__} ({leaf!r:.60}), "
-        "not an array: sow pytrees of arrays only (mark other values static)"
-    )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:  # only to name the leaf
+        if not _is_array_leaf(leaf):
+            raise ValueError(
+                f"sow {name!r}: the leaf at {jax.tree_util.keystr(path) or '<root>'} is a "
+                f"{type(leaf).__name__} ({leaf!r:.60}), not an array: sow pytrees of arrays "
+                "only (mark other values static)"
+            )
 
 
 def _as_array_leaf(leaf: Any) -> Any:
@@ -344,9 +351,8 @@ def sow(
     if every is not None:
         check_positive_int(every, "sow every")
     # Validated whatever is enabled: turning streaming on never breaks a working program.
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
-    for path, leaf in paths_leaves:
-        _check_leaf(leaf, path, name)
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    _check_leaves(value, leaves, name)
     name = naming.scoped(name)
     ctx = current_context()
     if ctx is None:
@@ -361,7 +367,7 @@ def sow(
             f"sow {name!r} is inside a while_loop cond function: its value can never be captured "
             "or streamed there; sow it in the body (or before the loop) instead"
         )
-    leaves = [_as_array_leaf(leaf) for _, leaf in paths_leaves]
+    leaves = [_as_array_leaf(leaf) for leaf in leaves]
     if not leaves:
         return value
     extras: list[Any] = []
