@@ -259,17 +259,17 @@ def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
     instead of the function: the outputs then come from the user's rule, the captured values
     from running the function, with their own derivatives.
     """
-    closed = eqn.params["call_jaxpr"]
+    inline = _inline("call_jaxpr")
     meta: list[_Captured] = []
 
     def captures(*args: Any) -> list[Any]:
-        _, caps = _eval(closed.jaxpr, closed.consts, list(args))
+        _, caps = inline(eqn, list(args))
         meta[:] = caps
         return _flat(caps)
 
     @jax.custom_jvp
     def fun(*args: Any) -> tuple[list[Any], list[Any]]:
-        outs, caps = _eval(closed.jaxpr, closed.consts, list(args))
+        outs, caps = inline(eqn, list(args))
         meta[:] = caps
         return outs, _flat(caps)
 

@@ -268,6 +268,12 @@ def test_vmap_gives_the_derivative_the_primal_batch_axis(fn, wrap: str) -> None:
     assert inter["x"]["primal"].shape == inter["x"]["cotangent"].shape == (3, 4)
     expected = jax.vmap(jax.grad(lambda x, e: fn(x, e), argnums=1))(xs, jnp.zeros((3, 4)))
     np.testing.assert_allclose(inter["x"]["cotangent"], expected, rtol=1e-6)
+    with sowtel.enable(exporter="memory") as session:  # one record carries the whole batch
+        jax.jit(wrapped)(xs)
+    records = _by_name_mode(_records(session))
+    assert records[("x", "cotangent")].shape == records[("x", "primal")].shape == (3, 4)
+    np.testing.assert_allclose(records[("x", "cotangent")].stats["mean"],
+                               float(np.mean(expected)), rtol=1e-5)
 
 
 def test_vmap_gives_the_tangent_the_primal_batch_axis() -> None:
