@@ -2,7 +2,9 @@
 
 A site's name is the name given to :func:`sowtel.sow`, prefixed by every enclosing
 :func:`scope` (joined with ``/``). Scopes are read when the sow is traced, so they work the same
-in eager code, inside ``jax.jit``, for streaming and for :func:`sowtel.save_intermediates`.
+in eager code, inside ``jax.jit``, for streaming and for :func:`sowtel.save_intermediates`; the
+current scope is part of the jit cache key, so a jitted function called under two scopes is
+traced (and named) once under each.
 
 A name sown more than once in one traced program (a block called three times) is never merged
 into one series: ``save_intermediates(duplicates="number")`` and streaming both name the
@@ -33,6 +35,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from sowtel import _jax_compat as jc
 
 if TYPE_CHECKING:
@@ -40,30 +44,26 @@ if TYPE_CHECKING:
 
 __all__ = ["scope", "scoped", "runs_backward", "numbered", "number_in_program"]
 
-_SCOPES = threading.local()
+# The current prefix is part of every jit cache key: a jitted function called under two scopes
+# is traced once per scope, so its sites get both names rather than the first one twice.
+_PREFIX = jax.make_user_context(None)
 _open = 0  # scopes open in all threads together
 _open_lock = threading.Lock()
 
 
-def _stack() -> list[str | None]:
-    stack: list[str | None] | None = getattr(_SCOPES, "stack", None)
-    if stack is None:
-        stack = _SCOPES.stack = []
-    return stack
-
-
 def current_prefix() -> str | None:
     """The prefix that sows traced now get (``None`` outside any scope)."""
-    stack = _stack()
-    return stack[-1] if stack else None
+    if not _open:
+        return None
+    value = _PREFIX.value
+    return value if isinstance(value, str) else None
 
 
 def scoped(name: str) -> str:
     """``name`` under the current scope (``name`` itself outside any scope)."""
     if not _open:  # no scope open in any thread: the common case costs one global read
         return name
-    stack = getattr(_SCOPES, "stack", None)
-    prefix = stack[-1] if stack else None
+    prefix = current_prefix()
     return name if prefix is None else f"{prefix}/{name}"
 
 
@@ -102,14 +102,12 @@ def scope(prefix: str) -> Iterator[None]:
 def absolute_prefix(prefix: str | None) -> Iterator[None]:
     """Sows traced inside are named ``<prefix>/<name>``, whatever scopes enclose this one."""
     global _open
-    stack = _stack()
-    stack.append(prefix)
     with _open_lock:
         _open += 1
     try:
-        yield
+        with _PREFIX(prefix):
+            yield
     finally:
-        stack.pop()
         with _open_lock:
             _open -= 1
 

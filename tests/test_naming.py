@@ -65,6 +65,23 @@ def test_scope_is_read_when_the_sow_is_traced() -> None:
     assert list(inter) == ["a/b/c/h"]
 
 
+def test_a_jitted_function_called_under_two_scopes_gets_both_names() -> None:
+    inner = jax.jit(lambda x: jnp.sin(sow(x, "h")))
+
+    def f(x):
+        with sowtel.scope("first"):
+            y = inner(x)
+        with sowtel.scope("second"):
+            return inner(y).sum()
+
+    _, inter = save_intermediates(f)(X)
+    assert list(inter) == ["first/h", "second/h"]
+    np.testing.assert_allclose(inter["second/h"]["primal"], np.sin(np.asarray(X)), rtol=1e-6)
+    with sowtel.enable(exporter="memory") as session:
+        jax.jit(f)(X)
+    assert sorted(r.name for r in _records(session)) == ["first/h", "second/h"]
+
+
 @pytest.mark.parametrize(
     ("prefix", "message"),
     [("", "sowtel.scope prefix must be non-empty"), ("a//b", "empty segment"),
