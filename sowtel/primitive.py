@@ -353,6 +353,11 @@ def sow(
     # Validated whatever is enabled: turning streaming on never breaks a working program.
     leaves, treedef = jax.tree_util.tree_flatten(value)
     _check_leaves(value, leaves, name)
+    if jc.traced_for() == "while_cond":
+        raise ValueError(
+            f"sow {name!r} is inside a while_loop cond function: its value can never be captured "
+            "or streamed there; sow it in the body (or before the loop) instead"
+        )
     name = naming.scoped(name)
     ctx = current_context()
     if ctx is None:
@@ -362,11 +367,6 @@ def sow(
     streams = not ctx.quiet and policy is not None and policy.selects(name, tag)
     if not (capture or streams):
         return value
-    if jc.traced_for() == "while_cond":
-        raise ValueError(
-            f"sow {name!r} is inside a while_loop cond function: its value can never be captured "
-            "or streamed there; sow it in the body (or before the loop) instead"
-        )
     leaves = [_as_array_leaf(leaf) for leaf in leaves]
     if not leaves:
         return value

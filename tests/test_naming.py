@@ -200,6 +200,9 @@ BAD_CALLS = {
     "bad name": (lambda x: sow(x, "a b"), r"sow name 'a b' has the character\(s\) ' '"),
     "bad tag": (lambda x: sow(x, "ok", tag=""), "sow tag must be a non-empty str"),
     "dot-dot segment": (lambda x: sow(x, "ok/../up"), "has a '..' segment"),
+    "while cond": (lambda x: jax.lax.while_loop(lambda c: sow(c, "in_cond").sum() < 3.0,
+                                                lambda c: c + 1.0, x),
+                   "'in_cond' is inside a while_loop cond function"),
 }
 
 
