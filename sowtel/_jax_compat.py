@@ -223,8 +223,11 @@ def branch_path(ctx: Any) -> tuple[tuple[int, int], ...]:
     """
     from jax._src.lib.mlir import ir
 
-    path = []
-    block = ir.InsertionPoint.current.block
+    path: list[tuple[int, int]] = []
+    try:
+        block = ir.InsertionPoint.current.block
+    except ValueError:  # no insertion point: not inside a branch's region
+        return ()
     while True:
         owner = block.owner
         if owner is None:

@@ -311,7 +311,8 @@ def sow(
     Args:
       value: a pytree of arrays; returned as it is.
       name: letters, digits and ``_ - . /``; ``/`` makes hierarchy (``"block0/attn"``). No empty,
-        ``.`` or ``..`` segment and no leading ``/``.
+        ``.`` or ``..`` segment and no leading ``/``. Enclosing :func:`sowtel.scope` prefixes
+        are prepended; a name sown several times in one program is numbered (``name_0``, ...).
       tag: sites are selected by tag (``save_intermediates(tag=...)``, ``enable(tags=...)``).
       summary: what streaming sends for this site (``"full"``, ``"stats"``, ``"histogram"``,
         ``"health"``, ``"shape"``); ``None`` takes the session's default.
