@@ -56,8 +56,9 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
-    "as_jaxpr", "effects_barrier", "is_tracing", "jaxpr_and_consts",
-    "manual_axes", "scan_split_counts", "traced_for",
+    "as_jaxpr", "branch_path", "effects_barrier", "is_tracing", "jaxpr_and_consts",
+    "manual_axes", "module_state", "register_uncached_lowering", "scan_split_counts",
+    "traced_for",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2", "0.11.2", "0.12.0.1")
@@ -273,3 +274,61 @@ def effects_barrier() -> Exception | None:
         tokens.clear()
         return error
     return None
+
+
+_MODULE_STATE_KEY = ("sowtel", "module_state")
+
+
+def module_state(ctx: Any) -> dict[Any, Any]:
+    """A dict that lives as long as the program being lowered (one per compiled module).
+
+    Stored in the module context's dict of cached lowerings, whose other keys are JAX's own
+    tuples of jaxprs and parameters.
+    """
+    cache = ctx.module_context.cached_primitive_lowerings
+    state: dict[Any, Any] = cache.setdefault(_MODULE_STATE_KEY, {})
+    return state
+
+
+def register_uncached_lowering(prim: Any, rule: Any) -> None:
+    """Registers ``rule`` so that every equation of ``prim`` is lowered on its own.
+
+    JAX lowers equal equations (same parameters and shapes) once and calls the result; sites
+    that must stay apart in the compiled program (one per occurrence) opt out of that cache.
+    """
+    try:
+        mlir.register_lowering(prim, rule, cacheable=False)
+    except TypeError:  # pragma: no cover - a JAX without the lowering cache
+        mlir.register_lowering(prim, rule)
+
+
+def branch_path(ctx: Any) -> tuple[tuple[int, int], ...]:
+    """``((case op, branch index), ...)`` of the cond/switch branches being lowered, outermost
+    first, read from the MLIR insertion point (the case op as an opaque key).
+
+    Stops at a function boundary: a sow inside a jitted function called from a branch does
+    not see the branch.
+    """
+    from jax._src.lib.mlir import ir
+
+    path: list[tuple[int, int]] = []
+    try:
+        block = ir.InsertionPoint.current.block
+    except ValueError:  # no insertion point: not inside a branch's region
+        return ()
+    while True:
+        owner = block.owner
+        if owner is None:
+            break
+        op = owner.operation
+        if op.name == "stablehlo.case":
+            for i, region in enumerate(op.regions):
+                if any(b == block for b in region.blocks):
+                    path.append((hash(op), i))
+        if op.name.startswith("func."):
+            break
+        try:
+            block = op.block
+        except (ValueError, AttributeError):  # a detached op: no enclosing block
+            break
+    return tuple(reversed(path))

@@ -48,6 +48,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sowtel import _jax_compat as jc
+from sowtel import naming
 from sowtel.primitive import CONTEXT, Context, check_tag, current_context, sow_p
 
 __all__ = ["Intermediates", "save_intermediates"]
@@ -244,6 +245,37 @@ def _inline(key: str) -> Callable[[Any, list[Any]], tuple[list[Any], list[_Captu
     return rule
 
 
+def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    """Captures inside a ``custom_jvp`` function, keeping its rule for transformations outside.
+
+    Where ``save_intermediates`` is itself differentiated, JAX runs the function's jvp rule
+    instead of the function: the outputs then come from the user's rule, the captured values
+    from running the function, with their own derivatives.
+    """
+    inline = _inline("call_jaxpr")
+    meta: list[_Captured] = []
+
+    def captures(*args: Any) -> list[Any]:
+        _, caps = inline(eqn, list(args))
+        meta[:] = caps
+        return _flat(caps)
+
+    @jax.custom_jvp
+    def fun(*args: Any) -> tuple[list[Any], list[Any]]:
+        outs, caps = inline(eqn, list(args))
+        meta[:] = caps
+        return outs, _flat(caps)
+
+    @fun.defjvp
+    def fun_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
+        outs, outs_dot = jax.jvp(lambda *a: _bind_plain(eqn, list(a)), primals, tangents)
+        flat, flat_dot = jax.jvp(captures, primals, tangents)
+        return (outs, flat), (outs_dot, flat_dot)
+
+    outs, flat = fun(*invals)
+    return list(outs), _unflat(meta, flat)
+
+
 def _remat_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     jaxpr = eqn.params["jaxpr"]
     meta: list[_Captured] = []
@@ -382,7 +414,7 @@ _RULES: dict[str, Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]]
     "pjit": _inline("jaxpr"),
     "closed_call": _inline("call_jaxpr"),
     "core_call": _inline("call_jaxpr"),
-    "custom_jvp_call": _inline("call_jaxpr"),
+    "custom_jvp_call": _custom_jvp_rule,
     "custom_vjp_call": _inline("call_jaxpr"),
     "custom_vjp_call_jaxpr": _inline("fun_jaxpr"),
     "remat2": _remat_rule,
@@ -396,11 +428,6 @@ _RULES: dict[str, Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]]
 
 # ---------------------------------------------------------------------------------------------
 # Assembling {name: {mode: value}}.
-
-
-def _runs_backward(mode: str) -> bool:
-    # Backward passes run sites in reverse, so cotangent occurrences are numbered from the end.
-    return "cotangent" in mode.split(".")
 
 
 def _mode_rank(mode: str) -> tuple[int, int, str]:
@@ -431,9 +458,9 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
                 f"{name}_0, {name}_1, ..."
             )
         for mode, group in modes:
-            ordered = list(reversed(group)) if _runs_backward(mode) else group
+            ordered = list(reversed(group)) if naming.runs_backward(mode) else group
             for i, c in enumerate(ordered):
-                key = f"{name}_{i}" if repeated else name
+                key = naming.numbered(name, i) if repeated else name
                 value = jax.tree_util.tree_unflatten(c.treedef, c.leaves)
                 site = result.setdefault(key, Intermediates())
                 site[mode] = value
@@ -541,7 +568,8 @@ def save_intermediates(
                 out_store.append(out_tree)
                 return leaves
 
-            with CONTEXT(Context(session=ctx.session, capture=tag)):
+            # Under disable_jit, lax.scan would unroll while tracing: one site per iteration.
+            with CONTEXT(Context(session=ctx.session, capture=tag)), jax.disable_jit(False):
                 closed = jax.make_jaxpr(flat_fn)(*dyn)
             outs, caps = _eval(*jc.jaxpr_and_consts(closed), list(dyn))
             result = jax.tree_util.tree_unflatten(out_store[-1], outs)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sowtel import _jax_compat as jc
+from sowtel import naming
 from sowtel.records import SUMMARIES
 from sowtel.summaries import ARRAYS_PER_LEAF, DEFAULT_BINS, device_summary
 
@@ -132,17 +133,27 @@ def check_positive_int(value: Any, what: str) -> int:
     return int(value)
 
 
-def _as_array_leaf(leaf: Any, path: str, name: str) -> Any:
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or (
-        hasattr(leaf, "aval") and hasattr(leaf, "dtype")
-    ):
-        return leaf
-    if isinstance(leaf, (bool, int, float, complex)):
-        return jnp.asarray(leaf)
-    raise ValueError(
-        f"sow {name!r}: the leaf at {path or '<root>'} is a {type(leaf).__name__} ({leaf!r:.60}), "
-        "not an array: sow pytrees of arrays only (mark other values static)"
-    )
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _is_array_leaf(leaf: Any) -> bool:
+    return isinstance(leaf, _ARRAY_TYPES) or (hasattr(leaf, "aval") and hasattr(leaf, "dtype"))
+
+
+def _check_leaves(value: Any, leaves: list[Any], name: str) -> None:
+    if all(map(_is_array_leaf, leaves)):
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:  # only to name the leaf
+        if not _is_array_leaf(leaf):
+            raise ValueError(
+                f"sow {name!r}: the leaf at {jax.tree_util.keystr(path) or '<root>'} is a "
+                f"{type(leaf).__name__} ({leaf!r:.60}), not an array: sow pytrees of arrays "
+                "only (mark other values static)"
+            )
+
+
+def _as_array_leaf(leaf: Any) -> Any:
+    return jnp.asarray(leaf) if isinstance(leaf, (bool, int, float, complex)) else leaf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,7 +249,9 @@ class SiteStatic:
     every: int | None
     # ((length, reverse), ...) of enclosing scans, outermost first; None inside a while_loop.
     loops: tuple[tuple[int, bool], ...] | None
-    extras: tuple[str, ...] = ()  # extra operands after the leaves: "step", "shard"
+    # Extra operands after the leaves: "batch" (derivative sites: a zero-size slice of the
+    # primal, so vmap batches the derivative whenever it batches the primal), "step", "shard".
+    extras: tuple[str, ...] = ()
 
     def transposed(self) -> SiteStatic:
         loops = None if self.loops is None else tuple((n, not r) for n, r in self.loops)
@@ -298,7 +311,8 @@ def sow(
     Args:
       value: a pytree of arrays; returned as it is.
       name: letters, digits and ``_ - . /``; ``/`` makes hierarchy (``"block0/attn"``). No empty,
-        ``.`` or ``..`` segment and no leading ``/``.
+        ``.`` or ``..`` segment and no leading ``/``. Enclosing :func:`sowtel.scope` prefixes
+        are prepended; a name sown several times in one program is numbered (``name_0``, ...).
       tag: sites are selected by tag (``save_intermediates(tag=...)``, ``enable(tags=...)``).
       summary: what streaming sends for this site (``"full"``, ``"stats"``, ``"histogram"``,
         ``"health"``, ``"shape"``); ``None`` takes the session's default.
@@ -337,6 +351,15 @@ def sow(
         raise ValueError(f"sow summary={summary!r} is not a summary: use one of {SUMMARIES}")
     if every is not None:
         check_positive_int(every, "sow every")
+    # Validated whatever is enabled: turning streaming on never breaks a working program.
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    _check_leaves(value, leaves, name)
+    if jc.traced_for() == "while_cond":
+        raise ValueError(
+            f"sow {name!r} is inside a while_loop cond function: its value can never be captured "
+            "or streamed there; sow it in the body (or before the loop) instead"
+        )
+    name = naming.scoped(name)
     ctx = current_context()
     if ctx is None:
         return value
@@ -345,15 +368,7 @@ def sow(
     streams = not ctx.quiet and policy is not None and policy.selects(name, tag)
     if not (capture or streams):
         return value
-    if jc.traced_for() == "while_cond":
-        raise ValueError(
-            f"sow {name!r} is inside a while_loop cond function: its value can never be captured "
-            "or streamed there; sow it in the body (or before the loop) instead"
-        )
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
-    leaves = [
-        _as_array_leaf(leaf, jax.tree_util.keystr(path), name) for path, leaf in paths_leaves
-    ]
+    leaves = [_as_array_leaf(leaf) for leaf in leaves]
     if not leaves:
         return value
     extras: list[Any] = []
@@ -421,6 +436,10 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str,
         site_t = dataclasses.replace(site, treedef=jax.tree_util.tree_structure(skeleton))
     chosen = [jc.ad.instantiate_zeros(t) for t, d in zip(leaves_t, differentiable, strict=True)
               if d]
+    if "batch" not in site_t.extras:
+        witness = jax.lax.slice(jnp.ravel(primals[differentiable.index(True)]), (0,), (0,))
+        extras = [witness, *extras]
+        site_t = dataclasses.replace(site_t, extras=("batch", *site_t.extras))
     reported = iter(_bind(chosen, extras, site_t, jvp_mode(mode)))
     return out, [next(reported) if d else t
                  for t, d in zip(leaves_t, differentiable, strict=True)]
@@ -444,12 +463,18 @@ def _sow_batch(args: Any, dims: Any, *, site: SiteStatic, **params: Any) -> tupl
     leaves, extras = _split(args, site)
     leaf_dims, extra_dims = _split(dims, site)
     not_mapped = None
-    if any(d is not not_mapped for d in extra_dims):
+    if any(d is not not_mapped for k, d in zip(site.extras, extra_dims, strict=True)
+           if k != "batch"):
         raise ValueError(
             f"sow {site.name!r}: the at_step step (or shard index) is batched by vmap; "
             "enter at_step outside the vmapped function"
         )
     sizes = [x.shape[d] for x, d in zip(leaves, leaf_dims, strict=True) if d is not not_mapped]
+    if "batch" in site.extras and not sizes:
+        # A derivative whose primal is batched carries the batch axis too (broadcast).
+        i = site.extras.index("batch")
+        if extra_dims[i] is not not_mapped:
+            sizes = [extras[i].shape[extra_dims[i]]]
     if not sizes:
         return sow_p.bind(*args, site=site, **params), list(dims[: len(leaves)])
     size = sizes[0]
@@ -575,7 +600,8 @@ def _deliver(site: StreamSite, *arrays: np.ndarray) -> None:
 
 
 def _emit_lowering(ctx: Any, *args: Any, site: StreamSite) -> list[Any]:
-    jc.emit_host_callback(ctx, lambda *a: _deliver(site, *a), args, ctx.avals_in)
+    named = naming.number_in_program(ctx, site)  # a name repeated in the program gets numbered
+    jc.emit_host_callback(ctx, lambda *a: _deliver(named(), *a), args, ctx.avals_in)
     return []
 
 
@@ -594,6 +620,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
         bins=DEFAULT_BINS, loops=site.loops, extras=site.extras, order=next(_lowering_order),
     )
+    naming.note_branches(ctx, info)
 
     def on_device(*operands: Any) -> list[Any]:
         values, extras = _split(operands, site)
@@ -613,4 +640,4 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
     return leaves
 
 
-jc.mlir.register_lowering(sow_p, _sow_lowering)
+jc.register_uncached_lowering(sow_p, _sow_lowering)  # one host callback per occurrence

@@ -1,0 +1,225 @@
+"""Naming sites: ``scope`` prefixes, and numbering a name sown more than once in one program.
+
+A site's name is the name given to :func:`sowtel.sow`, prefixed by every enclosing
+:func:`scope` (joined with ``/``). Scopes are read when the sow is traced, so they work the same
+in eager code, inside ``jax.jit``, for streaming and for :func:`sowtel.save_intermediates`; the
+current scope is part of the jit cache key, so a jitted function called under two scopes is
+traced (and named) once under each.
+
+A name sown more than once in one traced program (a block called three times) is never merged
+into one series: ``save_intermediates(duplicates="number")`` and streaming both name the
+occurrences ``name_0``, ``name_1``, ... in trace order (cotangents carry the number of their
+primal), and streaming warns once per name. Occurrences of a sow inside one separately jitted
+function that is called several times share one compiled body: they cannot be told apart while
+streaming, so give them distinct names with :func:`scope`.
+
+Example:
+    >>> import jax, jax.numpy as jnp, sowtel
+    >>> def block(x):
+    ...     return jnp.tanh(sowtel.sow(x, "act"))
+    >>> def model(x):
+    ...     for i in range(2):
+    ...         with sowtel.scope(f"block{i}"):
+    ...             x = block(x)
+    ...     return x.sum()
+    >>> _, inter = sowtel.save_intermediates(model)(jnp.ones(2))
+    >>> list(inter)
+    ['block0/act', 'block1/act']
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from sowtel import _jax_compat as jc
+
+if TYPE_CHECKING:
+    from sowtel.primitive import StreamSite
+
+__all__ = ["scope", "scoped", "runs_backward", "numbered", "number_in_program"]
+
+# The current prefix is part of every jit cache key: a jitted function called under two scopes
+# is traced once per scope, so its sites get both names rather than the first one twice.
+_PREFIX = jax.make_user_context(None)
+_open = 0  # scopes open in all threads together
+_open_lock = threading.Lock()
+
+
+def current_prefix() -> str | None:
+    """The prefix that sows traced now get (``None`` outside any scope)."""
+    if not _open:
+        return None
+    value = _PREFIX.value
+    return value if isinstance(value, str) else None
+
+
+def scoped(name: str) -> str:
+    """``name`` under the current scope (``name`` itself outside any scope)."""
+    if not _open:  # no scope open in any thread: the common case costs one global read
+        return name
+    prefix = current_prefix()
+    return name if prefix is None else f"{prefix}/{name}"
+
+
+@contextmanager
+def scope(prefix: str) -> Iterator[None]:
+    """Names every sow traced inside ``<prefix>/<name>``; scopes nest with ``/``.
+
+    ``prefix`` follows the rules of sow names (letters, digits, ``_ - . /``; no empty, ``.`` or
+    ``..`` segment, no leading ``/``). The scope is read when a sow is traced: wrap the code that
+    calls the sows (inside the jitted function, or around a module's call), in eager code and
+    traced code alike; it names streamed records and :func:`sowtel.save_intermediates` keys the
+    same way.
+
+    Example:
+        >>> import jax.numpy as jnp, sowtel
+        >>> def f(x):
+        ...     with sowtel.scope("encoder"):
+        ...         with sowtel.scope("layer0"):
+        ...             x = sowtel.sow(x * 2.0, "act")
+        ...     return x.sum()
+        >>> _, inter = sowtel.save_intermediates(f)(jnp.ones(2))
+        >>> list(inter)
+        ['encoder/layer0/act']
+    """
+    from sowtel.primitive import check_name  # primitive imports this module
+
+    try:
+        check_name(prefix)
+    except ValueError as err:
+        raise ValueError(str(err).replace("sow name", "sowtel.scope prefix", 1)) from None
+    with absolute_prefix(scoped(prefix)):
+        yield
+
+
+@contextmanager
+def absolute_prefix(prefix: str | None) -> Iterator[None]:
+    """Sows traced inside are named ``<prefix>/<name>``, whatever scopes enclose this one."""
+    global _open
+    with _open_lock:
+        _open += 1
+    try:
+        with _PREFIX(prefix):
+            yield
+    finally:
+        with _open_lock:
+            _open -= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Repeated names: one rule for capture and for streaming.
+
+
+def runs_backward(mode: str) -> bool:
+    """Backward passes run sites in reverse, so these modes are numbered from the end."""
+    return "cotangent" in mode.split(".")
+
+
+def numbered(name: str, occurrence: int) -> str:
+    """The name of occurrence ``occurrence`` of a repeated ``name``."""
+    return f"{name}_{occurrence}"
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_repeated(name: str) -> None:
+    with _warned_lock:
+        if name in _warned:
+            return
+        _warned.add(name)
+    warnings.warn(
+        f"sow name {name!r} is used more than once in one program: streaming names the "
+        f"occurrences {numbered(name, 0)!r}, {numbered(name, 1)!r}, ... in trace order (as "
+        "save_intermediates(duplicates='number') does). Give each a distinct name with "
+        "sowtel.scope or sowtel.flax.sow. A sow inside one separately jitted function that is "
+        "called several times is compiled once, so its occurrences cannot be told apart: they "
+        "stream as one site",
+        stacklevel=2,
+    )
+
+
+class NumberedSite:
+    """A streaming site and the others of its name in the same program.
+
+    Its name is settled on the first callback, when the whole program has been lowered: until
+    then it is not known whether the name repeats.
+    """
+
+    __slots__ = ("_site", "_slot", "_slots", "_resolved")
+
+    def __init__(self, site: StreamSite, slot: int, slots: list[int]) -> None:
+        self._site = site
+        self._slot = slot
+        self._slots = slots  # [number of occurrences of the name in the program], shared
+        self._resolved: StreamSite | None = None
+
+    def __call__(self) -> StreamSite:
+        resolved = self._resolved
+        if resolved is None:
+            resolved = self._resolved = self._resolve()
+        return resolved
+
+    def _resolve(self) -> StreamSite:
+        import dataclasses
+
+        site = self._site
+        count = self._slots[0]
+        if count == 1:
+            return site
+        occurrence = count - 1 - self._slot if runs_backward(site.mode) else self._slot
+        name = numbered(site.name, occurrence)
+        return dataclasses.replace(
+            site, name=name,
+            leaf_names=tuple(name + leaf[len(site.name):] for leaf in site.leaf_names))
+
+
+def _occurrence(earlier: list[tuple[Any, tuple[int, ...], int]],
+                path: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], int | None]:
+    """Per branch level, how many earlier sites share the branch; and the occurrence this site
+    shares with a site in a sibling branch of the same cond (as capture unites branches)."""
+    counts = tuple(
+        sum(1 for p, _, _ in earlier if p[:level + 1] == path[:level + 1])
+        for level in range(len(path)))
+    for p, c, slot in earlier:
+        for level in range(min(len(p), len(path))):
+            if p[:level] != path[:level]:
+                break
+            if p[level][0] == path[level][0] and p[level][1] != path[level][1]:
+                if c[level] == counts[level]:
+                    return counts, slot
+                break
+    return counts, None
+
+
+def number_in_program(ctx: Any, site: StreamSite) -> NumberedSite:
+    """Notes ``site`` among the sites of the program being lowered (lowering follows trace order).
+
+    Called by the streaming lowering with the lowering context of the sow; returns what the host
+    callback calls to get the site under its final name. Sites of one name in sibling branches
+    of a cond/switch are one occurrence, as ``save_intermediates`` unites them.
+    """
+    program = jc.module_state(ctx)
+    path = program.pop(("branch_path", site), None) or ()
+    earlier = program.setdefault((site.name, site.mode), [])
+    slots = program.setdefault(("slots", site.name, site.mode), [0])
+    counts, slot = _occurrence(earlier, path)
+    if slot is None:
+        slot = slots[0]
+        slots[0] += 1
+        if slot == 1:
+            _warn_repeated(site.name)
+    earlier.append((path, counts, slot))
+    return NumberedSite(site, slot, slots)
+
+
+def note_branches(ctx: Any, site: StreamSite) -> None:
+    """Notes which cond/switch branches enclose ``site`` (for :func:`number_in_program`)."""
+    jc.module_state(ctx)[("branch_path", site)] = jc.branch_path(ctx)
