@@ -77,7 +77,12 @@ def compiled_records(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step
         kinds = [kind for kind, _ in entry.stacked]
         order = [i for i, k in enumerate(kinds) if k == "shard"] + [
             i for i, k in enumerate(kinds) if k != "shard"]
-        for pos in np.ndindex(ran.shape):
+        # Positions in the order the program ran them: a reversed scan from its last iteration.
+        reverse = iter([r for _, r in entry.site.loops or ()])
+        backward = [k == "scan" and next(reverse, False) for k in kinds]
+        for step_pos in np.ndindex(ran.shape):
+            pos = tuple(n - 1 - p if b else p
+                        for p, n, b in zip(step_pos, ran.shape, backward, strict=True))
             if not ran[pos]:
                 continue
             records.extend(summary_records(
