@@ -50,9 +50,15 @@ import numpy as np
 from sowtel import _jax_compat as jc
 from sowtel import capture, naming
 from sowtel.primitive import (
-    CONTEXT, Context, StreamConfig, StreamSite, current_context, host_step, leaf_names,
+    CONTEXT,
+    Context,
+    StreamConfig,
+    StreamSite,
+    current_context,
+    host_step,
+    leaf_names,
 )
-from sowtel.summaries import ARRAYS_PER_LEAF, DEFAULT_BINS, device_summary
+from sowtel.summaries import DEFAULT_BINS, device_summary
 
 __all__ = ["jit", "Jitted", "CompiledSummaries"]
 

@@ -42,7 +42,13 @@ from sowtel.build import compiled_records, summary_records
 from sowtel.dispatcher import Dispatcher
 from sowtel.exporters import Exporter, resolve
 from sowtel.primitive import (
-    CONTEXT, RECEIVERS, Context, Globs, StreamConfig, StreamSite, check_positive_int,
+    CONTEXT,
+    RECEIVERS,
+    Context,
+    Globs,
+    StreamConfig,
+    StreamSite,
+    check_positive_int,
 )
 from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record
 from sowtel.summaries import check_summary
