@@ -48,7 +48,7 @@ import sowtel
 __all__ = [
     "Tap", "Workload", "mlp", "transformer_block", "no_tap", "debug_tap", "make_train_step",
     "make_returning_train_step", "make_returning_value_and_grad", "site_shapes",
-    "reference_workloads",
+    "reference_workloads", "gpt", "gpt_reduced",
 ]
 
 #: ``tap(x, name) -> x``: what a model does at each site.
@@ -286,6 +286,71 @@ def transformer_block(*, d_model: int = 256, heads: int = 4, seq: int = 128, bat
                     f"value_and_grad + Adam, {len(sites)} sites",
         sites=sites, loss=loss, optimizer=optax.adam(1e-4), params=params, batch=(x, y),
     )
+
+
+def gpt(*, layers: int = 12, d_model: int = 768, heads: int = 12, seq: int = 512,
+        batch: int = 16, vocab: int = 8192, mlp_ratio: int = 4, seed: int = 0) -> Workload:
+    """A GPT-style decoder: token and position embeddings, ``layers`` pre-norm causal blocks,
+    tied output projection, next-token cross-entropy, Adam.
+
+    Two sites a layer: ``layer{i}/attn/out`` (the attention output) and ``layer{i}/mlp/hidden``
+    (the MLP hidden activation). The defaults are the full size (a GPU workload); on CPU run it
+    smaller (see :func:`gpt_reduced`).
+    """
+    if d_model % heads:
+        raise ValueError(f"d_model={d_model} must be divisible by heads={heads}")
+    keys = iter(jax.random.split(jax.random.key(seed), 4 * layers + 4))
+    ones, zeros = jnp.ones((d_model,), jnp.float32), jnp.zeros((d_model,), jnp.float32)
+    blocks = [{
+        "ln1": {"scale": ones, "bias": zeros},
+        "qkv": _dense_init(next(keys), d_model, 3 * d_model),
+        "proj": _dense_init(next(keys), d_model, d_model),
+        "ln2": {"scale": ones, "bias": zeros},
+        "up": _dense_init(next(keys), d_model, mlp_ratio * d_model),
+        "down": _dense_init(next(keys), mlp_ratio * d_model, d_model),
+    } for _ in range(layers)]
+    params = {
+        "embed": jax.random.normal(next(keys), (vocab, d_model), jnp.float32) * 0.02,
+        "pos": jax.random.normal(next(keys), (seq, d_model), jnp.float32) * 0.02,
+        "blocks": blocks,
+        "ln_f": {"scale": ones, "bias": zeros},
+    }
+    tokens = jax.random.randint(next(keys), (batch, seq + 1), 0, vocab)
+    head_dim = d_model // heads
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+
+    def loss(params: Any, batch: Any, tap: Tap) -> jax.Array:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        b, s = inputs.shape
+        x = params["embed"][inputs] + params["pos"][:s]
+        for i, p in enumerate(params["blocks"]):
+            h = _layer_norm(x, p["ln1"])
+            qkv = h @ p["qkv"]["w"] + p["qkv"]["b"]
+            q, k_, v = jnp.split(qkv.reshape(b, s, 3 * heads, head_dim), 3, axis=2)
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_) / math.sqrt(head_dim)
+            probs = jax.nn.softmax(jnp.where(causal[:s, :s], scores, -1e9), axis=-1)
+            attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d_model)
+            x = x + tap(attn @ p["proj"]["w"] + p["proj"]["b"], f"layer{i}/attn/out")
+            h2 = _layer_norm(x, p["ln2"])
+            m = tap(jax.nn.gelu(h2 @ p["up"]["w"] + p["up"]["b"]), f"layer{i}/mlp/hidden")
+            x = x + m @ p["down"]["w"] + p["down"]["b"]
+        logits = _layer_norm(x, params["ln_f"]) @ params["embed"].T
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    sites = tuple(f"layer{i}/{k}" for i in range(layers) for k in ("attn/out", "mlp/hidden"))
+    return Workload(
+        name="gpt",
+        description=f"GPT decoder {layers} layers, d={d_model}, {heads} heads, seq {seq}, "
+                    f"batch {batch}, vocab {vocab}, value_and_grad + Adam, {len(sites)} sites",
+        sites=sites, loss=loss, optimizer=optax.adam(1e-4), params=params, batch=tokens,
+    )
+
+
+def gpt_reduced() -> Workload:
+    """The GPT workload at a size a 2-core CPU runs in well under a second a step: 12 layers
+    (24 sites, as at full size), d_model 128, 4 heads, seq 64, batch 4, vocab 2048."""
+    return gpt(layers=12, d_model=128, heads=4, seq=64, batch=4, vocab=2048)
 
 
 def reference_workloads() -> list[Workload]:

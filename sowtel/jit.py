@@ -83,21 +83,47 @@ class SiteSummary:
 
 
 class CompiledSummaries:
-    """The extra outputs of a logging program: the arrays, and (static) what they are."""
+    """The extra outputs of a logging program: the summary arrays packed into one flat buffer
+    per dtype (one transfer each), and (static) what they are and where each one lies."""
 
-    def __init__(self, arrays: list[Any], sites: tuple[SiteSummary, ...]) -> None:
-        self.arrays = arrays
+    def __init__(self, buffers: list[Any], sites: tuple[SiteSummary, ...],
+                 layout: tuple[tuple[int, int, tuple[int, ...]], ...]) -> None:
+        self.buffers = buffers
         self.sites = sites
+        self.layout = layout  # per array: (buffer, offset, shape)
 
     @property
     def nbytes(self) -> int:
-        return sum(int(getattr(a, "nbytes", 0)) for a in self.arrays)
+        return sum(int(getattr(a, "nbytes", 0)) for a in self.buffers)
+
+    @staticmethod
+    def pack(arrays: list[Any]) -> tuple[list[Any], tuple[tuple[int, int, tuple[int, ...]], ...]]:
+        """Flattens ``arrays`` into one buffer per dtype; returns the buffers and the layout."""
+        groups: dict[str, list[Any]] = {}
+        layout = []
+        sizes: dict[str, int] = {}
+        for a in arrays:
+            key = str(a.dtype)
+            group = groups.setdefault(key, [])
+            layout.append((list(groups).index(key), sizes.get(key, 0), tuple(a.shape)))
+            sizes[key] = sizes.get(key, 0) + int(np.prod(a.shape, dtype=np.int64))
+            group.append(jnp.ravel(a))
+        buffers = [jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups.values()]
+        return buffers, tuple(layout)
+
+    def unpack(self, host_buffers: list[np.ndarray]) -> list[np.ndarray]:
+        """The arrays again, as views of the fetched ``host_buffers``."""
+        out = []
+        for b, offset, shape in self.layout:
+            n = int(np.prod(shape, dtype=np.int64))
+            out.append(host_buffers[b][offset:offset + n].reshape(shape))
+        return out
 
 
 jax.tree_util.register_pytree_node(
     CompiledSummaries,
-    lambda s: (s.arrays, s.sites),
-    lambda sites, arrays: CompiledSummaries(list(arrays), sites),
+    lambda s: (s.buffers, (s.sites, s.layout)),
+    lambda aux, buffers: CompiledSummaries(list(buffers), *aux),
 )
 
 
@@ -302,7 +328,8 @@ class Jitted:
                 sites.append(SiteSummary(site, c.stacked, len(c.leaves)))
                 arrays.extend(c.leaves)
             result = jax.tree_util.tree_unflatten(out_tree[-1], outs)
-            return result, CompiledSummaries(arrays, tuple(sites))
+            buffers, layout = CompiledSummaries.pack(arrays)
+            return result, CompiledSummaries(buffers, tuple(sites), layout)
 
         _sign(logging_step, fun)
         options = dict(self._options)

@@ -223,7 +223,8 @@ class Session:
         records: list[Record] = []
         for item in items:
             if isinstance(item, _Compiled):
-                host = jax.device_get(item.summaries.arrays)  # waits for the device, here
+                # Waits for the device, here: one transfer a buffer.
+                host = item.summaries.unpack(jax.device_get(item.summaries.buffers))
                 records.extend(compiled_records(
                     item.summaries.sites, host, step=item.step, seqs=self._seq,
                     wall_time=item.wall_time, process_index=self.process_index))
