@@ -9,6 +9,7 @@ memory is measured run in subprocesses with a time limit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -349,6 +350,22 @@ def test_jsonl_sidecar_folder_planted_after_opening_is_not_followed(tmp_path):
     assert line["value_file"] is None and "not saved" in line["value_error"]
 
 
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_tensorboard_never_follows_a_planted_per_process_run_folder(tmp_path):
+    from sowtel.exporters.tensorboard import TensorBoardExporter
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    exporter = TensorBoardExporter(logdir=tmp_path / "logs")
+    # As with several JAX processes, where each process's records go to logdir/process_<i>.
+    exporter._per_process_runs = True
+    (tmp_path / "logs" / "process_1").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(ValueError, match="symbolic link"):
+        exporter.write([dataclasses.replace(record(0), process_index=1)])
+    exporter.close()
+    assert list(outside.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- memory exporter
 
 
@@ -430,8 +447,6 @@ def test_tensorboard_refuses_an_empty_logdir(in_tmp):
         TensorBoardExporter(logdir="")
     with pytest.raises(ValueError, match="logdir='' is empty"):
         sowtel.enable(exporter="tensorboard", logdir="")
-    with pytest.raises(ValueError, match="logdir='' is empty"):
-        TensorBoardExporter(logdir=Path(""))  # Path("") is "."; refused as the same mistake
     assert list(in_tmp.iterdir()) == []
 
 
