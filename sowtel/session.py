@@ -40,6 +40,7 @@ import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel.dispatcher import Dispatcher
+from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
 from sowtel.primitive import CONTEXT, STREAMS, Context, StreamSite, check_positive_int
 from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record
@@ -247,6 +248,10 @@ class Session:
     def status(self) -> dict[str, Any]:
         s = dict(self.dispatcher.status())
         s.update(enabled=not self._closed, session=self.id, effect_errors=self._effect_errors)
+        # Records an exporter was handed (so counted as exported) and later let go of to stay
+        # within its own bound, such as the memory exporter's max_records.
+        s["evicted"] = {label: _evicted(e) for label, e in
+                        zip(_exporter_labels(self.exporters), self.exporters, strict=True)}
         return s
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -274,6 +279,11 @@ class Session:
     def __repr__(self) -> str:
         return (f"Session(id={self.id}, exporters={[type(e).__name__ for e in self.exporters]}, "
                 f"summary={self.summary!r}, tags={self.tags}, modes={self.modes})")
+
+
+def _evicted(exporter: Exporter) -> int:
+    n = getattr(exporter, "evicted", 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
 
 
 def _activate(session: Session | None) -> None:
@@ -409,7 +419,9 @@ def status() -> dict[str, Any]:
     """Counters of the active session: received, exported per exporter, dropped, errors, and
     the first non-finite record (step, name, mode). With nothing enabled: ``enabled=False`` and
     zero counts. ``effect_errors`` counts earlier failed computations that flushing met (and
-    went past).
+    went past). ``evicted`` counts, per exporter, records it was handed and later let go of to
+    stay within its own bound (the memory exporter's ``max_records``); they are counted as
+    exported too.
 
     Example:
         >>> import sowtel
@@ -419,7 +431,8 @@ def status() -> dict[str, Any]:
     session = active_session()
     if session is None:
         return {"enabled": False, "received": 0, "dropped": 0, "queued": 0, "exported": {},
-                "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0}
+                "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0,
+                "evicted": {}}
     return session.status()
 
 
