@@ -28,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import logging
+import math
 import sys
 import threading
 import time
@@ -71,10 +72,26 @@ def _check_patterns(value: Any, what: str) -> Callable[[str], bool] | None:
 
 
 def _check_strings(value: Any, what: str) -> tuple[str, ...]:
-    items = (value,) if isinstance(value, str) else tuple(value)
+    rule = f"{what}={value!r} must be a non-empty list of non-empty strings"
+    try:
+        items = (value,) if isinstance(value, str) else tuple(value)
+    except TypeError:  # not iterable: tags=42
+        raise ValueError(f"{rule}, such as ('intermediates',)") from None
     if not items or not all(isinstance(v, str) and v for v in items):
-        raise ValueError(f"{what}={value!r} must be a non-empty list of non-empty strings")
+        raise ValueError(rule)
     return items
+
+
+def _check_timeout(timeout: Any, what: str) -> float | None:
+    ok = timeout is None or (
+        isinstance(timeout, (int, float, np.integer, np.floating))
+        and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout >= 0)
+    if not ok:
+        raise ValueError(
+            f"{what} timeout={timeout!r} must be None or a number of seconds >= 0 (such as "
+            "30.0); None waits as long as it takes"
+        )
+    return None if timeout is None else float(timeout)
 
 
 class Session:
@@ -231,6 +248,7 @@ class Session:
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Blocks until every record accepted so far reached every exporter; False on timeout."""
+        timeout = _check_timeout(timeout, "flush")
         self._effects_barrier()
         return self.dispatcher.flush(timeout)
 
@@ -256,6 +274,7 @@ class Session:
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Flushes and closes this session (and resumes the one enabled before it)."""
+        timeout = _check_timeout(timeout, "disable")
         with _lock:
             if self._closed:
                 return
@@ -395,6 +414,7 @@ def disable(timeout: float | None = 30.0) -> None:
         >>> sowtel.status()["enabled"]
         False
     """
+    timeout = _check_timeout(timeout, "disable")
     session = active_session()
     if session is not None:
         session.close(timeout)
@@ -411,6 +431,7 @@ def flush(timeout: float | None = 30.0) -> bool:
         >>> sowtel.flush()
         True
     """
+    timeout = _check_timeout(timeout, "flush")
     session = active_session()
     return True if session is None else session.flush(timeout)
 
