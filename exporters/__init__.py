@@ -157,11 +157,11 @@ def resolve(spec: Any, **options: Any) -> list[Exporter]:
     out: list[Exporter] = []
     created: list[Exporter] = []
     try:
-        for factory, arg in plan:
-            if factory is None:
+        for make, arg in plan:
+            if make is None:
                 out.append(arg)
             else:
-                created.append(check_exporter(factory(**arg)))
+                created.append(check_exporter(make(**arg)))
                 out.append(created[-1])
     except BaseException:
         for exporter in created:  # nothing was enabled: release what was opened
