@@ -232,8 +232,8 @@ def printable(text: str) -> str:
     unchanged in the dump and in the JSON output (where JSON escapes them).
 
     Example:
-      >>> printable("h\x1b[2J") == "h\\x1b[2J"
-      True
+      >>> print(printable("h" + chr(27) + "[2J"))
+      h\\x1b[2J
     """
     if text.isprintable():
         return text
