@@ -934,6 +934,10 @@ def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
     found: dict[int, Path] = {}
     for child in p.iterdir():
         m = _STEP_FILE.match(child.name)
+        if m and child.exists() and not child.is_file() and not child.is_dir():
+            # A FIFO or a device named like a dump: refused, as load() refuses it, rather than
+            # silently leaving a step out.
+            raise _not_regular(child, child.stat().st_mode)
         if m and child.is_file():
             step = int(m.group(1))
             if step in found:

@@ -243,7 +243,9 @@ def test_a_fifo_is_refused_before_reading(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True,
                           text=True, env=ENV, timeout=LIMIT)
     assert "is not a regular file" in done.stdout and str(fifo) in done.stdout, done
-    for args in (("inspect", fifo), ("diff", fifo, fifo)):
+    dump({"h": {"primal": np.ones(2)}}, tmp_path, step=0)
+    for args in (("inspect", fifo), ("diff", fifo, fifo), ("inspect", tmp_path),
+                 ("diff", tmp_path, tmp_path)):
         done = cli(*args)
         assert done.returncode == 2 and "is not a regular file" in done.stderr, done
         assert "Traceback" not in done.stderr
