@@ -446,7 +446,15 @@ def dump(
     try:
         # safetensors makes its file private (0600); a dump gets the permissions the umask
         # gives any new file, learnt from a file created the ordinary way.
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
+        # Created exclusively: a link planted under the temporary name is removed (unlink
+        # removes the link, never its target), never written through.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:  # that, or the leftover of a dump that crashed
+            os.unlink(tmp)
+            fd = os.open(tmp, flags, 0o666)
+        os.close(fd)
         permissions = os.stat(tmp).st_mode & 0o777
         save_file(encoder.tensors, tmp, metadata={**fields, "checksums": json.dumps(checksums)})
         os.chmod(tmp, permissions)

@@ -374,6 +374,19 @@ def test_tensorboard_never_follows_a_planted_per_process_run_folder(tmp_path):
     assert list(outside.iterdir()) == []
 
 
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_dump_never_writes_through_a_link_planted_under_its_temporary_name(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    (folder / f".step_3.safetensors.{os.getpid()}.tmp").symlink_to(victim)
+    path = dump({"h": {"primal": np.arange(3.0)}}, folder, step=3)
+    assert victim.read_text() == "precious\n"
+    assert load(path)["h"]["primal"].tolist() == [0.0, 1.0, 2.0]
+    assert sorted(p.name for p in folder.iterdir()) == ["step_3.safetensors"]
+
+
 # ----------------------------------------------------------------------------- memory exporter
 
 
