@@ -363,8 +363,15 @@ def _sowtel_version() -> str:
         return "unknown"
 
 
+def _fspath(path: Any, what: str = "path") -> str:
+    """``os.fspath(path)``, or a TypeError naming the value and what a path is."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}={path!r} is not a path: pass a str or a pathlib.Path")
+    return os.fspath(path)
+
+
 def _target(path: str | os.PathLike[str], step: int | None) -> Path:
-    raw = os.fspath(path)
+    raw = _fspath(path)
     p = Path(raw)
     if raw.endswith(("/", os.sep)) or p.is_dir():
         if step is None:
@@ -595,7 +602,7 @@ class _DumpFile:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(os.fspath(path))
+        self.path = Path(_fspath(path))
         p = self.path
         if not p.exists():
             raise FileNotFoundError(f"{str(p)!r} does not exist: give the path of a sowtel dump")
@@ -934,7 +941,7 @@ def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
       ...     list(find_dumps(d))
       [2, 10]
     """
-    p = Path(os.fspath(folder))
+    p = Path(_fspath(folder, "folder"))
     if not p.exists():
         raise FileNotFoundError(f"{str(p)!r} does not exist: give a folder of sowtel dumps")
     if not p.is_dir():
@@ -1009,7 +1016,7 @@ def load(path: str | os.PathLike[str], *, lazy: bool = False) -> dict[Any, Any]:
       >>> {k: v["h"]["primal"].tolist() for k, v in by_step.items()}
       {0: [0, 1, 2], 1: [1, 2, 3]}
     """
-    p = Path(os.fspath(path))
+    p = Path(_fspath(path))
     if p.is_dir():
         return {step: _open_step(step, f).tree(lazy) for step, f in find_dumps(p).items()}
     return _DumpFile(p).tree(lazy)

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from sowtel.dumps import DumpEntry, DumpInfo, _DumpFile, find_dumps, program_order
+from sowtel.dumps import DumpEntry, DumpInfo, _DumpFile, _fspath, find_dumps, program_order
 from sowtel.records import STAT_KEYS
 from sowtel.summaries import host_summary
 
@@ -627,7 +627,7 @@ def diff_dumps(a: str | os.PathLike[str], b: str | os.PathLike[str], *,
     """
     rtol = _check_tolerance(rtol, "rtol")
     atol = _check_tolerance(atol, "atol")
-    pa, pb = Path(os.fspath(a)), Path(os.fspath(b))
+    pa, pb = Path(_fspath(a, "a")), Path(_fspath(b, "b"))
     for p in (pa, pb):
         if not p.exists():
             raise FileNotFoundError(f"{str(p)!r} does not exist: give two sowtel dumps to diff")

@@ -318,6 +318,16 @@ def test_checksums_still_catch_every_changed_array(tmp_path):
     assert load(path)["a"]["primal"].tolist() == list(range(10))
 
 
+def test_a_path_that_is_not_a_path_is_named(tmp_path):
+    from sowtel.postmortem import diff_dumps, inspect_dump
+
+    for call in (lambda: load(42), lambda: load(None), lambda: dumps.info(42),
+                 lambda: dump({"h": {"primal": np.ones(2)}}, 42), lambda: inspect_dump(42),
+                 lambda: diff_dumps(42, tmp_path), lambda: dumps.find_dumps(42)):
+        with pytest.raises(TypeError, match=r"=(42|None) is not a path: pass a str or a pathlib"):
+            call()
+
+
 # ----------------------------------------------------------------------------- exporters
 
 
