@@ -135,10 +135,12 @@ def crafted(good: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
         "created_nan": (forged(good, tmp / "created_nan.safetensors", created="nan"), "created"),
         "version_escape": (forged(good, tmp / "version.safetensors",
                                   sowtel_version="1.0\x1b]0;pwned\x07"), "sowtel_version"),
+        # Python keeps the last of two equal keys, other readers may keep the first: a second,
+        # validly signed header that says step 99 must not silently win.
         "duplicate_json_key": (_write(
-            tmp / "dup_json.safetensors",
-            json.dumps(header)[:-1].encode() + b', "__metadata__": {"format": "sowtel.dump"}}',
-            data), "twice"),
+            tmp / "dup_json.safetensors", json.dumps(header)[:-1].encode() + b', "__metadata__": '
+            + json.dumps(_header(forged(good, tmp / "step99.safetensors", step="99"))[0][
+                "__metadata__"]).encode() + b"}", data), "twice"),
     }
 
 
