@@ -209,6 +209,36 @@ def _check_leaves(value: Any, leaves: list[Any], name: str) -> None:
             )
 
 
+def _unflattenable(value: Any, name: str, error: Exception) -> ValueError:
+    """The error for a value JAX cannot flatten, naming the dict whose keys do not sort."""
+
+    def unsortable(x: Any, path: str) -> tuple[str, list[Any]] | None:
+        if isinstance(x, dict):
+            try:
+                sorted(x)
+            except TypeError:
+                return path, list(x)
+            children = [(f"{path}[{k!r}]", v) for k, v in x.items()]
+        elif isinstance(x, (list, tuple)):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(x)]
+        else:
+            return None
+        for child_path, child in children:
+            found = unsortable(child, child_path)
+            if found is not None:
+                return found
+        return None
+
+    found = unsortable(value, "")
+    if found is None:
+        return ValueError(f"sow {name!r}: JAX cannot flatten the value into a pytree ({error})")
+    path, keys = found
+    return ValueError(
+        f"sow {name!r}: the dict at {path or '<root>'} has keys {', '.join(map(repr, keys))}, "
+        "whose types JAX cannot sort to flatten it: use keys of one type (all str, or all int)"
+    )
+
+
 def _as_array_leaf(leaf: Any) -> Any:
     return jnp.asarray(leaf) if isinstance(leaf, (bool, int, float, complex)) else leaf
 
@@ -420,7 +450,10 @@ def sow(
     if every is not None:
         check_positive_int(every, "sow every")
     # Validated whatever is enabled: turning streaming on never breaks a working program.
-    leaves, treedef = jax.tree_util.tree_flatten(value)
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+    except (TypeError, ValueError) as e:  # JAX sorts dict keys: {"a": x, 1: y} fails inside it
+        raise _unflattenable(value, name, e) from None
     _check_leaves(value, leaves, name)
     if jc.traced_for() == "while_cond":
         raise ValueError(

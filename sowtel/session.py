@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import sys
 import threading
 import time
@@ -40,6 +41,7 @@ import numpy as np
 from sowtel import _jax_compat as jc
 from sowtel.build import compiled_records, summary_records
 from sowtel.dispatcher import Dispatcher
+from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
 from sowtel.primitive import (
     CONTEXT,
@@ -86,10 +88,26 @@ def _check_patterns(value: Any, what: str) -> Callable[[str], bool] | None:
 
 
 def _check_strings(value: Any, what: str) -> tuple[str, ...]:
-    items = (value,) if isinstance(value, str) else tuple(value)
+    rule = f"{what}={value!r} must be a non-empty list of non-empty strings"
+    try:
+        items = (value,) if isinstance(value, str) else tuple(value)
+    except TypeError:  # not iterable: tags=42
+        raise ValueError(f"{rule}, such as ('intermediates',)") from None
     if not items or not all(isinstance(v, str) and v for v in items):
-        raise ValueError(f"{what}={value!r} must be a non-empty list of non-empty strings")
+        raise ValueError(rule)
     return items
+
+
+def _check_timeout(timeout: Any, what: str) -> float | None:
+    ok = timeout is None or (
+        isinstance(timeout, (int, float, np.integer, np.floating))
+        and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout >= 0)
+    if not ok:
+        raise ValueError(
+            f"{what} timeout={timeout!r} must be None or a number of seconds >= 0 (such as "
+            "30.0); None waits as long as it takes"
+        )
+    return None if timeout is None else float(timeout)
 
 
 class Session:
@@ -259,6 +277,7 @@ class Session:
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Blocks until every record accepted so far reached every exporter; False on timeout."""
+        timeout = _check_timeout(timeout, "flush")
         self._effects_barrier()
         return self.dispatcher.flush(timeout)
 
@@ -278,6 +297,10 @@ class Session:
         s = dict(self.dispatcher.status())
         s.update(enabled=not self._closed, session=self.id, effect_errors=self._effect_errors,
                  late=self._late)
+        # Records an exporter was handed (so counted as exported) and later let go of to stay
+        # within its own bound, such as the memory exporter's max_records.
+        s["evicted"] = {label: _evicted(e) for label, e in
+                        zip(_exporter_labels(self.exporters), self.exporters, strict=True)}
         return s
 
     def close(self, timeout: float | None = 30.0) -> dict[str, Any]:
@@ -285,6 +308,7 @@ class Session:
 
         Returns the final counters (as :meth:`status`); closing again returns them again.
         """
+        timeout = _check_timeout(timeout, "disable")
         with _lock:
             if self._closed:
                 return self.status()
@@ -308,6 +332,11 @@ class Session:
     def __repr__(self) -> str:
         return (f"Session(id={self.id}, exporters={[type(e).__name__ for e in self.exporters]}, "
                 f"summary={self.summary!r}, tags={self.tags}, modes={self.modes})")
+
+
+def _evicted(exporter: Exporter) -> int:
+    n = getattr(exporter, "evicted", 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
 
 
 def _activate(session: Session | None, closed: Session | None = None) -> None:
@@ -431,6 +460,7 @@ def disable(timeout: float | None = 30.0) -> dict[str, Any]:
         >>> final["enabled"], final["received"], sowtel.status()["enabled"]
         (False, 0, False)
     """
+    timeout = _check_timeout(timeout, "disable")
     session = active_session()
     if session is None:
         return status()
@@ -448,6 +478,7 @@ def flush(timeout: float | None = 30.0) -> bool:
         >>> sowtel.flush()
         True
     """
+    timeout = _check_timeout(timeout, "flush")
     session = active_session()
     return True if session is None else session.flush(timeout)
 
@@ -458,6 +489,8 @@ def status() -> dict[str, Any]:
     final counters with ``enabled=False`` (zero counts if there was none). ``effect_errors``
     counts earlier failed computations that flushing met (and went past); ``late`` counts
     records whose host callbacks ran after their session had ended (not exported).
+    ``evicted`` counts, per exporter, records it was handed and later let go of to stay within
+    its own bound (the memory exporter's ``max_records``); they are counted as exported too.
 
     Example:
         >>> import sowtel
@@ -471,7 +504,7 @@ def status() -> dict[str, Any]:
             return closed.status()
         return {"enabled": False, "received": 0, "dropped": 0, "queued": 0, "exported": {},
                 "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0,
-                "late": 0}
+                "late": 0, "evicted": {}}
     return session.status()
 
 
