@@ -430,7 +430,8 @@ def test_memory_evictions_show_in_the_session_counters():
     assert s["evicted"] == {"memory": 6, "memory#2": 0}
     assert [r.name for r in memory.records] == ["x6", "x7", "x8", "x9"]
     assert session.status()["evicted"] == {"memory": 6, "memory#2": 0}
-    assert sowtel.status()["evicted"] == {}  # nothing enabled
+    after = sowtel.status()  # nothing enabled: the last session's final counters
+    assert after["enabled"] is False and after["evicted"] == {"memory": 6, "memory#2": 0}
 
 
 # ----------------------------------------------------------------------------- input gaps
