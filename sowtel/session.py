@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from sowtel import _jax_compat as jc
-from sowtel.build import compiled_records, summary_records
+from sowtel.build import compiled_records, records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher
 from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
@@ -521,8 +521,6 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
         ...     sowtel.export({"h": {"primal": jnp.ones(3)}}, step=7)
         1
     """
-    from sowtel.dumps import records_from_intermediates
-
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise ValueError(f"export step must be an int, got {step!r}")
     session = active_session()
