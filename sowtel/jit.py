@@ -216,9 +216,10 @@ class Jitted:
         if session is None:
             with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                 return self._plain(*args, **kwargs)
+        calls = self._next_step(session.id)  # calls since enable(), at_step or not
         step = host_step()
         if step is None:
-            step = self._next_step(session.id)
+            step = calls
         config = ctx.stream
         if config not in self._strides:
             self._discover(config, args, kwargs)
