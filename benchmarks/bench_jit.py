@@ -168,8 +168,8 @@ def jit_table(work: Workload, *, rounds: int, steps: int) -> Table:
 
 def run(quick: bool = False, gpt_full: bool = False) -> list[Table]:
     """The tables, one per workload (the MLP only, two short rounds, with ``quick``)."""
-    if quick:
-        return [jit_table(mlp(), rounds=2, steps=10)]
+    if quick:  # a smoke run of every variant, on a small MLP
+        return [jit_table(mlp(batch=32, width=64), rounds=1, steps=10)]
     return [
         jit_table(mlp(), rounds=10, steps=10),
         jit_table(transformer_block(), rounds=8, steps=10),
