@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from sowtel import _jax_compat as jc
-from sowtel.dispatcher import Dispatcher
+from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.exporters import Exporter, resolve
 from sowtel.primitive import CONTEXT, STREAMS, Context, StreamSite, check_positive_int
 from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record
@@ -178,7 +178,7 @@ class Session:
                 arrays = tuple(np.array(a, copy=True) for a in arrays)
             self.dispatcher.put(
                 (site, arrays, occurrence, host_step, next(self._seq), time.time()),
-                site.full_nbytes)
+                site.full_nbytes, len(site.leaf_names))
         except Exception:  # noqa: BLE001 - a callback must never raise into XLA
             logger.exception("sowtel: dropping a record of %r that could not be received",
                              site.name)
@@ -247,13 +247,18 @@ class Session:
     def status(self) -> dict[str, Any]:
         s = dict(self.dispatcher.status())
         s.update(enabled=not self._closed, session=self.id, effect_errors=self._effect_errors)
+        s["accounts"] = accounts(s)  # with the session's own counts (late) in
         return s
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Flushes and closes this session (and resumes the one enabled before it)."""
+    def close(self, timeout: float | None = 30.0) -> dict[str, Any]:
+        """Flushes and closes this session (and resumes the one enabled before it).
+
+        Returns the final counters (:meth:`status`): received == exported + dropped + failed
+        + late for every exporter.
+        """
         with _lock:
             if self._closed:
-                return
+                return self.status()
             self._closed = True
             if self in _stack:
                 _stack.remove(self)
@@ -263,6 +268,7 @@ class Session:
         finally:
             STREAMS.pop(self.id, None)
             self.dispatcher.close(timeout)
+        return self.status()
 
     def __enter__(self) -> Session:
         self.scoped = True
@@ -321,7 +327,7 @@ def enable(
     Example:
         >>> import sowtel
         >>> session = sowtel.enable(exporter="memory", summary="health")
-        >>> sowtel.disable()
+        >>> _ = sowtel.disable()
     """
     summary = check_summary(summary, "enable summary")
     tags_t = _check_strings(tags, "enable tags")
@@ -352,6 +358,9 @@ def enable(
             f"sowtel.enable(): {below!r} is still active, so the new session stacks on it and it "
             "resumes when the new one is disabled; call sowtel.disable() first to replace it, "
             "or use `with sowtel.enable(...):` for a temporary one", RuntimeWarning, stacklevel=2)
+    unhandled = sigterm_unhandled()
+    if unhandled is not None:
+        warnings.warn(unhandled, RuntimeWarning, stacklevel=2)
     specs = list(exporter) if isinstance(exporter, (list, tuple)) else [exporter]
     _announce([e for e, spec in zip(exporters, specs, strict=True) if isinstance(spec, str)])
     return session
@@ -375,19 +384,25 @@ def active_session() -> Session | None:
         return _stack[-1] if _stack else None
 
 
-def disable(timeout: float | None = 30.0) -> None:
+def disable(timeout: float | None = 30.0) -> dict[str, Any] | None:
     """Flushes and closes the active session; the one enabled before it (if any) resumes.
+
+    Returns the closed session's final counters (None if nothing was enabled). When an
+    exporter cannot finish within ``timeout`` seconds, what it still had is counted as dropped.
 
     Example:
         >>> import sowtel
         >>> _ = sowtel.enable(exporter="memory")
-        >>> sowtel.disable()
+        >>> sowtel.log({"loss": 0.5}, step=0)
+        1
+        >>> final = sowtel.disable()
+        >>> final["received"], final["accounts"]["memory"]["exported"]
+        (1, 1)
         >>> sowtel.status()["enabled"]
         False
     """
     session = active_session()
-    if session is not None:
-        session.close(timeout)
+    return None if session is None else session.close(timeout)
 
 
 def flush(timeout: float | None = 30.0) -> bool:
