@@ -359,3 +359,70 @@ def test_enable_warns_once_when_no_sigterm_handler_could_be_installed():
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("SIGTERM") == 1, done.stderr
     assert "main thread" in done.stderr
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_load_100k_stats_records_through_memory_jsonl_and_tensorboard(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    import sowtel
+    from sowtel.exporters.jsonl import JsonlExporter
+    from sowtel.exporters.tensorboard import TensorBoardExporter
+
+    length, calls = 1_000, 100  # a scan of 1,000 sows, run 100 times: 100,000 records
+
+    @jax.jit
+    def step(x):
+        def body(carry, _):
+            carry = jnp.tanh(carry) + 0.1
+            sowtel.sow(carry, "layer/h")
+            return carry, None
+        return jax.lax.scan(body, x, None, length=length)[0]
+
+    x = jnp.linspace(-1.0, 1.0, 16)
+    memory = MemoryExporter(max_records=10_000)
+    jsonl = JsonlExporter(logdir=tmp_path / "jsonl")
+    tensorboard = TensorBoardExporter(logdir=tmp_path / "tb")
+    with sowtel.enable(exporter=[memory, jsonl, tensorboard], on_full="block"):
+        step(x).block_until_ready()  # compiled, and the first 1,000 records
+        assert sowtel.flush(timeout=60.0)
+        rss0, peak, done = _rss(), [0], threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss())
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        t0 = time.monotonic()
+        for _ in range(calls - 1):
+            x = step(x)
+        x.block_until_ready()
+        assert sowtel.flush(timeout=120.0)
+        elapsed = time.monotonic() - t0
+        done.set()
+        watcher.join()
+        status = sowtel.status()
+    n = length * calls
+    assert_adds_up(status, received=n)
+    assert status["exported"] == {"memory": n, "jsonl": n, "tensorboard": n}
+    assert status["dropped"] == 0 and status["stalled"] == []
+    assert len(memory.records) == 10_000
+    assert sum(1 for _ in open(tmp_path / "jsonl" / "records.jsonl")) == n
+    # Backlogs are bounded (queue_size each) and so is the memory exporter here: RSS stays
+    # flat (keeping all 100k records would add about 90 MiB).
+    growth = peak[0] - rss0
+    assert growth < 48 << 20, f"RSS grew {growth / 2**20:.0f} MiB"
+    assert elapsed < 60.0, f"{elapsed:.1f} s"
+    print(f"\n100k records: {elapsed:.1f} s, RSS +{growth / 2**20:.0f} MiB")
