@@ -559,7 +559,9 @@ class Dispatcher:
         self._items: list[Any] = []
         self._multi: dict[int, int] = {}  # position in _items -> records, where not 1
         self._nbytes = 0  # bytes given to put() for the items in _items
+        # In records, as put() declared them: accepted, taken off the queue, and dealt with.
         self._accepted = 0
+        self._taken = 0
         self._dispatched = 0
         self._urgent = False
         self._space_waiters = 0
@@ -570,9 +572,9 @@ class Dispatcher:
         self._logged_closed = False
 
         # The accounting, in records: every record received ends in exactly one place.
-        self._received = 0  # records of the items given to put(), as convert made them
         self._queue_drops: dict[str, int] = {}  # refused by put(), or given up on by close()
-        self._queued_records = 0  # in _items or in the dispatcher thread's hands
+        self._extra = 0  # records convert made beyond those declared (a received item counts
+        # as the records it became)
         self._records = 0  # made by convert (or given to put_records), handed to the workers
         self._convert_errors = 0
         self._unconverted = 0  # items
@@ -625,11 +627,10 @@ class Dispatcher:
                 self._items.append(item)
                 if records != 1:
                     self._multi[n] = records
-                self._nbytes += nbytes
-                self._live_bytes += nbytes
-                self._received += records
-                self._queued_records += records
-                self._accepted += 1
+                if nbytes:
+                    self._nbytes += nbytes
+                    self._live_bytes += nbytes
+                self._accepted += records
                 if n + 1 == self._wake_at:
                     self._wake_cond.notify()
                 return True
@@ -661,9 +662,7 @@ class Dispatcher:
                 self._items.append(item)
                 self._nbytes += nbytes
                 self._live_bytes += nbytes
-                self._received += records
-                self._queued_records += records
-                self._accepted += 1
+                self._accepted += records
                 return True
             # Also reached by a put from inside an exporter or convert in "block" mode, which
             # would otherwise wait for the very thread it runs on.
@@ -679,7 +678,6 @@ class Dispatcher:
             return False
 
     def _refuse(self, reason: str, records: int) -> bool:
-        self._received += records
         self._queue_drops[reason] = self._queue_drops.get(reason, 0) + records
         if reason == "closed" and not self._logged_closed:
             self._logged_closed = True
@@ -741,6 +739,7 @@ class Dispatcher:
                 items, self._items = self._items, []
                 multi, self._multi = self._multi, {}
                 declared = len(items) + sum(multi.values()) - len(multi)
+                self._taken += declared
                 self._hand = [declared, self._nbytes, False] if items else None
                 self._nbytes = 0
                 stop = self._stop
@@ -758,14 +757,13 @@ class Dispatcher:
                             self._convert_errors += 1
                             self._unconverted += len(items)
                             self._unconverted_records += hand[0]
-                            self._queued_records -= hand[0]
                             self._live_bytes -= hand[1]
                     if not self._logged_convert:
                         self._logged_convert = True
                         logger.exception("sowtel dispatcher failed on a batch of %d items",
                                          len(items))
             with self._lock:
-                self._dispatched += len(items)
+                self._dispatched += declared
                 self._progress_cond.notify_all()
             if stop and not items:
                 return
@@ -829,13 +827,12 @@ class Dispatcher:
             hand, self._hand = self._hand, None
             if hand is None or hand[2]:
                 return  # close() gave up on this batch and counted it as dropped
-            declared, declared_bytes, _ = hand
+            declared_bytes = hand[1]
             # Converted items count as the records they became; failed ones as declared.
-            self._received += extra
+            self._extra += extra
             if failed_items:
                 self._unconverted += failed_items
                 self._unconverted_records += failed_records
-            self._queued_records -= declared
             self._records += len(records)
             self._live_bytes += nbytes - declared_bytes
             if self._workers:
@@ -947,14 +944,17 @@ class Dispatcher:
     def _give_up(self) -> None:
         """Counts whatever close() could not deliver in time as dropped (``close_timeout``)."""
         with self._lock:
-            n = self._queued_records
+            queued = self._accepted - self._taken
+            self._taken += queued
+            self._dispatched += queued  # nothing more will come of them: flush() must not wait
+            n = queued
             if self._hand is not None:
+                n += self._hand[0]
                 self._hand[2] = True  # the dispatcher thread will not deliver it
                 self._live_bytes -= self._hand[1]
                 self._hand = None
             self._live_bytes -= self._nbytes
             self._items, self._multi, self._nbytes = [], {}, 0
-            self._queued_records = 0
             if n:
                 self._queue_drops["close_timeout"] = self._queue_drops.get("close_timeout", 0) + n
         for worker in self._workers:
@@ -988,10 +988,12 @@ class Dispatcher:
         workers = self._workers
         stalled = [w.label for w in workers if w.stalled()]
         with self._lock:
-            received = self._received
             queue_drops = dict(self._queue_drops)
+            refused = queue_drops.get("queue_full", 0) + queue_drops.get("closed", 0)
+            received = self._accepted + refused + self._extra
             queued = len(self._items)
-            queued_records = self._queued_records
+            hand = self._hand
+            queued_records = self._accepted - self._taken + (hand[0] if hand is not None else 0)
             records = self._records
             unconverted_records = self._unconverted_records
             closed = self._closed

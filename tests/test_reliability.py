@@ -223,12 +223,14 @@ def test_a_hung_exporter_is_abandoned_with_its_backlog_counted(made, release):
 
 
 def test_close_gives_up_on_a_backlog_within_its_timeout_and_counts_it(made):
-    slow = Slow(per_record=0.02)
+    slow = Slow(per_record=0.005)
     d = Dispatcher([slow], convert=convert, queue_size=10_000, exporter_timeout=30.0,
                    flush_interval=0.01)
-    n = 2_000  # 40 s of writing
+    n = 4_000  # 20 s of writing
     assert all(d.put(i) for i in range(n))
-    time.sleep(0.3)
+    deadline = time.monotonic() + 20.0
+    while not slow.steps and time.monotonic() < deadline:
+        time.sleep(0.01)
     t0 = time.monotonic()
     d.close(timeout=1.0)
     closed_in = time.monotonic() - t0
