@@ -365,7 +365,8 @@ class _ExporterWorker:
         """The next token, or the next records to write, within the write bounds (lock held)."""
         first = self._queue[0]
         if isinstance(first, _Token):
-            return self._queue.popleft()
+            self._queue.popleft()
+            return first
         limit = self._write_limit()
         chunk: list[Record] = []
         nbytes = 0
