@@ -628,10 +628,12 @@ class Dispatcher:
                 self._items.append(item)
                 if records != 1:
                     self._multi[n] = records
+                self._accepted += records
                 if nbytes:
                     self._nbytes += nbytes
                     self._live_bytes += nbytes
-                self._accepted += records
+                    if self._nbytes * 4 >= self._max_bytes:  # full values: move them early
+                        self._wake_cond.notify()
                 if n + 1 == self._wake_at:
                     self._wake_cond.notify()
                 return True
@@ -668,6 +670,8 @@ class Dispatcher:
             # Also reached by a put from inside an exporter or convert in "block" mode, which
             # would otherwise wait for the very thread it runs on.
             self._refuse("queue_full", records)
+            self._urgent = True  # drain now rather than at the next interval
+            self._wake_cond.notify()
             if not self._logged_full:
                 self._logged_full = True
                 logger.warning(

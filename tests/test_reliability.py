@@ -281,6 +281,35 @@ def test_max_bytes_bounds_every_full_value_held_by_the_pipeline(made, on_full):
         assert s["exported"] == {"Slow": n, "Slow#2": n}
 
 
+def test_full_values_to_tensorboard_are_bounded_counted_and_disable_keeps_its_timeout(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    import sowtel
+    from sowtel.exporters.tensorboard import TensorBoardExporter
+
+    mib = 1 << 20
+
+    @jax.jit
+    def step(x):
+        return sowtel.sow(x * 1.5, "big").sum()
+
+    x = jnp.ones((2 * mib,), jnp.float32)  # 8 MiB a record
+    session = sowtel.enable(exporter=TensorBoardExporter(logdir=tmp_path), summary="full",
+                            max_bytes=64 * mib)
+    most = 0
+    for _ in range(60):
+        step(x).block_until_ready()
+        most = max(most, session.status()["held_bytes"])
+    assert most <= 64 * mib + 8 * mib
+    t0 = time.monotonic()
+    final = sowtel.disable(timeout=0.5)
+    assert time.monotonic() - t0 < 3.0
+    assert final is not None and final["held_bytes"] == 0
+    assert_adds_up(final, received=60)
+    assert final["exported"]["tensorboard"] > 0
+
+
 # -- 5. shutdown from any thread -----------------------------------------------------------------
 
 _CHILD = """
