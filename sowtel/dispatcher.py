@@ -10,6 +10,11 @@ Each exporter has its own worker thread and its own bounded backlog, so an expor
 or hangs never stops the others nor training. Exporters see no threads: ``write``, ``flush`` and
 ``close`` of one exporter are always called from its one worker thread.
 
+Every record received ends, for each exporter, in exactly one of ``exported``, ``dropped`` (with
+its reason), ``failed`` (a call raised) or ``late`` (counted by the session), or is still
+``pending``: :func:`accounts` checks ``received == exported + dropped + failed + late +
+pending``, and ``pending`` is 0 after :meth:`Dispatcher.flush` and :meth:`Dispatcher.close`.
+
 Example:
     >>> from sowtel.dispatcher import Dispatcher
     >>> from sowtel.exporters.memory import MemoryExporter
@@ -44,7 +49,10 @@ from typing import Any
 
 from sowtel.records import Record
 
-__all__ = ["Dispatcher", "ON_FULL", "EXIT_TIMEOUT", "DROP_REASONS", "accounts", "close_all"]
+__all__ = [
+    "Dispatcher", "ON_FULL", "EXIT_TIMEOUT", "DROP_REASONS", "WRITE_RECORDS", "WRITE_BYTES",
+    "accounts", "close_all", "sigterm_unhandled",
+]
 
 logger = logging.getLogger("sowtel")
 
@@ -55,9 +63,10 @@ ON_FULL: tuple[str, ...] = ("drop", "block")
 #: live dispatcher before the process goes on exiting.
 EXIT_TIMEOUT: float = 10.0
 
-# One write() gets at most this many records, and at most this many bytes of full values (but
-# always at least one record): bounded calls are what lets a stall be told from slow progress.
+#: One ``write()`` gets at most this many records, and at most :data:`WRITE_BYTES` bytes of full
+#: values (always at least one record): bounded calls let a stall be told from slow progress.
 WRITE_RECORDS = 1024
+#: See :data:`WRITE_RECORDS`.
 WRITE_BYTES = 16 << 20
 # The first write of an exporter, before its pace is known, holds at most this many records.
 _FIRST_WRITE = 64
@@ -490,17 +499,22 @@ class Dispatcher:
         logged once.
       queue_size: the most items waiting in the queue; also the backlog bound of each exporter,
         in records.
-      max_bytes: the most bytes (the ``nbytes`` given to :meth:`put`) waiting in the queue; also
-        each exporter's backlog bound in bytes of full values. An item larger than this is
-        still accepted into an empty queue.
+      max_bytes: the most bytes of full values (the ``nbytes`` given to :meth:`put`, then the
+        records' own) held anywhere from :meth:`put` until the last exporter is done with them:
+        queued, being converted, in backlogs, being written. An item is accepted only if it
+        fits, or if nothing else is held, so at most ``max_bytes`` plus one item is held.
       on_full: ``"drop"`` counts and refuses items when the queue is full; ``"block"`` makes
         :meth:`put` wait for room, so nothing is lost, at the price of back-pressure on
         training when an exporter is slow.
       flush_interval: seconds between drains of the queue when it is filling slowly, and
         between periodic ``flush()`` calls of an exporter that has written something.
-      exporter_timeout: an exporter inside one call for longer than this is *stalled*: it is
-        reported in ``status()["stalled"]`` and skipped (records for it are dropped and
-        counted, and :meth:`flush` and :meth:`close` stop waiting for it) until the call returns.
+      exporter_timeout: an exporter inside one call for longer than this is *stalled* and
+        given up on: it is reported in ``status()["stalled"]``, its backlog and the records of
+        that call are counted as dropped, records for it are dropped and counted, and
+        :meth:`flush` and :meth:`close` stop waiting for it, until the call returns. Writes
+        are bounded (:data:`WRITE_RECORDS` records, :data:`WRITE_BYTES` bytes) and sized to
+        last about a twentieth of this at the exporter's measured pace, so an exporter that
+        keeps making progress is not taken for a hung one.
 
     Example:
         >>> from sowtel.exporters.memory import MemoryExporter
@@ -715,11 +729,11 @@ class Dispatcher:
 
     def _release(self, records: Sequence[Record]) -> None:
         """A worker is done with ``records``: frees the bytes of those no worker holds now."""
+        if not self._held:  # no full values anywhere: nothing to free
+            return
         freed = 0
         with self._lock:
             held = self._held
-            if not held:
-                return
             for r in records:
                 if r.value is not None:
                     entry = held.get(id(r))
