@@ -302,12 +302,15 @@ def test_full_values_to_tensorboard_are_bounded_counted_and_disable_keeps_its_ti
         step(x).block_until_ready()
         most = max(most, session.status()["held_bytes"])
     assert most <= 64 * mib + 8 * mib
+    deadline = time.monotonic() + 60.0
+    while session.status()["exported"]["tensorboard"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert session.status()["exported"]["tensorboard"] > 0  # TensorBoard really writes them
     t0 = time.monotonic()
     final = sowtel.disable(timeout=0.5)
     assert time.monotonic() - t0 < 3.0
     assert final is not None and final["held_bytes"] == 0
     assert_adds_up(final, received=60)
-    assert final["exported"]["tensorboard"] > 0
 
 
 # -- 5. shutdown from any thread -----------------------------------------------------------------
