@@ -18,7 +18,8 @@ Four measurements, all as ratios of variants timed side by side in this one proc
 
 Every variant is compiled ahead of time (``jax.jit(f).lower(...).compile()``) while its own
 session is the active one, so all variants run in one process with their sessions open side
-by side, and each records to its own memory exporter. Between rounds each variant's session is
+by side; before each step a variant makes its session the active one (records go to the active
+session), so each records to its own memory exporter. Between rounds each variant's session is
 flushed; the flush is timed apart (column "+ drain": the step including the dispatcher work it
 left behind, shared over the round's steps).
 
@@ -105,6 +106,7 @@ class HostStepTrainer(Trainer):
     the program compiled without sows, the logging ones the instrumented program."""
 
     def __call__(self) -> None:
+        self.activate()
         step = self.step_numbers[self.calls % len(self.step_numbers)]
         with sowtel.at_step(int(step)):
             out = jax.block_until_ready(
@@ -182,7 +184,7 @@ def workload_variants(
             drain = session.flush
             counted = functools.partial(_received, session)
         variants[name] = Variant(
-            name=name, trainer=Trainer(compiled, work, steps), drain=drain,
+            name=name, trainer=Trainer(compiled, work, steps, session=session), drain=drain,
             records_per_step=records, count_records=counted, every=every, target=target,
             compile_s=compile_s.get(id(compiled), float("nan")), baseline=baseline,
         )
@@ -232,7 +234,8 @@ def workload_variants(
     session = _memory_session(stack, every=10)
     host = jax.jit(make_train_step(work, sowtel.sow))
     variants[HOST_EVERY] = Variant(
-        name=HOST_EVERY, trainer=HostStepTrainer(host, work, steps), drain=session.flush,
+        name=HOST_EVERY, trainer=HostStepTrainer(host, work, steps, session=session),
+        drain=session.flush,
         records_per_step=per_step, count_records=functools.partial(_received, session),
         every=10, target=EVERY_TARGET,
     )

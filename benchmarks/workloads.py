@@ -48,7 +48,7 @@ import sowtel
 __all__ = [
     "Tap", "Workload", "mlp", "transformer_block", "no_tap", "debug_tap", "make_train_step",
     "make_returning_train_step", "make_returning_value_and_grad", "site_shapes",
-    "reference_workloads",
+    "reference_workloads", "gpt", "gpt_reduced",
 ]
 
 #: ``tap(x, name) -> x``: what a model does at each site.
@@ -83,6 +83,18 @@ class Workload:
         """``(params, opt_state, batch)``, fresh device arrays for one training run."""
         params = jax.tree_util.tree_map(jnp.array, self.params)
         return params, self.optimizer.init(params), self.batch
+
+
+def activate_session(session: sowtel.Session | None) -> None:
+    """Makes ``session`` (or none) the one records go to, keeping the other sessions open: the
+    benchmarks run variants with sessions of their own side by side in one process."""
+    from sowtel import session as session_module
+
+    with session_module._lock:
+        if session is not None and session in session_module._stack:
+            session_module._stack.remove(session)
+            session_module._stack.append(session)
+        session_module._activate(session)
 
 
 def no_tap(x: jax.Array, name: str) -> jax.Array:
@@ -288,6 +300,71 @@ def transformer_block(*, d_model: int = 256, heads: int = 4, seq: int = 128, bat
     )
 
 
+def gpt(*, layers: int = 12, d_model: int = 768, heads: int = 12, seq: int = 512,
+        batch: int = 16, vocab: int = 8192, mlp_ratio: int = 4, seed: int = 0) -> Workload:
+    """A GPT-style decoder: token and position embeddings, ``layers`` pre-norm causal blocks,
+    tied output projection, next-token cross-entropy, Adam.
+
+    Two sites a layer: ``layer{i}/attn/out`` (the attention output) and ``layer{i}/mlp/hidden``
+    (the MLP hidden activation). The defaults are the full size (a GPU workload); on CPU run it
+    smaller (see :func:`gpt_reduced`).
+    """
+    if d_model % heads:
+        raise ValueError(f"d_model={d_model} must be divisible by heads={heads}")
+    keys = iter(jax.random.split(jax.random.key(seed), 4 * layers + 4))
+    ones, zeros = jnp.ones((d_model,), jnp.float32), jnp.zeros((d_model,), jnp.float32)
+    blocks = [{
+        "ln1": {"scale": ones, "bias": zeros},
+        "qkv": _dense_init(next(keys), d_model, 3 * d_model),
+        "proj": _dense_init(next(keys), d_model, d_model),
+        "ln2": {"scale": ones, "bias": zeros},
+        "up": _dense_init(next(keys), d_model, mlp_ratio * d_model),
+        "down": _dense_init(next(keys), mlp_ratio * d_model, d_model),
+    } for _ in range(layers)]
+    params = {
+        "embed": jax.random.normal(next(keys), (vocab, d_model), jnp.float32) * 0.02,
+        "pos": jax.random.normal(next(keys), (seq, d_model), jnp.float32) * 0.02,
+        "blocks": blocks,
+        "ln_f": {"scale": ones, "bias": zeros},
+    }
+    tokens = jax.random.randint(next(keys), (batch, seq + 1), 0, vocab)
+    head_dim = d_model // heads
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+
+    def loss(params: Any, batch: Any, tap: Tap) -> jax.Array:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        b, s = inputs.shape
+        x = params["embed"][inputs] + params["pos"][:s]
+        for i, p in enumerate(params["blocks"]):
+            h = _layer_norm(x, p["ln1"])
+            qkv = h @ p["qkv"]["w"] + p["qkv"]["b"]
+            q, k_, v = jnp.split(qkv.reshape(b, s, 3 * heads, head_dim), 3, axis=2)
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_) / math.sqrt(head_dim)
+            probs = jax.nn.softmax(jnp.where(causal[:s, :s], scores, -1e9), axis=-1)
+            attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d_model)
+            x = x + tap(attn @ p["proj"]["w"] + p["proj"]["b"], f"layer{i}/attn/out")
+            h2 = _layer_norm(x, p["ln2"])
+            m = tap(jax.nn.gelu(h2 @ p["up"]["w"] + p["up"]["b"]), f"layer{i}/mlp/hidden")
+            x = x + m @ p["down"]["w"] + p["down"]["b"]
+        logits = _layer_norm(x, params["ln_f"]) @ params["embed"].T
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    sites = tuple(f"layer{i}/{k}" for i in range(layers) for k in ("attn/out", "mlp/hidden"))
+    return Workload(
+        name="gpt",
+        description=f"GPT decoder {layers} layers, d={d_model}, {heads} heads, seq {seq}, "
+                    f"batch {batch}, vocab {vocab}, value_and_grad + Adam, {len(sites)} sites",
+        sites=sites, loss=loss, optimizer=optax.adam(1e-4), params=params, batch=tokens,
+    )
+
+
+def gpt_reduced() -> Workload:
+    """The GPT workload at a size a 2-core CPU runs in well under a second a step: 12 layers
+    (24 sites, as at full size), d_model 128, 4 heads, seq 64, batch 4, vocab 2048."""
+    return gpt(layers=12, d_model=128, heads=4, seq=64, batch=4, vocab=2048)
+
+
 def reference_workloads() -> list[Workload]:
     """The two workloads of DESIGN §8, at their reference sizes."""
     return [mlp(), transformer_block()]
@@ -300,13 +377,22 @@ class Trainer:
     """
 
     def __init__(self, compiled: Any, work: Workload,
-                 step_numbers: Sequence[jax.Array] | None = None) -> None:
+                 step_numbers: Sequence[jax.Array] | None = None,
+                 session: sowtel.Session | None = None) -> None:
         self.compiled = compiled
         self.params, self.opt_state, self.batch = work.init()
         self.step_numbers = step_numbers or [jnp.int32(i) for i in range(1000)]
         self.calls = 0
+        # Records go to the active session: a variant with its own session makes it active
+        # before each step (sessions stay open side by side).
+        self.session = session
+
+    def activate(self) -> None:
+        if self.session is not None:
+            activate_session(self.session)
 
     def __call__(self) -> None:
+        self.activate()
         step = self.step_numbers[self.calls % len(self.step_numbers)]
         out = jax.block_until_ready(self.compiled(self.params, self.opt_state, self.batch, step))
         self.params, self.opt_state = out[0], out[1]
@@ -343,7 +429,8 @@ def exporter_training_table(
             # by side, each streaming to its own exporter.
             session = stack.enter_context(sowtel.enable(exporter=make()))
             sessions[name] = session
-            variants[name] = Trainer(jax.jit(sown).lower(*args).compile(), work)
+            variants[name] = Trainer(jax.jit(sown).lower(*args).compile(), work,
+                                     session=session)
             drains[name] = session.flush
         timings = interleave(variants, rounds=rounds, steps=10, warmup=2, drains=drains)
         for drain in drains.values():

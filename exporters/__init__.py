@@ -64,7 +64,18 @@ def known_names() -> list[str]:
 
 
 def check_exporter(obj: Any) -> Exporter:
-    """Returns ``obj`` if it has callable ``write``, ``flush`` and ``close``; else TypeError."""
+    """Returns ``obj`` if it has callable ``write``, ``flush`` and ``close``; else TypeError.
+
+    A class is refused even though it has those methods: its ``write`` would fail at every
+    batch for want of an instance. Instantiating it here would hide the instance (and the
+    records a memory exporter keeps) from the caller, so the error says to pass one instead.
+    """
+    if isinstance(obj, type):
+        raise TypeError(
+            f"exporter {obj.__qualname__} is a class, not an instance: pass "
+            f"{obj.__qualname__}() (with its options), and keep it to read what it holds; or a "
+            f"built-in name such as 'memory' (known: {', '.join(known_names())})"
+        )
     missing = [m for m in ("write", "flush", "close") if not callable(getattr(obj, m, None))]
     if missing:
         raise TypeError(
@@ -116,11 +127,15 @@ def resolve(spec: Any, **options: Any) -> list[Exporter]:
     name gets the ``options`` its constructor takes (so ``logdir=`` reaches TensorBoard and
     ``tracer_provider=`` reaches OpenTelemetry in one list); an option no exporter takes is an
     error. Instances are used as they are.
+
+    Every name, instance and option is checked before any exporter is created, so a mistake
+    (an unknown name, a misspelled option, a class instead of an instance) creates no file.
+    If creating one exporter fails, those created before it are closed.
     """
     items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     if not items:
         raise ValueError("exporter must name at least one exporter, got an empty list")
-    out: list[Exporter] = []
+    plan: list[tuple[Callable[..., Exporter] | None, Any]] = []
     used: set[str] = set()
     named = [item for item in items if isinstance(item, str)]
     for item in items:
@@ -129,19 +144,30 @@ def resolve(spec: Any, **options: Any) -> list[Exporter]:
             mine = _accepted(factory, options)
             chosen = options if mine is None else mine
             used.update(chosen)
-            out.append(check_exporter(factory(**chosen)))
+            plan.append((factory, chosen))
         else:
-            out.append(check_exporter(item))
+            plan.append((None, check_exporter(item)))
     unused = sorted(set(options) - used)
     if unused:
-        for exporter in out:  # nothing was enabled: release what was opened
-            try:
-                exporter.close()
-            except Exception:  # noqa: BLE001 - already reporting the caller's mistake
-                pass
         raise TypeError(
             f"exporter option(s) {', '.join(unused)} are taken by none of the exporters "
             f"{', '.join(named) or '(instances only)'}: check the spelling, or configure the "
             "exporter instance directly"
         )
+    out: list[Exporter] = []
+    created: list[Exporter] = []
+    try:
+        for make, arg in plan:
+            if make is None:
+                out.append(arg)
+            else:
+                created.append(check_exporter(make(**arg)))
+                out.append(created[-1])
+    except BaseException:
+        for exporter in created:  # nothing was enabled: release what was opened
+            try:
+                exporter.close()
+            except Exception:  # noqa: BLE001 - already reporting the caller's mistake
+                pass
+        raise
     return out

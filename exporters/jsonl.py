@@ -18,6 +18,13 @@ sanitised to letters, digits, ``_ - .`` and numbered, so every file stays inside
 The file is opened in append mode, so runs logged to the same place accumulate. ``flush()``
 hands buffered lines to the operating system (no fsync).
 
+Symbolic links inside ``logdir`` are never followed: a ``<filename>`` or ``<stem>_values``
+that is a link (planted to make the exporter write elsewhere) is refused with ``ValueError``
+when the exporter is made, and files are opened with ``O_NOFOLLOW`` and sidecars created
+exclusively inside the opened ``<stem>_values`` folder, so a link planted later is not followed
+either (the write fails and is counted as an exporter error). ``logdir`` itself may be a link:
+it is the folder you chose.
+
 Example:
     >>> import tempfile
     >>> import numpy as np
@@ -35,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -50,6 +58,10 @@ from sowtel.records import Record
 __all__ = ["JsonlExporter", "read_records", "record_to_json"]
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+# Where the platform has them (POSIX): open without following a link, and open a folder only.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_DIR_FD = os.open in os.supports_dir_fd
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -150,16 +162,32 @@ class JsonlExporter:
                 "folder path you can write to"
             ) from e
         self.path = self.logdir / filename
+        self._values_name = f"{Path(filename).stem or 'records'}_values"
+        self._values_dir = self.logdir / self._values_name
+        self._values_fd: int | None = None
+        self._next_value: int | None = None
+        for planted in (self.path, self._values_dir):
+            if planted.is_symlink():
+                raise ValueError(_link_refused(logdir, planted.name))
         try:
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
         except OSError as e:
+            if e.errno == errno.ELOOP:  # a link planted since the check above
+                raise ValueError(_link_refused(logdir, filename)) from e
             raise ValueError(
                 f"logdir={os.fspath(logdir)!r}: cannot write {filename!r} there "
                 f"({e.strerror or e}): pass a folder you can write to"
             ) from e
-        self._values_name = f"{Path(filename).stem or 'records'}_values"
-        self._values_dir = self.logdir / self._values_name
-        self._next_value: int | None = None
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
+
+    def _open_values_dir(self) -> int | None:
+        """The sidecar folder, created if missing and opened without following a link."""
+        self._values_dir.mkdir(exist_ok=True)
+        if not _DIR_FD:  # no dir_fd here (Windows): check the folder by name instead
+            if self._values_dir.is_symlink():
+                raise OSError(errno.ELOOP, "a symbolic link, not followed", str(self._values_dir))
+            return None
+        return os.open(self._values_dir, os.O_RDONLY | _DIRECTORY | _NOFOLLOW)
 
     def _save_value(self, record: Record) -> tuple[str | None, dict[str, Any]]:
         value = np.asarray(record.value)
@@ -169,21 +197,28 @@ class JsonlExporter:
             value = value.astype(np.float32)
             extra["value_dtype"] = "float32"
         if self._next_value is None:
-            self._values_dir.mkdir(exist_ok=True)
-            self._next_value = len(os.listdir(self._values_dir))
+            self._values_fd = self._open_values_dir()
+            listed = self._values_fd if self._values_fd is not None else self._values_dir
+            self._next_value = len(os.listdir(listed))
         stem = f"s{int(record.step)}-{_safe_component(record.name)}-{_safe_component(record.mode)}"
+        where = {} if self._values_fd is None else {"dir_fd": self._values_fd}
         while True:
             name = f"{self._next_value:09d}-{stem}.npy"
+            target: Any = name if self._values_fd is not None else self._values_dir / name
             self._next_value += 1
             try:
-                # Exclusive creation: an earlier run's sidecar in the same folder is never replaced.
-                with open(self._values_dir / name, "xb") as f:
-                    np.save(f, value, allow_pickle=False)
-                break
+                # Exclusive creation: an earlier run's sidecar in the same folder is never
+                # replaced, and a link in its place is never followed.
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666,
+                             **where)
             except FileExistsError:
                 continue
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    np.save(f, value, allow_pickle=False)
+                break
             except ValueError as e:  # object arrays cannot be saved without pickle
-                (self._values_dir / name).unlink(missing_ok=True)
+                os.unlink(target, **where)
                 return None, {"value_error": f"not saved: {e}"}
         return f"{self._values_name}/{name}", extra
 
@@ -213,8 +248,17 @@ class JsonlExporter:
             self._file.flush()
 
     def close(self) -> None:
+        if self._values_fd is not None:
+            fd, self._values_fd = self._values_fd, None
+            os.close(fd)
         if not self._file.closed:
             self._file.close()
+
+
+def _link_refused(logdir: str | os.PathLike[str], name: str) -> str:
+    return (f"logdir={os.fspath(logdir)!r}: {name!r} there is a symbolic link, and the jsonl "
+            "exporter never follows links out of its logdir: remove the link, or choose "
+            "another logdir")
 
 
 def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> list[Record]:

@@ -178,7 +178,9 @@ class _EventFile:
         stamp = f"{int(time.time()):010d}.{socket.gethostname()}"
         name = f"events.out.tfevents.{stamp}.{os.getpid()}.{next(_file_counter):04d}.sowtel"
         self.path = os.path.join(self.run_dir, name)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        # O_EXCL: a file (or a link) already there under this name is never written through.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
+                           | getattr(os, "O_NOFOLLOW", 0), 0o644)
         self._size = 0
         self._rotate = False
         self._pending[:0] = _frame(Event(wall_time=time.time(), file_version="brain.Event:2"))
@@ -268,6 +270,13 @@ class TensorBoardExporter:
             raise TypeError(
                 f"logdir={logdir!r} is not a path: pass a directory as a str or pathlib.Path"
             )
+        if not os.fspath(logdir):
+            # os.path.abspath("") is the current directory: an empty string is a mistake, not a
+            # request to scatter event files there ("." says that explicitly).
+            raise ValueError(
+                "logdir='' is empty: pass a directory such as 'runs/exp1', or leave logdir out "
+                "for runs/<date-time>"
+            )
         if (isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float))
                 or not math.isfinite(flush_secs) or flush_secs <= 0):
             raise ValueError(
@@ -305,6 +314,11 @@ class TensorBoardExporter:
         f = self._files.get(process_index)
         if f is None:
             run_dir = self.run_dir(process_index)
+            if run_dir != self.logdir and os.path.islink(run_dir):
+                raise ValueError(
+                    f"{run_dir!r} is a symbolic link, and the tensorboard exporter never follows "
+                    "links out of its logdir: remove the link, or choose another logdir"
+                )
             try:
                 os.makedirs(run_dir, exist_ok=True)
                 f = _EventFile(run_dir)

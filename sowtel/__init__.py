@@ -23,6 +23,7 @@ Example:
 
 from sowtel.capture import Intermediates, save_intermediates
 from sowtel.dumps import dump, load
+from sowtel.jit import jit
 from sowtel.naming import scope
 from sowtel.primitive import at_step, sow
 from sowtel.records import Record
@@ -32,5 +33,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Intermediates", "Record", "Session", "at_step", "disable", "dump", "enable", "export",
-    "flush", "load", "log", "save_intermediates", "scope", "sow", "status",
+    "flush", "jit", "load", "log", "save_intermediates", "scope", "sow", "status",
 ]

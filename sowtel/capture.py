@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -116,6 +117,7 @@ class _Captured:
     treedef: Any
     leaves: list[Any]
     stacked: Stacking = ()
+    site: Any = None  # the streaming site whose summary ``leaves`` are (summary passes)
 
     def stacked_in(self, kind: str, count: int) -> _Captured:
         return dataclasses.replace(self, stacked=((kind, count), *self.stacked))
@@ -145,6 +147,56 @@ def _fill_like(aval: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# What a pass turns into extra outputs.
+
+
+@dataclasses.dataclass
+class SummaryPass:
+    """A pass that returns streaming sites' summaries instead of captured values (``sowtel.jit``).
+
+    ``reduce(params, leaves)`` runs where a streaming sow runs (per scan iteration, per shard,
+    in its branch of a cond) and returns ``(site, arrays)``: the arrays to return for the site
+    (its summary, and a flag that says it ran), or None to leave the site out. Sows inside a
+    ``while_loop`` body, whose iteration count is not static, keep their host callback; they
+    carry ``step`` (a traced int) as their step.
+    """
+
+    reduce: Callable[[dict[str, Any], list[Any]], tuple[Any, list[Any]] | None]
+    step: Any
+    in_while: int = 0
+
+
+_PASS = threading.local()  # .stack: the summary passes this thread is tracing, innermost last
+
+
+def _pass() -> SummaryPass | None:
+    stack = getattr(_PASS, "stack", None)
+    return stack[-1] if stack else None
+
+
+def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
+                   summary_pass: SummaryPass) -> tuple[list[Any], list[_Captured]]:
+    """Evaluates ``jaxpr`` with its streaming sows turned into summary outputs (``sowtel.jit``).
+
+    Returns the jaxpr's outputs and, per site that ran the reduction, a ``_Captured`` whose
+    ``leaves`` are the arrays ``summary_pass.reduce`` gave (stacked over scans and shards, filled
+    with NaN / 0 in the branches not taken) and whose ``site`` is the streaming site.
+    """
+    stack = _PASS.__dict__.setdefault("stack", [])
+    stack.append(summary_pass)
+    try:
+        return _eval(jaxpr, consts, args)
+    finally:
+        stack.pop()
+
+
+def _wanted(params: dict[str, Any], summaries: bool) -> bool:
+    if params["recompute"]:
+        return False
+    return params["stream"] is not None if summaries else bool(params["capture"])
+
+
+# ---------------------------------------------------------------------------------------------
 # Which jaxprs hold a captured sow.
 
 
@@ -156,20 +208,24 @@ def _subjaxprs(eqn: Any) -> list[Any]:
     return found
 
 
-@functools.lru_cache(maxsize=4096)
 def _has_capture(jaxpr: Any) -> bool:
+    return _has_wanted(jaxpr, _pass() is not None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _has_wanted(jaxpr: Any, summaries: bool) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
-            if eqn.params["capture"] and not eqn.params["recompute"]:
+            if _wanted(eqn.params, summaries):
                 return True
-        elif any(_has_capture(j) for j in _subjaxprs(eqn)):
+        elif any(_has_wanted(j, summaries) for j in _subjaxprs(eqn)):
             return True
     return False
 
 
 def _first_capture_name(jaxpr: Any) -> str:
     for eqn in jaxpr.eqns:
-        if eqn.primitive is sow_p and eqn.params["capture"]:
+        if eqn.primitive is sow_p and _wanted(eqn.params, _pass() is not None):
             return eqn.params["site"].name
         for j in _subjaxprs(eqn):
             if _has_capture(j):
@@ -231,11 +287,36 @@ def _eval_sow(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     site = p["site"]
     n = len(invals) - len(site.extras)
     outs = invals[:n]
+    summary_pass = _pass()
+    if summary_pass is not None:
+        return _summarise_sow(summary_pass, p, invals, n)
     if p["stream"] is not None and not p["recompute"]:
         outs = sow_p.bind(*invals, **{**p, "capture": False})  # keeps streaming live
     if not p["capture"] or p["recompute"]:
         return list(outs), []
     return list(outs), [_Captured(site.name, p["mode"], site.treedef, list(outs))]
+
+
+def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[Any],
+                   n: int) -> tuple[list[Any], list[_Captured]]:
+    site, leaves = p["site"], list(invals[:n])
+    if not _wanted(p, summaries=True):
+        return leaves, []
+    if summary_pass.in_while:
+        # The host callback in this program, with the call's step as the record's step.
+        extras = list(invals[n:])
+        kinds = list(site.extras)
+        if "step" not in kinds:
+            at = len(kinds) - 1 if kinds and kinds[-1] == "shard" else len(kinds)
+            kinds.insert(at, "step")
+            extras.insert(at, summary_pass.step)
+            site = dataclasses.replace(site, extras=tuple(kinds))
+        return list(sow_p.bind(*leaves, *extras, **{**p, "site": site, "capture": False})), []
+    reduced = summary_pass.reduce(p, leaves)
+    if reduced is None:
+        return leaves, []
+    stream_site, arrays = reduced
+    return leaves, [_Captured(site.name, p["mode"], None, list(arrays), site=stream_site)]
 
 
 def _inline(key: str) -> Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]:
@@ -329,8 +410,16 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
     def cond_fn(state: tuple[list[Any], list[Any]]) -> Any:
         return _eval(*cond, [*cond_consts, *state[0]])[0][0]
 
-    shapes = jax.eval_shape(body_fn, (list(init), []))[1]
-    state = jax.lax.while_loop(cond_fn, body_fn, (list(init), [_fill_like(s) for s in shapes]))
+    summary_pass = _pass()
+    if summary_pass is not None:
+        summary_pass.in_while += 1
+    try:
+        shapes = jax.eval_shape(body_fn, (list(init), []))[1]
+        state = jax.lax.while_loop(cond_fn, body_fn,
+                                   (list(init), [_fill_like(s) for s in shapes]))
+    finally:
+        if summary_pass is not None:
+            summary_pass.in_while -= 1
     return list(state[0]), _unflat(meta, state[1])
 
 
@@ -569,7 +658,7 @@ def save_intermediates(
                 return leaves
 
             # Under disable_jit, lax.scan would unroll while tracing: one site per iteration.
-            with CONTEXT(Context(session=ctx.session, capture=tag)), jax.disable_jit(False):
+            with CONTEXT(Context(stream=ctx.stream, capture=tag)), jax.disable_jit(False):
                 closed = jax.make_jaxpr(flat_fn)(*dyn)
             outs, caps = _eval(*jc.jaxpr_and_consts(closed), list(dyn))
             result = jax.tree_util.tree_unflatten(out_store[-1], outs)

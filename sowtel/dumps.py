@@ -31,22 +31,32 @@ A folder of dumps, one per step, is a supported layout: ``dump(x, "dumps/", step
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
 import re
+import stat
 import time
 import zipfile
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import ml_dtypes
 import numpy as np
 
-from sowtel.records import BASE_MODES, Record
-from sowtel.summaries import check_summary, host_summary
+from sowtel.build import (  # records and intermediates structure, shared with streaming
+    _check_intermediates,
+    _check_mode,
+    _check_step,
+    _is_leaf,
+    _stacking,
+    leaf_name,
+    program_order,
+    records_from_intermediates,
+)
 
 __all__ = [
     "DumpEntry",
@@ -58,6 +68,7 @@ __all__ = [
     "records_from_intermediates",
     "leaf_name",
     "program_order",
+    "MAX_DEPTH",
 ]
 
 FORMAT = "sowtel.dump"
@@ -89,11 +100,18 @@ _CODE_TO_DTYPE: dict[str, np.dtype] = {
 }
 _SUPPORTED_NAMES = {dt.name for dt in _CODE_TO_DTYPE.values()}
 
-# A header larger than this is not something dump() writes; refusing it keeps a corrupted
-# length field from making load() allocate gigabytes.
-_MAX_HEADER = 1 << 30
-_CHUNK = 1 << 26
+#: How deeply a dump's pytrees and metadata may nest (containers above a leaf). dump() refuses
+#: deeper values and load() deeper files, so no reader ever recurses without bound.
+MAX_DEPTH = 100
 
+# A header larger than this is not something dump() writes (it is the safetensors library's own
+# limit); refusing it keeps a corrupted length field from making load() allocate gigabytes.
+_MAX_HEADER = 100_000_000
+# Checksums are computed over chunks of this many bytes read into one reused buffer, so
+# checking a file never holds more of it than this.
+_CHUNK = 1 << 23
+# What sowtel_version may hold (PEP 440 versions, and "unknown"): it is printed as it is.
+_VERSION = re.compile(r"[A-Za-z0-9.+!_-]{1,100}")
 
 
 # ----------------------------------------------------------------------------- public types
@@ -165,76 +183,16 @@ class DumpInfo:
         return tuple(dict.fromkeys(e.mode for e in self.entries if e.site == site))
 
 
-def leaf_name(site: str, leaf: tuple[Any, ...]) -> str:
-    """The record name of a leaf: the site's name, then the leaf path joined with ``/``.
-
-    Example:
-      >>> leaf_name("params", ("w",)), leaf_name("pair", (0,)), leaf_name("h", ())
-      ('params/w', 'pair/0', 'h')
-    """
-    return "/".join([site, *(str(p) for p in leaf)])
-
-
-def program_order(site_index: int, mode: str, mode_index: int = 0) -> tuple[int, int, int]:
-    """A sort key that puts captured values in the order the program computed them.
-
-    Sites are numbered in program order (the order of ``save_intermediates``' dict). Values
-    without a cotangent (primal, tangent) are computed in the forward pass, in site order; each
-    reverse pass runs after the one before it and walks the sites the other way, so modes with
-    one ``cotangent`` component come next in reverse site order, two in site order again, and so
-    on. ``mode_index`` orders the modes of one site within the same pass.
-
-    Example:
-      >>> entries = [(0, "primal"), (0, "cotangent"), (1, "primal"), (1, "cotangent")]
-      >>> sorted(entries, key=lambda e: program_order(*e))
-      [(0, 'primal'), (1, 'primal'), (1, 'cotangent'), (0, 'cotangent')]
-    """
-    passes = mode.split(".").count("cotangent")
-    return (passes, site_index if passes % 2 == 0 else -site_index, mode_index)
-
-
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_mode(mode: Any, where: str) -> str:
-    parts = mode.split(".") if isinstance(mode, str) else None
-    if not parts or any(p not in BASE_MODES for p in parts):
-        raise ValueError(
-            f"{where}: mode {mode!r} is not a mode: use one of {', '.join(BASE_MODES)} or a "
-            "composition of them joined by '.' (such as 'cotangent.tangent')"
-        )
-    return str(mode)
-
-
-def _check_intermediates(intermediates: Any, what: str) -> Mapping[str, Mapping[str, Any]]:
-    if not isinstance(intermediates, Mapping):
-        raise TypeError(
-            f"{what} must be a dict {{name: {{mode: value}}}} as returned by "
-            f"sowtel.save_intermediates, got {type(intermediates).__name__}"
-        )
-    for name, modes in intermediates.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{what}: site name {name!r} must be a non-empty string")
-        if not isinstance(modes, Mapping):
-            raise TypeError(
-                f"{what}[{name!r}] must be a dict {{mode: value}} such as "
-                f"{{'primal': x}}, got {type(modes).__name__}: pass the intermediates exactly "
-                "as sowtel.save_intermediates returns them"
-            )
-        for mode in modes:
-            _check_mode(mode, f"{what}[{name!r}]")
-    return intermediates
-
-
-def _check_step(step: Any, what: str = "step") -> int:
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise TypeError(f"{what}={step!r} must be an int (the training step)")
-    return int(step)
-
-
-def _check_json(value: Any, where: str) -> None:
+def _check_json(value: Any, where: str, depth: int = 0) -> None:
     # Strict JSON types only: a tuple would come back as a list and a NaN is not JSON, so the
     # metadata would not round-trip exactly.
+    if isinstance(value, (list, dict)) and depth >= MAX_DEPTH:
+        raise ValueError(
+            f"metadata{where} is nested deeper than {MAX_DEPTH} levels: keep metadata flatter"
+        )
     if value is None or isinstance(value, (str, bool, int)):
         return
     if isinstance(value, float):
@@ -245,25 +203,18 @@ def _check_json(value: Any, where: str) -> None:
         return
     if isinstance(value, list):
         for i, v in enumerate(value):
-            _check_json(v, f"{where}[{i}]")
+            _check_json(v, f"{where}[{i}]", depth + 1)
         return
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ValueError(f"metadata{where} has key {k!r}: JSON object keys must be strings")
-            _check_json(v, f"{where}[{k!r}]")
+            _check_json(v, f"{where}[{k!r}]", depth + 1)
         return
     raise ValueError(
         f"metadata{where} = {value!r} ({type(value).__name__}) is not JSON: metadata holds only "
         "dicts with string keys, lists, strings, finite numbers, bools and None"
     )
-
-
-def _is_leaf(x: Any) -> bool:
-    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
-        return True
-    # jax.Array and other array-likes, recognised without importing jax.
-    return hasattr(x, "__array__") and hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -287,6 +238,11 @@ class _Encoder:
         where = f"intermediates[{site!r}][{mode!r}]" + "".join(f"[{p!r}]" for p in leaf)
         if x is None:
             return None
+        if type(x) in (dict, list, tuple) and len(leaf) >= MAX_DEPTH:
+            raise ValueError(
+                f"{where} is nested deeper than {MAX_DEPTH} levels: a dump holds pytrees at most "
+                f"{MAX_DEPTH} containers deep; flatten the value first"
+            )
         if type(x) is dict:
             items = []
             for k, v in x.items():
@@ -344,8 +300,15 @@ def _sowtel_version() -> str:
         return "unknown"
 
 
+def _fspath(path: Any, what: str = "path") -> str:
+    """``os.fspath(path)``, or a TypeError naming the value and what a path is."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}={path!r} is not a path: pass a str or a pathlib.Path")
+    return os.fspath(path)
+
+
 def _target(path: str | os.PathLike[str], step: int | None) -> Path:
-    raw = os.fspath(path)
+    raw = _fspath(path)
     p = Path(raw)
     if raw.endswith(("/", os.sep)) or p.is_dir():
         if step is None:
@@ -427,7 +390,15 @@ def dump(
     try:
         # safetensors makes its file private (0600); a dump gets the permissions the umask
         # gives any new file, learnt from a file created the ordinary way.
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
+        # Created exclusively: a link planted under the temporary name is removed (unlink
+        # removes the link, never its target), never written through.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:  # that, or the leftover of a dump that crashed
+            os.unlink(tmp)
+            fd = os.open(tmp, flags, 0o666)
+        os.close(fd)
         permissions = os.stat(tmp).st_mode & 0o777
         save_file(encoder.tensors, tmp, metadata={**fields, "checksums": json.dumps(checksums)})
         os.chmod(tmp, permissions)
@@ -441,19 +412,75 @@ def dump(
 # ----------------------------------------------------------------------------- reading
 
 
-def _describe_foreign(path: Path, head: bytes) -> str | None:
+def _read_exactly(f: BinaryIO, n: int) -> bytes:
+    """Up to ``n`` bytes of ``f`` (fewer only at its end): an unbuffered read may return less."""
+    parts, left = [], n
+    while left:
+        part = f.read(left)
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "not a regular file"
+
+
+def _not_regular(path: Path, mode: int) -> ValueError:
+    return ValueError(
+        f"{str(path)!r} is not a regular file (it is {_kind_of(mode)}): sowtel reads dumps only "
+        "from regular files, as reading a pipe or a device could block or never end; copy it "
+        "to a file first"
+    )
+
+
+def _open_regular(path: Path) -> io.FileIO:
+    """Opens ``path`` for reading unbuffered, refusing anything but a regular file.
+
+    The file is checked before it is opened (a socket cannot be opened at all) and again on the
+    open descriptor, so a FIFO swapped in between is refused too. Opening does not block: with
+    ``O_NONBLOCK`` a FIFO without a writer opens at once, and is then refused.
+    """
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        return cast(io.FileIO, os.fdopen(fd, "rb", buffering=0))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _describe_foreign(path: Path, f: BinaryIO, head: bytes) -> str | None:
     """Names what a non-dump file is, reading headers only (never unpickling)."""
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "a Python pickle; sowtel never unpickles files, since that runs code from the file"
     if path.suffix.lower() in (".pkl", ".pickle", ".pt", ".pth", ".ckpt") and head[:2] != b"PK":
         return "a pickle file by its name; sowtel never unpickles files"
     if head[:6] == b"\x93NUMPY":
-        with open(path, "rb") as f:
-            pickled = _npy_has_object(f)
+        f.seek(0)
+        pickled = _npy_has_object(f)
         return ("a NumPy .npy file holding pickled objects; rejected without unpickling"
                 if pickled else "a NumPy .npy file")
     if head[:4] == b"PK\x03\x04":
-        return _describe_zip(path)
+        f.seek(0)
+        return _describe_zip(f)
     return None
 
 
@@ -470,9 +497,9 @@ def _npy_has_object(f: Any) -> bool:
         return False
 
 
-def _describe_zip(path: Path) -> str:
+def _describe_zip(f: BinaryIO) -> str:
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(f) as z:
             names = z.namelist()
             pickles = [n for n in names if n.endswith((".pkl", ".pickle"))]
             if pickles:
@@ -480,8 +507,8 @@ def _describe_zip(path: Path) -> str:
                         "checkpoint?); rejected without unpickling")
             for n in names:
                 if n.endswith(".npy"):
-                    with z.open(n) as f:
-                        if _npy_has_object(f):
+                    with z.open(n) as member:
+                        if _npy_has_object(member):
                             return (f"a NumPy .npz archive whose member {n!r} holds pickled "
                                     "objects; rejected without unpickling")
             if any(n.endswith(".npy") for n in names):
@@ -491,24 +518,43 @@ def _describe_zip(path: Path) -> str:
         return "a truncated or corrupted zip archive"
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # JSON allows a key twice and Python keeps the last one: a dump never holds one twice, so a
+    # header that does is refused rather than read as something other readers would not see.
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"the key {twice!r} appears twice in one JSON object")
+    return out
+
+
 class _DumpFile:
-    """A parsed, validated dump header, and access to its arrays."""
+    """A parsed, validated dump header, and access to its arrays.
+
+    Everything in the header is checked here, before any array is read: the tensor table, the
+    header checksum, each field's type, and the structure (every node, every dict key, no site,
+    mode or dict key twice, nothing nested deeper than :data:`MAX_DEPTH`), so the code that
+    walks the structure afterwards meets only what ``dump`` writes.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(os.fspath(path))
+        self.path = Path(_fspath(path))
         p = self.path
         if not p.exists():
             raise FileNotFoundError(f"{str(p)!r} does not exist: give the path of a sowtel dump")
         if p.is_dir():
             raise IsADirectoryError(f"{str(p)!r} is a folder: open its step_<k>.safetensors files")
-        self.size = p.stat().st_size
-        with open(p, "rb") as f:
-            head = f.read(16)
+        with _open_regular(p) as f:
+            st = os.fstat(f.fileno())
+            self.size = st.st_size
+            self._identity = (st.st_size, st.st_mtime_ns)
+            head = _read_exactly(f, 16)
             n = int.from_bytes(head[:8], "little")
             # A safetensors header is recognised first: its length field may well start with
             # the bytes a pickle starts with.
             if head[8:9] != b"{" or n > _MAX_HEADER:
-                foreign = _describe_foreign(p, head)
+                foreign = _describe_foreign(p, f, head)
                 if foreign is not None:
                     raise ValueError(f"{str(p)!r} is not a sowtel dump: it is {foreign}")
             if len(head) < 9:
@@ -527,18 +573,37 @@ class _DumpFile:
                     f"{self.size - 8} after the length field"
                 )
             f.seek(8)
-            raw = f.read(n)
+            raw = _read_exactly(f, n)
         self.data_start = 8 + n
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
             raise ValueError(f"{str(p)!r} is corrupted: its header is not valid JSON ({e})") from e
+        header = self._json(text, "header")
         if not isinstance(header, dict):
             raise ValueError(f"{str(p)!r} is corrupted: its header is not a JSON object")
-        self._parse(header)
+        try:
+            self._parse(header)
+        except (OSError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - any other surprise is a malformed header too
+            raise self._bad(f"its header is malformed ({type(e).__name__}: {e})") from e
 
     def _bad(self, why: str) -> ValueError:
         return ValueError(f"{str(self.path)!r} is corrupted: {why}")
+
+    def _json(self, text: Any, what: str) -> Any:
+        """Parses one JSON text of the header; every failure is a ValueError naming the file."""
+        if not isinstance(text, str):
+            raise self._bad(f"its {what} is a {type(text).__name__}, not a JSON string")
+        try:
+            return json.loads(text, object_pairs_hook=_unique_keys)
+        except RecursionError:
+            raise self._bad(
+                f"its {what} is nested too deeply to read (dumps nest at most {MAX_DEPTH} levels)"
+            ) from None
+        except ValueError as e:
+            raise self._bad(f"its {what} is not valid JSON ({e})") from None
 
     def _parse(self, header: dict[str, Any]) -> None:
         fields = header.pop("__metadata__", None)
@@ -555,14 +620,20 @@ class _DumpFile:
                 f"sowtel ({_sowtel_version()}) does not read (it reads {FORMAT_VERSION}): "
                 "upgrade sowtel"
             )
+        for key, value in fields.items():
+            if not isinstance(value, str):  # safetensors metadata maps strings to strings
+                raise self._bad(
+                    f"its header field {key!r} is a {type(value).__name__}, not a string")
         # Tensor table: dtypes, shapes, and spans that tile the data section exactly.
         self.spans: dict[str, tuple[int, int, np.dtype, tuple[int, ...]]] = {}
         table: dict[str, tuple[str, list[int]]] = {}
         for key, t in header.items():
             try:
                 dtype = _CODE_TO_DTYPE[t["dtype"]]
-                shape = tuple(int(d) for d in t["shape"])
-                begin, end = (int(o) for o in t["data_offsets"])
+                shape = tuple(t["shape"])
+                begin, end = t["data_offsets"]
+                if not all(type(d) is int for d in (*shape, begin, end)):
+                    raise TypeError("shape and data_offsets must be integers")
             except (KeyError, TypeError, ValueError) as e:
                 raise self._bad(f"the entry of tensor {key!r} is malformed ({e!r})") from e
             if any(d < 0 for d in shape) or begin < 0 or end < begin:
@@ -586,24 +657,43 @@ class _DumpFile:
                 f"{str(self.path)!r} is {what}: its tensors need {covered} bytes of data, the "
                 f"file holds {data_len}"
             )
+        checksums = self._json(fields.pop("checksums", None), "header field checksums")
         try:
-            checksums = json.loads(fields.pop("checksums"))
             self.crcs: dict[str, int] = {k: int(v) for k, v in checksums["tensors"].items()}
             header_crc = int(checksums["header"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise self._bad(f"its checksums are missing or malformed ({e!r})") from e
         if _header_crc(fields, table) != header_crc:
             raise self._bad("the header checksum does not match (the header was altered)")
+        for name in ("step", "metadata", "sowtel_version", "created", "sites"):
+            if name not in fields:
+                raise self._bad(f"its header field {name!r} is missing")
+        step = self._json(fields["step"], "header field step")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise self._bad(f"its header field step is {step!r}: a step is an integer or null")
+        self.step: int | None = step
+        metadata = self._json(fields["metadata"], "header field metadata")
+        if not isinstance(metadata, dict):
+            raise self._bad(f"its header field metadata is {type(metadata).__name__}, not a "
+                            "JSON object")
         try:
-            self.step: int | None = json.loads(fields["step"])
-            self.metadata: dict[str, Any] = json.loads(fields["metadata"])
-            self.sowtel_version = str(fields["sowtel_version"])
+            _check_json(metadata, "")
+        except ValueError as e:
+            raise self._bad(f"its header field metadata is not valid: {e}") from None
+        self.metadata: dict[str, Any] = metadata
+        self.sowtel_version = fields["sowtel_version"]
+        if not _VERSION.fullmatch(self.sowtel_version):
+            raise self._bad(f"its header field sowtel_version is {self.sowtel_version!r}, not a "
+                            "version number")
+        try:
             self.created = float(fields["created"])
-            self.sites = json.loads(fields["sites"])
-            stacked = json.loads(fields.get("stacked", "{}"))
-        except (KeyError, TypeError, ValueError) as e:
-            raise self._bad(f"a header field is missing or malformed ({e!r})") from e
-        self.stacked = self._check_stacked(stacked)
+        except ValueError:
+            self.created = math.nan
+        if not (math.isfinite(self.created) and self.created >= 0):
+            raise self._bad(f"its header field created is {fields['created']!r}, not a Unix time")
+        self.sites = self._json(fields["sites"], "header field sites")
+        self.stacked = self._check_stacked(
+            self._json(fields.get("stacked", "{}"), "header field stacked"))
         self.entries = self._entries()
 
     def _entries(self) -> tuple[DumpEntry, ...]:
@@ -611,13 +701,17 @@ class _DumpFile:
         used: set[str] = set()
 
         def walk(node: Any, site: str, mode: str, leaf: tuple[Any, ...]) -> None:
+            where = f"the structure of {site!r} ({mode})"
             if node is None:
                 return
             if not isinstance(node, dict) or len(node) != 1:
-                raise self._bad(f"the structure of {site!r} ({mode}) has a malformed node")
+                raise self._bad(f"{where} has a malformed node")
             ((kind, body),) = node.items()
+            if kind != "leaf" and len(leaf) >= MAX_DEPTH:
+                raise self._bad(f"{where} is nested deeper than {MAX_DEPTH} levels, which "
+                                "sowtel.dump never writes")
             if kind == "leaf":
-                if body not in self.spans or body in used:
+                if not isinstance(body, str) or body not in self.spans or body in used:
                     raise self._bad(f"the structure names tensor {body!r}, absent or used twice")
                 used.add(body)
                 _, _, dtype, shape = self.spans[body]
@@ -630,22 +724,42 @@ class _DumpFile:
                 for i, child in enumerate(body):
                     walk(child, site, mode, (*leaf, i))
             elif kind == "dict" and isinstance(body, list):
+                keys: set[Any] = set()
                 for item in body:
                     if not (isinstance(item, list) and len(item) == 2):
-                        raise self._bad(f"the structure of {site!r} ({mode}) has a bad dict item")
-                    walk(item[1], site, mode, (*leaf, item[0]))
+                        raise self._bad(f"{where} has a bad dict item")
+                    key = item[0]
+                    if isinstance(key, bool) or not isinstance(key, (str, int)):
+                        raise self._bad(f"{where} has the dict key {key!r}: dict keys are "
+                                        "strings or integers")
+                    if key in keys:
+                        raise self._bad(f"{where} has the dict key {key!r} twice")
+                    keys.add(key)
+                    walk(item[1], site, mode, (*leaf, key))
             else:
-                raise self._bad(f"the structure of {site!r} ({mode}) has a node {kind!r}")
+                raise self._bad(f"{where} has a node {kind!r}")
 
         if not isinstance(self.sites, list):
             raise self._bad("its site list is not a list")
+        names: set[str] = set()
         for item in self.sites:
             if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], list)):
+                    and item[0] and isinstance(item[1], list)):
                 raise self._bad("its site list has a malformed site")
+            if item[0] in names:
+                raise self._bad(f"its site list names the site {item[0]!r} twice")
+            names.add(item[0])
+            modes: set[str] = set()
             for pair in item[1]:
                 if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
                     raise self._bad(f"site {item[0]!r} has a malformed mode")
+                try:
+                    _check_mode(pair[0], f"site {item[0]!r}")
+                except ValueError as e:
+                    raise self._bad(str(e)) from None
+                if pair[0] in modes:
+                    raise self._bad(f"site {item[0]!r} has the mode {pair[0]!r} twice")
+                modes.add(pair[0])
                 walk(pair[1], item[0], pair[0], ())
         if used != set(self.spans):
             raise self._bad(f"tensors {sorted(set(self.spans) - used)} belong to no site")
@@ -674,38 +788,69 @@ class _DumpFile:
             nbytes=self.size - self.data_start,
         )
 
+    def verify(self) -> None:
+        """Checks every tensor's data against its CRC-32, streaming through the file.
+
+        The data is read in file order, in chunks of at most ``_CHUNK`` bytes into one reused
+        buffer, so checking a file of any size holds only a chunk of it, and a mismatch is
+        raised as soon as the tensor holding it has been read.
+        """
+        chunk = memoryview(bytearray(min(_CHUNK, max(1, self.size - self.data_start))))
+        with _open_regular(self.path) as f:
+            self._check_unchanged(f)
+            f.seek(self.data_start)
+            for key, (begin, end, _, _) in sorted(self.spans.items(), key=lambda kv: kv[1][0]):
+                crc, left = 0, end - begin
+                while left:
+                    got = f.readinto(chunk[:min(left, len(chunk))])
+                    if not got:
+                        raise ValueError(f"{str(self.path)!r} changed while being read: it "
+                                         "is shorter than its header says")
+                    crc = zlib.crc32(chunk[:got], crc)
+                    left -= got
+                if crc != self.crcs.get(key):
+                    raise self._bad(f"the data of tensor {key!r} fails its checksum")
+
+    def _check_unchanged(self, f: io.FileIO) -> None:
+        st = os.fstat(f.fileno())
+        if (st.st_size, st.st_mtime_ns) != self._identity:
+            raise ValueError(f"{str(self.path)!r} changed while being read: read it again")
+
     def buffer(self, lazy: bool) -> np.ndarray:
         """The whole file as uint8: memory-mapped (lazy) or read into memory (writable)."""
-        if lazy:
-            return np.asarray(np.memmap(self.path, dtype=np.uint8, mode="r"))
-        buf = np.empty(self.size, dtype=np.uint8)
-        with open(self.path, "rb") as f:
-            got = f.readinto(buf.data)
+        with _open_regular(self.path) as f:
+            self._check_unchanged(f)
+            if lazy:
+                return np.asarray(np.memmap(f, dtype=np.uint8, mode="r", shape=(self.size,)))
+            buf = np.empty(self.size, dtype=np.uint8)
+            view, got = buf.data, 0
+            while got < self.size:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            self._check_unchanged(f)
         if got != self.size:
             raise ValueError(f"{str(self.path)!r} changed while being read ({got} of {self.size})")
         return buf
 
-    def array(self, buf: np.ndarray, key: str, verify: bool) -> np.ndarray:
+    def array(self, buf: np.ndarray, key: str) -> np.ndarray:
+        """One tensor of ``buf`` (from :meth:`buffer`); its checksum is :meth:`verify`'s job."""
         begin, end, dtype, shape = self.spans[key]
-        raw = buf[self.data_start + begin: self.data_start + end]
-        if verify:
-            crc = 0
-            for i in range(0, raw.size, _CHUNK):
-                crc = zlib.crc32(raw[i: i + _CHUNK].data, crc)
-            if (crc & 0xFFFFFFFF) != self.crcs.get(key):
-                raise self._bad(f"the data of tensor {key!r} fails its checksum")
-        return raw.view(dtype).reshape(shape)
+        return buf[self.data_start + begin: self.data_start + end].view(dtype).reshape(shape)
 
-    def tree(self, lazy: bool, verify: bool | None = None) -> Any:
+    def tree(self, lazy: bool) -> Any:
+        """The intermediates; with ``lazy=False`` checked against their checksums first."""
+        if not lazy:
+            self.verify()
         buf = self.buffer(lazy)
-        verify = (not lazy) if verify is None else verify
 
         def build(node: Any) -> Any:
             if node is None:
                 return None
             ((kind, body),) = node.items()
             if kind == "leaf":
-                return self.array(buf, body, verify)
+                return self.array(buf, body)
             if kind == "list":
                 return [build(c) for c in body]
             if kind == "tuple":
@@ -733,7 +878,7 @@ def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
       ...     list(find_dumps(d))
       [2, 10]
     """
-    p = Path(os.fspath(folder))
+    p = Path(_fspath(folder, "folder"))
     if not p.exists():
         raise FileNotFoundError(f"{str(p)!r} does not exist: give a folder of sowtel dumps")
     if not p.is_dir():
@@ -741,6 +886,10 @@ def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
     found: dict[int, Path] = {}
     for child in p.iterdir():
         m = _STEP_FILE.match(child.name)
+        if m and child.exists() and not child.is_file() and not child.is_dir():
+            # A FIFO or a device named like a dump: refused, as load() refuses it, rather than
+            # silently leaving a step out.
+            raise _not_regular(child, child.stat().st_mode)
         if m and child.is_file():
             step = int(m.group(1))
             if step in found:
@@ -804,150 +953,7 @@ def load(path: str | os.PathLike[str], *, lazy: bool = False) -> dict[Any, Any]:
       >>> {k: v["h"]["primal"].tolist() for k, v in by_step.items()}
       {0: [0, 1, 2], 1: [1, 2, 3]}
     """
-    p = Path(os.fspath(path))
+    p = Path(_fspath(path))
     if p.is_dir():
         return {step: _open_step(step, f).tree(lazy) for step, f in find_dumps(p).items()}
     return _DumpFile(p).tree(lazy)
-
-
-# ----------------------------------------------------------------------------- records
-
-
-def _site_leaves(value: Any) -> list[tuple[tuple[Any, ...], Any]]:
-    """(leaf path, leaf) pairs of a sown value; dict/list/tuple in stored order, else jax's."""
-    out: list[tuple[tuple[Any, ...], Any]] = []
-
-    def walk(x: Any, leaf: tuple[Any, ...]) -> None:
-        if x is None:
-            return
-        if type(x) is dict:
-            for k, v in x.items():
-                walk(v, (*leaf, k))
-        elif type(x) is list or type(x) is tuple:
-            for i, v in enumerate(x):
-                walk(v, (*leaf, i))
-        elif _is_leaf(x):
-            out.append((leaf, x))
-        else:
-            # Registered pytree nodes (namedtuples, flax structs, dataclasses): jax knows them.
-            import jax
-
-            for kp, v in jax.tree_util.tree_flatten_with_path(x)[0]:
-                walk(v, (*leaf, *(_key_part(k) for k in kp)))
-
-    walk(value, ())
-    return out
-
-
-def _key_part(k: Any) -> Any:
-    for attr in ("key", "idx", "name"):
-        if hasattr(k, attr):
-            return getattr(k, attr)
-    return str(k)
-
-
-def _stacking(modes: Any) -> dict[str, tuple[tuple[str, int], ...]]:
-    """``{mode: stacked axes}`` of a site's modes dict (empty for a plain dict)."""
-    stacked = getattr(modes, "stacked", None)
-    return dict(stacked) if isinstance(stacked, dict) else {}
-
-
-def _stack_indices(
-    axes: tuple[tuple[str, int], ...], shape: tuple[int, ...]
-) -> list[tuple[tuple[int, ...], int | tuple[int, ...]]] | None:
-    """``(position, record index)`` for each element of a stack, or None when not stacked.
-
-    The record index is the one streaming gives: the shard first (shard axes combined
-    row-major), then the scan iterations, outermost first; listed in index order. None when
-    ``shape`` does not start with the stacked axes (a ``vmap`` around ``save_intermediates``
-    puts its batch axis first).
-    """
-    lengths = tuple(n for _, n in axes)
-    if not axes or tuple(shape[:len(axes)]) != lengths:
-        return None
-    out: list[tuple[tuple[int, ...], int | tuple[int, ...]]] = []
-    for pos in np.ndindex(*lengths):
-        shard, has_shard, loops = 0, False, []
-        for (kind, n), i in zip(axes, pos, strict=True):
-            if kind == "shard":
-                shard, has_shard = shard * n + i, True
-            else:
-                loops.append(i)
-        parts = ([shard] if has_shard else []) + loops
-        out.append((pos, parts[0] if len(parts) == 1 else tuple(parts)))
-    return out
-
-
-def _process_index() -> int:
-    try:
-        import jax
-
-        return int(jax.process_index())
-    except Exception:  # no backend: records made on a plain host are process 0
-        return 0
-
-
-def records_from_intermediates(
-    intermediates: Mapping[str, Mapping[str, Any]],
-    *,
-    step: int,
-    summary: str = "stats",
-    tag: str = "intermediates",
-) -> list[Record]:
-    """Turns a ``save_intermediates`` result into the records streaming would produce.
-
-    One record per array leaf, in the order the program computed them (see
-    :func:`program_order`: the forward pass in site order, then cotangents in reverse site
-    order), numbered by ``seq`` in that order; a pytree sown at one site gives records named
-    ``name/<leaf path>`` (``"pair/0"``, ``"params/w"``). Summaries are computed on the host with
-    :func:`sowtel.summaries.host_summary`, the same definitions the device uses. A value stacked
-    by ``scan`` or ``shard_map`` (see :attr:`sowtel.Intermediates.stacked`) gives one record per
-    iteration and shard, in index order, with the ``index`` streaming gives them; a value
-    whose leading axes do not match its stacking (under a ``vmap`` of ``save_intermediates``)
-    gives one record for the whole stack (``index=None``).
-    :func:`sowtel.export` calls this and hands the records to the active exporters.
-
-    Example:
-      >>> import numpy as np
-      >>> recs = records_from_intermediates(
-      ...     {"pair": {"primal": (np.array([1.0, 3.0]), np.array(2))}}, step=5)
-      >>> [(r.name, r.step, r.stats["mean"]) for r in recs]
-      [('pair/0', 5, 2.0), ('pair/1', 5, 2.0)]
-    """
-    _check_intermediates(intermediates, "intermediates")
-    step = _check_step(step)
-    check_summary(summary)
-    if not isinstance(tag, str) or not tag:
-        raise ValueError(f"tag={tag!r} must be a non-empty string")
-    wall_time = time.time()
-    process_index = _process_index()
-    values = [
-        (program_order(i, mode, j), site, mode, value, _stacking(modes).get(mode, ()))
-        for i, (site, modes) in enumerate(intermediates.items())
-        for j, (mode, value) in enumerate(modes.items())
-    ]
-    values.sort(key=lambda v: v[0])
-    records: list[Record] = []
-    for _, site, mode, value, axes in values:
-        leaves = [(leaf, np.asarray(x)) for leaf, x in _site_leaves(value)]
-        stacks = [_stack_indices(axes, arr.shape) for _, arr in leaves]
-        # One record per leaf and element of the stack, a stack's leaves together (as streaming
-        # sends them); leaves that are not stacked as their site says come whole, after them.
-        positions = next((s for s in stacks if s is not None), [])
-        parts: list[tuple[tuple[Any, ...], np.ndarray, int | tuple[int, ...] | None]] = [
-            (leaf, np.asarray(arr[pos]), index)
-            for pos, index in positions
-            for (leaf, arr), stack in zip(leaves, stacks, strict=True) if stack is not None
-        ]
-        parts += [(leaf, arr, None)
-                  for (leaf, arr), stack in zip(leaves, stacks, strict=True) if stack is None]
-        for leaf, arr, index in parts:
-            s = host_summary(arr, summary)
-            records.append(Record(
-                name=leaf_name(site, leaf), mode=mode, tag=tag, step=step, index=index,
-                wall_time=wall_time, summary=summary, shape=tuple(arr.shape),
-                dtype=arr.dtype.name, value=arr if summary == "full" else None,
-                stats=s["stats"], histogram=s["histogram"], process_index=process_index,
-                seq=len(records),
-            ))
-    return records

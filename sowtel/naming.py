@@ -130,7 +130,8 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
-def _warn_repeated(name: str) -> None:
+def warn_repeated(name: str) -> None:
+    """Warns once per name that streaming numbers its occurrences."""
     with _warned_lock:
         if name in _warned:
             return
@@ -215,7 +216,7 @@ def number_in_program(ctx: Any, site: StreamSite) -> NumberedSite:
         slot = slots[0]
         slots[0] += 1
         if slot == 1:
-            _warn_repeated(site.name)
+            warn_repeated(site.name)
     earlier.append((path, counts, slot))
     return NumberedSite(site, slot, slots)
 

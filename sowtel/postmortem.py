@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from sowtel.dumps import DumpEntry, DumpInfo, _DumpFile, find_dumps, program_order
+from sowtel.dumps import DumpEntry, DumpInfo, _DumpFile, _fspath, find_dumps, program_order
 from sowtel.records import STAT_KEYS
 from sowtel.summaries import host_summary
 
@@ -50,6 +50,7 @@ __all__ = [
     "run_inspect",
     "configure_diff",
     "run_diff",
+    "printable",
 ]
 
 # Exit status of a command that could not read its input (argparse uses 2 for bad usage too).
@@ -155,11 +156,13 @@ def _execution_keys(info: DumpInfo) -> dict[tuple[str, str], tuple[int, int, int
 def _iter_arrays(
     f: _DumpFile, entries: Sequence[DumpEntry]
 ) -> Iterator[tuple[DumpEntry, np.ndarray]]:
-    # Memory-mapped, so a dump larger than memory is summarised one array at a time; the
-    # checksum of each array is checked as it is read.
+    # Checksums are checked first, streaming through the file, so a corrupted dump is refused
+    # before anything is summarised; then the arrays are memory-mapped, so a dump larger than
+    # memory is summarised one array at a time.
+    f.verify()
     buf = f.buffer(lazy=True)
     for e in entries:
-        yield e, f.array(buf, e.key, verify=True)
+        yield e, f.array(buf, e.key)
 
 
 def _first_nonfinite(info: DumpInfo, rows: Sequence[EntryStats]) -> EntryStats | None:
@@ -220,7 +223,25 @@ _COLUMNS = ("name", "mode", "shape", "dtype", *STAT_KEYS, "")
 _HEADINGS = {"posinf": "+inf", "neginf": "-inf"}
 
 
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters shown as escapes.
+
+    Names, modes and paths come from files anyone may have crafted; printed raw, an escape
+    sequence in one could rewrite the terminal (clear it, retitle it, hide rows). Every
+    character that is not printable becomes its Python escape; the names themselves are
+    unchanged in the dump and in the JSON output (where JSON escapes them).
+
+    Example:
+      >>> print(printable("h" + chr(27) + "[2J"))
+      h\\x1b[2J
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _table(rows: Sequence[Sequence[str]], numeric_from: int) -> list[str]:
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for r in rows:
@@ -271,7 +292,7 @@ def format_report(report: InspectReport) -> str:
             f"nan={_fmt(o.stats['nan'])} "
             f"+inf={_fmt(o.stats['posinf'])} -inf={_fmt(o.stats['neginf'])} - the likely origin"
         )
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def plot_histograms(path: str | os.PathLike[str], out: str | os.PathLike[str],
@@ -381,7 +402,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         if args.plot:
             plotted = plot_histograms(paths[-1], args.plot, bins=args.bins)
     except (OSError, ValueError, ImportError) as e:
-        print(f"sowtel inspect: error: {e}", file=sys.stderr)
+        print(f"sowtel inspect: error: {printable(str(e))}", file=sys.stderr)
         return EXIT_ERROR
     first = next((r for r in reports if r.origin is not None), None)
     if args.json:
@@ -397,12 +418,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     if len(reports) > 1:
         print()
         if first is not None and first.origin is not None:
-            print(f"first non-finite over all steps: step {first.info.step}, "
-                  f"{first.origin.entry.name!r} ({first.origin.entry.mode})")
+            print(printable(f"first non-finite over all steps: step {first.info.step}, "
+                            f"{first.origin.entry.name!r} ({first.origin.entry.mode})"))
         else:
             print(f"all values finite in all {len(reports)} steps")
     if plotted is not None:
-        print(f"wrote {len(plotted)} histogram panels to {args.plot}")
+        print(printable(f"wrote {len(plotted)} histogram panels to {args.plot}"))
     return 0
 
 
@@ -567,10 +588,12 @@ def _diff_files(pa: Path, pb: Path, rtol: float, atol: float, step: int | None,
                 f"{at}{eb.name!r} ({mode}) only in B"
                 for key, eb in by_b.items() if key[:2] == (site, mode) and key not in by_a
             ]
+    fa.verify()
+    fb.verify()
     buf_a, buf_b = fa.buffer(lazy=True), fb.buffer(lazy=True)
     for ea, eb in pairs:
-        a = fa.array(buf_a, ea.key, verify=True)
-        b = fb.array(buf_b, eb.key, verify=True)
+        a = fa.array(buf_a, ea.key)
+        b = fb.array(buf_b, eb.key)
         max_abs, max_rel, beyond, nonfinite = _compare_values(a, b, rtol, atol)
         entries.append(EntryDiff(ea.name, ea.mode, step, ea.shape, ea.dtype, eb.dtype,
                                  max_abs, max_rel, beyond, nonfinite))
@@ -604,7 +627,7 @@ def diff_dumps(a: str | os.PathLike[str], b: str | os.PathLike[str], *,
     """
     rtol = _check_tolerance(rtol, "rtol")
     atol = _check_tolerance(atol, "atol")
-    pa, pb = Path(os.fspath(a)), Path(os.fspath(b))
+    pa, pb = Path(_fspath(a, "a")), Path(_fspath(b, "b"))
     for p in (pa, pb):
         if not p.exists():
             raise FileNotFoundError(f"{str(p)!r} does not exist: give two sowtel dumps to diff")
@@ -661,7 +684,7 @@ def format_diff(report: DiffReport) -> str:
         f"{verdict}: {n_diff} of {len(report.entries)} arrays differ beyond tolerance; "
         f"{n_struct} structural difference{'' if n_struct == 1 else 's'}"
     )
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def configure_diff(parser: argparse.ArgumentParser) -> None:
@@ -680,7 +703,7 @@ def run_diff(args: argparse.Namespace) -> int:
     try:
         report = diff_dumps(args.a, args.b, rtol=args.rtol, atol=args.atol)
     except (OSError, ValueError) as e:
-        print(f"sowtel diff: error: {e}", file=sys.stderr)
+        print(f"sowtel diff: error: {printable(str(e))}", file=sys.stderr)
         return EXIT_ERROR
     if args.json:
         print(json.dumps(report.to_json(), indent=2))

@@ -7,8 +7,9 @@ function is traced:
   compiled program is byte-identical to one without sows;
 - :func:`sowtel.save_intermediates`: the sow binds ``sow_p`` with ``capture=True`` and the
   capture pass turns it into extra outputs;
-- :func:`sowtel.enable`: the sow binds ``sow_p`` with ``stream=<session>``; its lowering computes
-  the session's summary on the device and sends it to the host in one callback.
+- :func:`sowtel.enable`: the sow binds ``sow_p`` with ``stream=<the session's StreamConfig>``; its
+  lowering computes the summary on the device and sends it to the host in one callback (or,
+  under :func:`sowtel.jit`, the capture pass returns the summary as an output).
 
 Under ``jvp`` the tangent flows through a second ``sow_p`` in mode ``"tangent"``; transposing
 that one (``grad``, ``vjp``) gives a ``sow_p`` in mode ``"cotangent"`` on the cotangent. Modes
@@ -26,13 +27,15 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import fnmatch
 import functools
 import itertools
 import math
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -45,17 +48,71 @@ from sowtel import naming
 from sowtel.records import SUMMARIES
 from sowtel.summaries import ARRAYS_PER_LEAF, DEFAULT_BINS, device_summary
 
-__all__ = ["sow", "sow_p", "at_step", "Context", "SiteStatic", "StreamSite"]
+__all__ = ["sow", "sow_p", "at_step", "Context", "StreamConfig", "SiteStatic", "StreamSite"]
 
 # ---------------------------------------------------------------------------------------------
 # What is switched on: a jit-cache-keyed context, read whenever a sow is bound.
 
 
 @dataclasses.dataclass(frozen=True)
-class Context:
-    """What sows bound now should do: stream to ``session``, and/or be captured for ``capture``."""
+class Globs:
+    """A name filter of glob patterns, compared by value (so it can key the jit cache)."""
 
-    session: int | None = None
+    patterns: tuple[str, ...]
+
+    def __call__(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+
+# every= values of the sites traced under each streaming configuration (and the configuration's
+# own): a host-side step divisible by none of them logs nothing. A few small ints per setting.
+STRIDES: dict[Any, set[int]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """What a session streams: the part of ``enable()``'s settings that shapes compiled programs.
+
+    It, not the session, keys the jit cache: a new session with the same settings reuses every
+    program compiled for the previous one, and the programs deliver to whichever session is
+    active when their callbacks run.
+    """
+
+    tags: tuple[str, ...] = ("intermediates",)
+    modes: tuple[str, ...] = ("primal", "tangent", "cotangent")
+    include: Callable[[str], bool] | None = None
+    exclude: Callable[[str], bool] | None = None
+    summary: str = "stats"
+    every: int = 1
+
+    def selects(self, name: str, tag: str) -> bool:
+        if tag not in self.tags:
+            return False
+        if self.include is not None and not self.include(name):
+            return False
+        return not (self.exclude is not None and self.exclude(name))
+
+    def wants(self, mode: str) -> bool:
+        return mode in self.modes or mode.split(".")[-1] in self.modes
+
+    def summary_for(self, site_summary: str | None) -> str:
+        return site_summary or self.summary
+
+    def every_for(self, site_every: int | None) -> int:
+        every = site_every or self.every
+        STRIDES.setdefault(self, {self.every}).add(every)
+        return every
+
+    def strides(self) -> set[int]:
+        """The ``every=`` values of this setting and of the sites traced under it so far."""
+        return STRIDES.get(self) or {self.every}
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What sows bound now should do: stream with ``stream``, and/or be captured for ``capture``."""
+
+    stream: StreamConfig | None = None
     capture: str | None = None
     # Set by a host-side at_step on a step that logs nothing: sows bind nothing, so the call
     # runs the uninstrumented program.
@@ -67,25 +124,25 @@ CONTEXT = jax.make_user_context(None)
 
 
 class StreamPolicy(Protocol):
-    """What a streaming session tells the primitive (implemented by ``sowtel.session.Session``)."""
-
-    def selects(self, name: str, tag: str) -> bool: ...
-
-    def wants(self, mode: str) -> bool: ...
-
-    def summary_for(self, site_summary: str | None) -> str: ...
-
-    def every_for(self, site_every: int | None) -> int: ...
+    """What the streaming session does for the primitive (``sowtel.session.Session``)."""
 
     def receive(self, site: StreamSite, arrays: tuple[np.ndarray, ...]) -> None: ...
 
+    def count_late(self, site: StreamSite) -> None: ...
+
     def enter_host_step(self, step: int) -> bool: ...
 
-    def exit_host_step(self) -> None: ...
+    def exit_host_step(self, logged: bool) -> None: ...
 
 
-# session id -> the live session; written by enable()/disable(), read at bind time and by callbacks.
-STREAMS: dict[int, StreamPolicy] = {}
+class _Receivers:
+    """The session host callbacks deliver to, and the last one closed (which counts late ones)."""
+
+    active: StreamPolicy | None = None
+    closed: StreamPolicy | None = None
+
+
+RECEIVERS = _Receivers()
 
 
 def current_context() -> Context | None:
@@ -152,6 +209,36 @@ def _check_leaves(value: Any, leaves: list[Any], name: str) -> None:
             )
 
 
+def _unflattenable(value: Any, name: str, error: Exception) -> ValueError:
+    """The error for a value JAX cannot flatten, naming the dict whose keys do not sort."""
+
+    def unsortable(x: Any, path: str) -> tuple[str, list[Any]] | None:
+        if isinstance(x, dict):
+            try:
+                sorted(x)
+            except TypeError:
+                return path, list(x)
+            children = [(f"{path}[{k!r}]", v) for k, v in x.items()]
+        elif isinstance(x, (list, tuple)):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(x)]
+        else:
+            return None
+        for child_path, child in children:
+            found = unsortable(child, child_path)
+            if found is not None:
+                return found
+        return None
+
+    found = unsortable(value, "")
+    if found is None:
+        return ValueError(f"sow {name!r}: JAX cannot flatten the value into a pytree ({error})")
+    path, keys = found
+    return ValueError(
+        f"sow {name!r}: the dict at {path or '<root>'} has keys {', '.join(map(repr, keys))}, "
+        "whose types JAX cannot sort to flatten it: use keys of one type (all str, or all int)"
+    )
+
+
 def _as_array_leaf(leaf: Any) -> Any:
     return jnp.asarray(leaf) if isinstance(leaf, (bool, int, float, complex)) else leaf
 
@@ -212,21 +299,33 @@ def at_step(step: Any) -> Iterator[None]:
         stack.pop()
 
 
+# The step of the innermost host-side at_step, per thread (and per asyncio task).
+HOST_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "sowtel_host_step", default=None)
+
+
+def host_step() -> int | None:
+    """The step of the host-side :func:`at_step` around this call, in this thread; or None."""
+    return HOST_STEP.get()
+
+
 @contextmanager
 def _host_step(step: int) -> Iterator[None]:
-    ctx = current_context()
-    policy = STREAMS.get(ctx.session) if ctx is not None and ctx.session is not None else None
-    if policy is None:
-        yield
-        return
-    logs = policy.enter_host_step(step)
-    assert ctx is not None
+    token = HOST_STEP.set(step)
     try:
-        with CONTEXT(dataclasses.replace(ctx, quiet=not logs)):
+        ctx = current_context()
+        policy = RECEIVERS.active
+        if ctx is None or ctx.stream is None or policy is None:
             yield
+            return
+        logs = policy.enter_host_step(step)
+        try:
+            with CONTEXT(dataclasses.replace(ctx, quiet=not logs)):
+                yield
+        finally:
+            policy.exit_host_step(logs)
     finally:
-        # A program with host callbacks returns only after they ran: the step is complete.
-        policy.exit_host_step()
+        HOST_STEP.reset(token)
 
 
 def _current_step() -> Any | None:
@@ -286,12 +385,11 @@ def _bind(leaves: list[Any], extras: list[Any], site: SiteStatic, mode: str) -> 
     ctx = current_context()
     capture = bool(ctx is not None and ctx.capture == site.tag)
     stream, summary, every = None, "stats", 1
-    if ctx is not None and ctx.session is not None and not ctx.quiet:
-        policy = STREAMS.get(ctx.session)
-        if policy is not None and policy.selects(site.name, site.tag) and policy.wants(mode):
-            stream = ctx.session
-            summary = policy.summary_for(site.summary)
-            every = policy.every_for(site.every)
+    config = ctx.stream if ctx is not None and not ctx.quiet else None
+    if config is not None and config.selects(site.name, site.tag) and config.wants(mode):
+        stream = config
+        summary = config.summary_for(site.summary)
+        every = config.every_for(site.every)
     return sow_p.bind(
         *leaves, *extras, site=site, mode=mode, capture=capture, stream=stream,
         summary=summary, every=every, recompute=False,
@@ -352,7 +450,10 @@ def sow(
     if every is not None:
         check_positive_int(every, "sow every")
     # Validated whatever is enabled: turning streaming on never breaks a working program.
-    leaves, treedef = jax.tree_util.tree_flatten(value)
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+    except (TypeError, ValueError) as e:  # JAX sorts dict keys: {"a": x, 1: y} fails inside it
+        raise _unflattenable(value, name, e) from None
     _check_leaves(value, leaves, name)
     if jc.traced_for() == "while_cond":
         raise ValueError(
@@ -364,8 +465,7 @@ def sow(
     if ctx is None:
         return value
     capture = ctx.capture == tag
-    policy = STREAMS.get(ctx.session) if ctx.session is not None else None
-    streams = not ctx.quiet and policy is not None and policy.selects(name, tag)
+    streams = not ctx.quiet and ctx.stream is not None and ctx.stream.selects(name, tag)
     if not (capture or streams):
         return value
     leaves = [_as_array_leaf(leaf) for leaf in leaves]
@@ -395,7 +495,7 @@ def _split(args: Any, site: SiteStatic) -> tuple[list[Any], list[Any]]:
     return list(args[:n]), list(args[n:])
 
 
-def _sow_impl(*args: Any, site: SiteStatic, stream: int | None, recompute: bool,
+def _sow_impl(*args: Any, site: SiteStatic, stream: StreamConfig | None, recompute: bool,
               **params: Any) -> list[Any]:
     leaves, _ = _split(args, site)
     if stream is None or recompute:
@@ -409,7 +509,8 @@ def _sow_impl(*args: Any, site: SiteStatic, stream: int | None, recompute: bool,
 sow_p.def_impl(_sow_impl)
 
 
-def _sow_abstract_eval(*avals: Any, site: SiteStatic, capture: bool, stream: int | None,
+def _sow_abstract_eval(*avals: Any, site: SiteStatic, capture: bool,
+                       stream: StreamConfig | None,
                        recompute: bool, **params: Any) -> tuple[list[Any], Any]:
     leaves, _ = _split(avals, site)
     active = (capture or stream is not None) and not recompute
@@ -517,7 +618,6 @@ jc.pe.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
 class StreamSite:
     """A streaming site as the host sees it; built once per compilation, shared by its records."""
 
-    session: int
     name: str
     mode: str
     tag: str
@@ -570,7 +670,8 @@ class StreamSite:
         return tuple(math.prod(s) for s in self.shapes)
 
 
-def _leaf_names(site: SiteStatic) -> tuple[str, ...]:
+def leaf_names(site: SiteStatic) -> tuple[str, ...]:
+    """The record names of a site's leaves: ``name`` for an array, ``name/<path>`` in a pytree."""
     skeleton = jax.tree_util.tree_unflatten(site.treedef, range(site.treedef.num_leaves))
     paths = jax.tree_util.tree_flatten_with_path(skeleton)[0]
     names = []
@@ -594,9 +695,13 @@ sow_emit_p.def_effectful_abstract_eval(_emit_abstract_eval)
 
 
 def _deliver(site: StreamSite, *arrays: np.ndarray) -> None:
-    policy = STREAMS.get(site.session)
+    policy = RECEIVERS.active
     if policy is not None:
         policy.receive(site, arrays)
+        return
+    closed = RECEIVERS.closed  # its session ended before this callback ran
+    if closed is not None:
+        closed.count_late(site)
 
 
 def _emit_lowering(ctx: Any, *args: Any, site: StreamSite) -> list[Any]:
@@ -609,13 +714,14 @@ jc.mlir.register_lowering(sow_emit_p, _emit_lowering)
 
 
 def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
-                  stream: int | None, summary: str, every: int, recompute: bool) -> list[Any]:
+                  stream: StreamConfig | None, summary: str, every: int,
+                  recompute: bool) -> list[Any]:
     leaves, _ = _split(args, site)
     if stream is None or recompute:
         return leaves
     leaf_avals, _ = _split(ctx.avals_in, site)
     info = StreamSite(
-        session=stream, name=site.name, mode=mode, tag=site.tag, leaf_names=_leaf_names(site),
+        name=site.name, mode=mode, tag=site.tag, leaf_names=leaf_names(site),
         shapes=tuple(tuple(a.shape) for a in leaf_avals),
         dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
         bins=DEFAULT_BINS, loops=site.loops, extras=site.extras, order=next(_lowering_order),

@@ -25,25 +25,35 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import logging
+import math
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from sowtel import _jax_compat as jc
+from sowtel.build import compiled_records, records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
+from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
-from sowtel.primitive import CONTEXT, STREAMS, Context, StreamSite, check_positive_int
+from sowtel.primitive import (
+    CONTEXT,
+    RECEIVERS,
+    Context,
+    Globs,
+    StreamConfig,
+    StreamSite,
+    check_positive_int,
+)
 from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record
-from sowtel.summaries import check_summary, decode_device_summary
+from sowtel.summaries import check_summary
 
 __all__ = ["Session", "enable", "disable", "flush", "status", "export", "log", "active_session"]
 
@@ -53,6 +63,31 @@ ON_FULL = ("drop", "block")
 _ids = itertools.count(1)
 _lock = threading.RLock()
 _stack: list[Session] = []  # enabled sessions, innermost last; the last one streams
+
+
+class _Compiled(NamedTuple):
+    """A ``sowtel.jit`` logging step's summaries, queued for the dispatcher thread."""
+
+    summaries: Any
+    step: int
+    wall_time: float
+
+
+_most: dict[int, tuple[Any, int]] = {}  # id(sites) -> (sites, records)
+
+
+def _most_records(sites: Any) -> int:
+    """The records a ``sowtel.jit`` step's summaries make when every site ran everywhere.
+
+    A step lost before it is converted is counted as that many (one that is converted counts
+    as the records it made). ``sites`` is fixed per compiled program: computed once each.
+    """
+    known = _most.get(id(sites))
+    if known is not None and known[0] is sites:
+        return known[1]
+    n = sum(len(e.site.leaf_names) * math.prod(size for _, size in e.stacked) for e in sites)
+    _most[id(sites)] = (sites, n)
+    return n
 
 
 def _check_patterns(value: Any, what: str) -> Callable[[str], bool] | None:
@@ -66,14 +101,30 @@ def _check_patterns(value: Any, what: str) -> Callable[[str], bool] | None:
         raise ValueError(
             f"{what}={value!r} must be a glob pattern, a list of them, or a callable on the name"
         )
-    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    return Globs(tuple(patterns))
 
 
 def _check_strings(value: Any, what: str) -> tuple[str, ...]:
-    items = (value,) if isinstance(value, str) else tuple(value)
+    rule = f"{what}={value!r} must be a non-empty list of non-empty strings"
+    try:
+        items = (value,) if isinstance(value, str) else tuple(value)
+    except TypeError:  # not iterable: tags=42
+        raise ValueError(f"{rule}, such as ('intermediates',)") from None
     if not items or not all(isinstance(v, str) and v for v in items):
-        raise ValueError(f"{what}={value!r} must be a non-empty list of non-empty strings")
+        raise ValueError(rule)
     return items
+
+
+def _check_timeout(timeout: Any, what: str) -> float | None:
+    ok = timeout is None or (
+        isinstance(timeout, (int, float, np.integer, np.floating))
+        and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout >= 0)
+    if not ok:
+        raise ValueError(
+            f"{what} timeout={timeout!r} must be None or a number of seconds >= 0 (such as "
+            "30.0); None waits as long as it takes"
+        )
+    return None if timeout is None else float(timeout)
 
 
 class Session:
@@ -102,6 +153,9 @@ class Session:
         max_bytes: int,
     ) -> None:
         self.id = next(_ids)
+        # What shapes compiled programs, and keys their cache (never the session's identity).
+        self.config = StreamConfig(tags=tags, modes=modes, include=include, exclude=exclude,
+                                   summary=summary, every=every)
         self.summary = summary
         self.tags = tags
         self.modes = modes
@@ -116,40 +170,45 @@ class Session:
         )
         self._counters: dict[Any, Iterable[int]] = {}
         self._views: dict[Any, bool] = {}
-        self._strides = {every}  # every= values of the session and its sites
-        self._host_step: int | None = None  # the step of a host-side at_step
+        # Host-side at_step blocks that log, one at a time (see enter_host_step).
+        self._host_lock = threading.RLock()
+        self._host_steps: list[int] = []
+        self._late = 0
+        self._late_lock = threading.Lock()
+        self._final: dict[str, Any] | None = None
         self._seq = itertools.count()
         self._closed = False
         self._effect_errors = 0
         self.scoped = False  # entered as a context manager
 
-    # -- what the primitive asks at bind time ------------------------------------------------
-
-    def selects(self, name: str, tag: str) -> bool:
-        if tag not in self.tags:
-            return False
-        if self.include is not None and not self.include(name):
-            return False
-        return not (self.exclude is not None and self.exclude(name))
-
-    def wants(self, mode: str) -> bool:
-        return mode in self.modes or mode.split(".")[-1] in self.modes
-
-    def summary_for(self, site_summary: str | None) -> str:
-        return site_summary or self.summary
-
-    def every_for(self, site_every: int | None) -> int:
-        every = site_every or self.every
-        self._strides.add(every)
-        return every
+    # -- host-side steps ------------------------------------------------------------------------
 
     def enter_host_step(self, step: int) -> bool:
-        """A host-side ``at_step(step)`` begins; returns whether any site may log at it."""
-        self._host_step = step
-        return any(step % e == 0 for e in self._strides)
+        """A host-side ``at_step(step)`` begins; returns whether any site may log at it.
 
-    def exit_host_step(self) -> None:
-        self._host_step = None
+        A step that logs holds the session's host-step lock until :meth:`exit_host_step` has
+        waited for its host callbacks, so each callback reads the step of the call that sent it
+        (one logging block at a time, across threads; steps that log nothing never wait).
+        """
+        logs = any(step % e == 0 for e in self.config.strides())
+        if logs:
+            self._host_lock.acquire()
+            self._host_steps.append(step)
+        return logs
+
+    def exit_host_step(self, logged: bool) -> None:
+        if not logged:
+            return
+        try:
+            self._effects_barrier()  # the block's callbacks have run: they kept its step
+        finally:
+            self._host_steps.pop()
+            self._host_lock.release()
+
+    def count_late(self, site: StreamSite) -> None:
+        """A host callback of ``site`` ran after this session ended: counted, not exported."""
+        with self._late_lock:
+            self._late += len(site.leaf_names)
 
     # -- the receiver: host callback threads -------------------------------------------------
 
@@ -165,7 +224,8 @@ class Session:
             if counter is None:
                 counter = self._counters.setdefault(key, itertools.count())
             occurrence = next(counter)  # type: ignore[call-overload]
-            host_step = self._host_step
+            steps = self._host_steps
+            host_step = steps[-1] if steps else None
             if site.host_every > 1:
                 step = host_step if host_step is not None else occurrence // site.period
                 if step % site.host_every:
@@ -183,19 +243,35 @@ class Session:
             logger.exception("sowtel: dropping a record of %r that could not be received",
                              site.name)
 
+    def receive_compiled(self, summaries: Any, step: int) -> None:
+        """Enqueues a ``sowtel.jit`` logging step's summary outputs (still on the device).
+
+        Never waits for the device: the dispatcher thread fetches them (see :meth:`_convert`).
+        """
+        if not summaries.sites:
+            return
+        self.dispatcher.put(_Compiled(summaries, step, time.time()), summaries.nbytes,
+                            _most_records(summaries.sites))
+
     # -- the dispatcher thread ---------------------------------------------------------------
 
     def _convert(self, items: list[Any]) -> list[Record]:
         records: list[Record] = []
-        for site, arrays, occurrence, host_step, seq, wall_time in items:
-            records.extend(self._records_of(site, arrays, occurrence, host_step, seq, wall_time))
+        for item in items:
+            if isinstance(item, _Compiled):
+                # Waits for the device, here: one transfer a buffer.
+                host = item.summaries.unpack(jax.device_get(item.summaries.buffers))
+                records.extend(compiled_records(
+                    item.summaries.sites, host, step=item.step, seqs=self._seq,
+                    wall_time=item.wall_time, process_index=self.process_index))
+            else:
+                records.extend(self._records_of(*item))
         return records
 
     def _records_of(self, site: StreamSite, arrays: tuple[np.ndarray, ...], occurrence: int,
                     host_step: int | None, seq: int, wall_time: float) -> list[Record]:
-        per_leaf = site.arrays_per_leaf
-        n_leaves = len(site.leaf_names)
-        extras = dict(zip(site.extras, arrays[n_leaves * per_leaf:], strict=True))
+        n_summary = site.arrays_per_leaf * len(site.leaf_names)
+        extras = dict(zip(site.extras, arrays[n_summary:], strict=True))
         index: list[int] = []
         if "shard" in extras:
             index.append(int(extras["shard"]))
@@ -212,24 +288,14 @@ class Session:
             step = host_step if host_step is not None else occurrence // site.period
         idx: int | tuple[int, ...] | None = (
             None if not index else index[0] if len(index) == 1 else tuple(index))
-        out = []
-        for k, leaf_name in enumerate(site.leaf_names):
-            leaf_arrays = list(arrays[k * per_leaf:(k + 1) * per_leaf])
-            decoded = decode_device_summary(leaf_arrays, site.summary, site.sizes[k], site.bins)
-            value = leaf_arrays[0] if site.summary == "full" else None
-            out.append(Record(
-                name=leaf_name, mode=site.mode, tag=site.tag, step=step, index=idx,
-                wall_time=wall_time, summary=site.summary, shape=site.shapes[k],
-                dtype=site.dtypes[k], value=value, stats=decoded["stats"],
-                histogram=decoded["histogram"], process_index=self.process_index, seq=seq,
-                order=site.order,
-            ))
-        return out
+        return summary_records(site, arrays[:n_summary], step=step, index=idx, seq=seq,
+                               wall_time=wall_time, process_index=self.process_index)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Blocks until every record accepted so far reached every exporter; False on timeout."""
+        timeout = _check_timeout(timeout, "flush")
         self._effects_barrier()
         return self.dispatcher.flush(timeout)
 
@@ -245,28 +311,34 @@ class Session:
                                "status()['effect_errors']): %s", error)
 
     def status(self) -> dict[str, Any]:
+        """This session's counters (see :func:`sowtel.status`)."""
         s = dict(self.dispatcher.status())
-        s.update(enabled=not self._closed, session=self.id, effect_errors=self._effect_errors)
-        s["accounts"] = accounts(s)  # with the session's own counts (late) in
+        s.update(enabled=not self._closed, session=self.id, effect_errors=self._effect_errors,
+                 late=self._late)
+        # Records an exporter was handed (so counted as exported) and later let go of to stay
+        # within its own bound, such as the memory exporter's max_records.
+        s["evicted"] = {label: _evicted(e) for label, e in
+                        zip(_exporter_labels(self.exporters), self.exporters, strict=True)}
+        s["accounts"] = accounts(s)  # with the session's own count of late records in
         return s
 
     def close(self, timeout: float | None = 30.0) -> dict[str, Any]:
         """Flushes and closes this session (and resumes the one enabled before it).
 
-        Returns the final counters (:meth:`status`): received == exported + dropped + failed
-        + late for every exporter.
+        Returns the final counters (as :meth:`status`; received == exported + dropped +
+        failed + late for every exporter); closing again returns them again.
         """
+        timeout = _check_timeout(timeout, "disable")
         with _lock:
             if self._closed:
                 return self.status()
             self._closed = True
             if self in _stack:
                 _stack.remove(self)
-            _activate(_stack[-1] if _stack else None)
+            _activate(_stack[-1] if _stack else None, closed=self)
         try:
             self._effects_barrier()
         finally:
-            STREAMS.pop(self.id, None)
             self.dispatcher.close(timeout)
         return self.status()
 
@@ -282,8 +354,17 @@ class Session:
                 f"summary={self.summary!r}, tags={self.tags}, modes={self.modes})")
 
 
-def _activate(session: Session | None) -> None:
-    CONTEXT.set_global(Context(session=session.id) if session is not None else None)
+def _evicted(exporter: Exporter) -> int:
+    n = getattr(exporter, "evicted", 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
+
+
+def _activate(session: Session | None, closed: Session | None = None) -> None:
+    # Programs compiled for an earlier session with the same settings deliver to this one.
+    RECEIVERS.active = session
+    if closed is not None:
+        RECEIVERS.closed = closed
+    CONTEXT.set_global(Context(stream=session.config) if session is not None else None)
 
 
 def enable(
@@ -329,6 +410,11 @@ def enable(
         >>> session = sowtel.enable(exporter="memory", summary="health")
         >>> _ = sowtel.disable()
     """
+    if jc.is_tracing():
+        raise RuntimeError(
+            "sowtel.enable() was called inside a function JAX is tracing (under jit, grad, vmap, "
+            "scan...): a session is process-wide state that a compiled program cannot switch; "
+            "call enable() before the traced call (e.g. before the training loop)")
     summary = check_summary(summary, "enable summary")
     tags_t = _check_strings(tags, "enable tags")
     modes_t = _check_strings(modes, "enable modes")
@@ -350,7 +436,6 @@ def enable(
     )
     with _lock:
         below = _stack[-1] if _stack else None
-        STREAMS[session.id] = session
         _stack.append(session)
         _activate(session)
     if below is not None and not below.scoped:
@@ -384,11 +469,13 @@ def active_session() -> Session | None:
         return _stack[-1] if _stack else None
 
 
-def disable(timeout: float | None = 30.0) -> dict[str, Any] | None:
+def disable(timeout: float | None = 30.0) -> dict[str, Any]:
     """Flushes and closes the active session; the one enabled before it (if any) resumes.
 
-    Returns the closed session's final counters (None if nothing was enabled). When an
-    exporter cannot finish within ``timeout`` seconds, what it still had is counted as dropped.
+    Returns the closed session's final counters (as :func:`status`; ``enabled=False`` and zero
+    counts when nothing was enabled). :func:`status` keeps showing them until the next
+    ``enable()``. When an exporter cannot finish within ``timeout`` seconds, what it still had
+    is counted as dropped (reason ``close_timeout``).
 
     Example:
         >>> import sowtel
@@ -396,13 +483,16 @@ def disable(timeout: float | None = 30.0) -> dict[str, Any] | None:
         >>> sowtel.log({"loss": 0.5}, step=0)
         1
         >>> final = sowtel.disable()
-        >>> final["received"], final["accounts"]["memory"]["exported"]
-        (1, 1)
+        >>> final["enabled"], final["received"], final["accounts"]["memory"]["exported"]
+        (False, 1, 1)
         >>> sowtel.status()["enabled"]
         False
     """
+    timeout = _check_timeout(timeout, "disable")
     session = active_session()
-    return None if session is None else session.close(timeout)
+    if session is None:
+        return status()
+    return session.close(timeout)
 
 
 def flush(timeout: float | None = 30.0) -> bool:
@@ -416,15 +506,19 @@ def flush(timeout: float | None = 30.0) -> bool:
         >>> sowtel.flush()
         True
     """
+    timeout = _check_timeout(timeout, "flush")
     session = active_session()
     return True if session is None else session.flush(timeout)
 
 
 def status() -> dict[str, Any]:
     """Counters of the active session: received, exported per exporter, dropped, errors, and
-    the first non-finite record (step, name, mode). With nothing enabled: ``enabled=False`` and
-    zero counts. ``effect_errors`` counts earlier failed computations that flushing met (and
-    went past).
+    the first non-finite record (step, name, mode). With nothing enabled: the last session's
+    final counters with ``enabled=False`` (zero counts if there was none). ``effect_errors``
+    counts earlier failed computations that flushing met (and went past); ``late`` counts
+    records whose host callbacks ran after their session had ended (not exported).
+    ``evicted`` counts, per exporter, records it was handed and later let go of to stay within
+    its own bound (the memory exporter's ``max_records``); they are counted as exported too.
 
     Example:
         >>> import sowtel
@@ -433,8 +527,12 @@ def status() -> dict[str, Any]:
     """
     session = active_session()
     if session is None:
+        closed = RECEIVERS.closed
+        if isinstance(closed, Session):  # the last session's final counters
+            return closed.status()
         return {"enabled": False, "received": 0, "dropped": 0, "queued": 0, "exported": {},
-                "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0}
+                "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0,
+                "late": 0, "evicted": {}}
     return session.status()
 
 
@@ -451,8 +549,6 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
         ...     sowtel.export({"h": {"primal": jnp.ones(3)}}, step=7)
         1
     """
-    from sowtel.dumps import records_from_intermediates
-
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise ValueError(f"export step must be an int, got {step!r}")
     session = active_session()

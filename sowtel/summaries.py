@@ -105,8 +105,114 @@ def _bucket_counts_host(finite: np.ndarray, lo: float, hi: float, bins: int) -> 
     return np.bincount(idx, minlength=bins).astype(np.float64)
 
 
+#: How :func:`device_summary` reduces, per backend, chosen by measurement (see the README's
+#: speed section): ``"separate"`` sibling reductions (fastest on XLA:CPU), ``"variadic"`` one
+#: ``lax.reduce`` over all operands together (fastest on GPU). ``SOWTEL_SUMMARY_FORM`` overrides.
+SUMMARY_FORMS = ("separate", "variadic")
+_FORM_BY_BACKEND = {"cpu": "separate", "gpu": "variadic", "cuda": "variadic", "rocm": "variadic",
+                    "tpu": "variadic"}
+
+# Elements a first-level row reduces in the variadic form.
+_ROW = 256
+
+# Elements sampled (strided) to estimate the shift the sum of squares is taken about.
+_SHIFT_SAMPLES = 64
+
+
+def summary_form() -> str:
+    """The reduction form :func:`device_summary` uses on the default backend (see
+    ``SUMMARY_FORMS``); the environment variable ``SOWTEL_SUMMARY_FORM`` overrides it."""
+    import os
+
+    import jax
+
+    chosen = os.environ.get("SOWTEL_SUMMARY_FORM", "").strip().lower()
+    if chosen:
+        if chosen not in SUMMARY_FORMS:
+            raise ValueError(f"SOWTEL_SUMMARY_FORM={chosen!r} is not a summary form: use one of "
+                             f"{', '.join(SUMMARY_FORMS)}")
+        return chosen
+    return _FORM_BY_BACKEND.get(jax.default_backend(), "separate")
+
+
+def _moments(xf: Any, mask: Any, form: str) -> tuple[Any, ...]:
+    """``(n, shift, sum d, sum d*d, min, max, sum |x|, zeros)`` over the elements ``mask`` keeps
+    (all when None), with ``d = x - shift``; one pass over ``xf`` (several sibling reductions,
+    or one variadic reduce)."""
+    import jax
+    import jax.numpy as jnp
+
+    ftype = xf.dtype
+    size = xf.shape[0]
+    # The shift: the mean of a few evenly spaced (finite) elements. Sums of squares about a
+    # value near the mean keep float32's precision where sum(x*x) - n*mean^2 would not.
+    stride = max(size // _SHIFT_SAMPLES, 1)
+    sample = xf[::stride][:_SHIFT_SAMPLES]
+    if mask is None:
+        shift = jnp.mean(sample)
+        n = jnp.asarray(size, ftype)
+    else:
+        keep = mask[::stride][:_SHIFT_SAMPLES]
+        shift = jnp.sum(jnp.where(keep, sample, 0)) / jnp.maximum(jnp.sum(keep, dtype=ftype), 1)
+        n = jnp.sum(mask, dtype=ftype)
+    # Counts in the float type are exact up to 2**24 elements (float32); beyond, in int32.
+    ctype = ftype if size < (1 << 24) else jnp.int32
+    if mask is None:
+        d = xf - shift
+        vals, low, high, absx = xf, xf, xf, jnp.abs(xf)
+    else:
+        d = jnp.where(mask, xf - shift, 0)
+        vals = jnp.where(mask, xf, 0)
+        low = jnp.where(mask, xf, jnp.inf)
+        high = jnp.where(mask, xf, -jnp.inf)
+        absx = jnp.abs(vals)
+    is_zero = (vals == 0) if mask is None else ((xf == 0) & mask)
+    if form == "variadic":
+        # One reduce; the mean and the sum of squared deviations merge pairwise (Chan et al.),
+        # which stays accurate however far the shift is from the mean.
+        zero = jnp.zeros((), ftype)
+        ones = jnp.ones_like(d) if mask is None else mask.astype(ftype)
+
+        def merge(p: tuple[Any, ...], q: tuple[Any, ...]) -> tuple[Any, ...]:
+            count = p[0] + q[0]
+            delta = q[1] - p[1]
+            w = jnp.where(count > 0, q[0] / jnp.where(count > 0, count, 1), 0)
+            return (count, p[1] + delta * w, p[2] + q[2] + delta * delta * p[0] * w,
+                    jnp.minimum(p[3], q[3]), jnp.maximum(p[4], q[4]), p[5] + q[5], p[6] + q[6])
+
+        inits = (zero, zero, zero, jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype),
+                 zero, zero)
+        operands = [ones, d, jnp.zeros_like(d), low, high, absx, is_zero.astype(ftype)]
+        # Rows of _ROW elements, then the rows: a two-level reduction keeps rounding errors at
+        # (size / _ROW + _ROW) ulps where one long accumulation could reach size ulps.
+        pad = -size % _ROW
+        if pad:
+            operands = [jnp.concatenate([o, jnp.full((pad,), i, ftype)])
+                        for o, i in zip(operands, inits, strict=True)]
+        rows = jax.lax.reduce(tuple(o.reshape(-1, _ROW) for o in operands), inits, merge, (1,))
+        k, m, m2, mn, mx, a, z = jax.lax.reduce(rows, inits, merge, (0,))
+        s1 = m * k
+        s2 = m2 + m * m * k
+    else:
+        s1, s2 = jnp.sum(d), jnp.sum(d * d)
+        mn, mx = jnp.min(low), jnp.max(high)
+        a, z = jnp.sum(absx), jnp.sum(is_zero, dtype=ctype)
+
+        def about_the_mean() -> tuple[Any, Any, Any]:
+            # The sampled shift was far from the mean (outliers where it sampled): the sums
+            # again about the mean itself, so std keeps its precision. Rare by construction.
+            mean = shift + s1 / jnp.maximum(n, 1)
+            d2 = xf - mean if mask is None else jnp.where(mask, xf - mean, 0)
+            return mean, jnp.sum(d2), jnp.sum(d2 * d2)
+
+        m1 = s1 / jnp.maximum(n, 1)
+        far = m1 * m1 * jnp.maximum(n, 1) > 16 * s2
+        shift, s1, s2 = jax.lax.cond(far, about_the_mean, lambda: (shift, s1, s2))
+    return n, shift, s1, s2, mn, mx, a, z
+
+
 def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
-    """JAX ops that reduce ``x`` on the device to the arrays the host callback receives.
+    """JAX ops that reduce ``x`` on the device to the arrays the host receives.
 
     Returns a list of arrays: ``stats`` -> ``[floats(6), counts(4)]``; ``full`` -> ``[x]``
     (its stats are computed on the host, off the training thread, so that the transfer runs at
@@ -114,11 +220,12 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     ``histogram`` -> the stats plus ``[counts(bins)]``; ``health`` -> ``[counts(3)]``;
     ``shape`` -> ``[]``. :func:`decode_device_summary` turns them back into a dict.
 
-    Each statistic is one pass over the value, and XLA runs the passes one after another, so
-    the common case is kept short: a plain sum doubles as the test for non-finite elements (any
-    NaN or infinity makes it non-finite), and only then do the masked passes run, under a
-    ``lax.cond``. An all-finite value costs six passes (sum, centred sum of squares, sum of
-    absolute values, zeros, min, max).
+    ``stats`` reads the value once: the sum and the sum of squares about a shift (the mean of
+    64 evenly spaced elements, so ``std`` keeps float32's precision when the mean is far from
+    zero), the extrema, the sum of absolute values and the count of zeros, computed together
+    (as sibling reductions or one variadic reduce, see :func:`summary_form`). A non-finite sum
+    of squares means the value holds NaN or infinities: only then, under a ``lax.cond``, the
+    same pass runs again with those elements masked out and counted.
     """
     import jax
     import jax.numpy as jnp
@@ -133,56 +240,56 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     ftype = jnp.float64 if (is_float and x.dtype.itemsize >= 8) else jnp.float32
     xf = x.astype(ftype).ravel()
     cdtype = jnp.int32
+    size = xf.size
 
     def nonfinite_counts() -> Any:
         return jnp.stack([jnp.sum(jnp.isnan(xf), dtype=cdtype),
                           jnp.sum(jnp.isposinf(xf), dtype=cdtype),
                           jnp.sum(jnp.isneginf(xf), dtype=cdtype)])
 
-    total = jnp.sum(xf)
-    # Zeros derived from the data, so that inside shard_map they vary across shards as the
-    # computed counts do (the branches of a cond must agree on that).
-    no_counts = jnp.zeros((3,), cdtype) + (total != total).astype(cdtype) * 0
-    all_finite = jnp.isfinite(total) if is_float else jnp.bool_(True)
     if summary == "health":
-        if not is_float or xf.size == 0:
+        # Zeros derived from the data, so that inside shard_map they vary across shards as the
+        # computed counts do (the branches of a cond must agree on that).
+        total = jnp.sum(xf)
+        no_counts = jnp.zeros((3,), cdtype) + (total != total).astype(cdtype) * 0
+        if not is_float or size == 0:
             return [no_counts]
-        return [jax.lax.cond(all_finite, lambda: no_counts, nonfinite_counts)]
-    size = xf.size
-
-    def finite_moments() -> Any:
-        # The sum is already there, so the variance is the exact two-pass one, and the sum of
-        # squares follows from it without another pass.
-        mean = total / size
-        d = xf - mean
-        sd2 = jnp.sum(d * d)
-        std = jnp.sqrt(sd2 / size)
-        return (jnp.stack([mean, std, jnp.min(xf), jnp.max(xf), jnp.sqrt(sd2 + size * mean * mean),
-                           jnp.sum(jnp.abs(xf)) / size]), no_counts)
-
-    def masked_moments() -> Any:
-        mask = jnp.isfinite(xf)
-        n = jnp.sum(mask, dtype=ftype)
-        safe = jnp.where(mask, xf, 0)
-        mean = jnp.sum(safe) / n
-        dev = jnp.where(mask, xf - mean, 0)
-        empty = n == 0
-        mn = jnp.where(empty, jnp.nan, jnp.min(jnp.where(mask, xf, jnp.inf)))
-        mx = jnp.where(empty, jnp.nan, jnp.max(jnp.where(mask, xf, -jnp.inf)))
-        return (jnp.stack([mean, jnp.sqrt(jnp.sum(dev * dev) / n), mn, mx,
-                           jnp.sqrt(jnp.sum(safe * safe)), jnp.sum(jnp.abs(safe)) / n]),
-                nonfinite_counts())
-
+        return [jax.lax.cond(jnp.isfinite(total), lambda: no_counts, nonfinite_counts)]
     if size == 0:
         nan = jnp.asarray(jnp.nan, ftype)
         floats = jnp.stack([nan, nan, nan, nan, jnp.asarray(0, ftype), nan])
-        counts = no_counts
-    elif is_float:
-        floats, counts = jax.lax.cond(all_finite, finite_moments, masked_moments)
+        out = [floats, jnp.zeros((4,), cdtype)]
+        if summary == "histogram":
+            out.append(jnp.zeros((bins,), cdtype))
+        return out
+    form = summary_form()
+
+    def pack(moments: tuple[Any, ...], counts: Any) -> tuple[Any, Any]:
+        n, shift, s1, s2, mn, mx, a, z = moments
+        safe_n = jnp.maximum(n, 1)
+        m1 = s1 / safe_n
+        mean = shift + m1
+        var = jnp.maximum(s2 / safe_n - m1 * m1, 0)
+        # sum x^2 = sum (d + shift)^2
+        sq = jnp.maximum(s2 + 2 * shift * s1 + n * shift * shift, 0)
+        empty = n == 0
+        nan = jnp.asarray(jnp.nan, ftype)
+        floats = jnp.stack([
+            jnp.where(empty, nan, mean), jnp.where(empty, nan, jnp.sqrt(var)),
+            jnp.where(empty, nan, mn), jnp.where(empty, nan, mx), jnp.sqrt(sq),
+            jnp.where(empty, nan, a / safe_n)]).astype(ftype)
+        return floats, jnp.concatenate([counts, z.astype(cdtype)[None]])
+
+    first = _moments(xf, None, form)
+    if is_float:
+        no_counts = jnp.zeros((3,), cdtype) + (first[3] != first[3]).astype(cdtype) * 0
+        floats, counts = jax.lax.cond(
+            jnp.isfinite(first[3]) & jnp.isfinite(first[2]),
+            lambda: pack(first, no_counts),
+            lambda: pack(_moments(xf, jnp.isfinite(xf), form), nonfinite_counts()))
     else:
-        floats, counts = finite_moments()
-    zeros = jnp.sum(xf == 0, dtype=cdtype)
-    out = [floats, jnp.concatenate([counts, zeros[None]])]
+        floats, counts = pack(first, jnp.zeros((3,), cdtype))
+    out = [floats, counts]
     if summary == "histogram":
         mn, mx = floats[2], floats[3]
         empty = jnp.isnan(mn)

@@ -38,3 +38,13 @@ def test_optax_example_writes_every_fifth_step(tmp_path: Path) -> None:
         ("logits", "cotangent")}
     hist = next(r for r in lines if r["name"] == "hidden")["histogram"]
     assert sum(hist["counts"]) == 128 * 64
+
+
+def test_training_loops_example_streams_through_sowtel_jit() -> None:
+    out = _run(str(EXAMPLES / "training_loops.py"))
+    assert ("optax: 6 records at steps [0, 10, 20]: [('hidden', 'cotangent'), "
+            "('hidden', 'primal')]") in out
+    assert ("flax linen: 6 records at steps [100, 101, 102]: [('Block_0/act', 'primal'), "
+            "('Block_1/act', 'primal')]") in out
+    assert "flax nnx: 8 records at steps [0, 1]: [('blocks/0/act', 'cotangent')" in out
+    assert "equinox-style: 4 records at steps [0]: [('layer0/act', 'cotangent')" in out

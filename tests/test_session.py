@@ -254,9 +254,24 @@ def test_bad_enable_options(options: dict, message: str) -> None:
 
 def test_flush_and_status_with_nothing_enabled() -> None:
     assert sowtel.flush() is True
-    s = sowtel.status()
-    assert s["enabled"] is False and s["received"] == 0 and s["dropped"] == 0
-    sowtel.disable()  # nothing to disable: no error
+    assert sowtel.status()["enabled"] is False
+    final = sowtel.disable()  # nothing to disable: no error, the last counters
+    assert final["enabled"] is False
+
+
+def test_disable_returns_final_counters_and_status_keeps_them() -> None:
+    f = jax.jit(lambda x: sowtel.sow(x * 2, "y", summary="stats").sum())
+    sowtel.enable(exporter="memory")
+    f(X)
+    f(X)
+    final = sowtel.disable()
+    assert final["enabled"] is False
+    assert final["received"] == 2 and final["exported"] == {"memory": 2} and final["late"] == 0
+    after = sowtel.status()
+    assert after["enabled"] is False and after["received"] == 2 and after["session"] == (
+        final["session"])
+    with sowtel.enable(exporter="memory"):  # the next enable() starts from zero
+        assert sowtel.status()["received"] == 0
 
 
 def _user_callback_fails(x: np.ndarray) -> None:

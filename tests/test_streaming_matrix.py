@@ -1,4 +1,5 @@
-"""The streaming transform matrix, on 8 forced CPU devices, through both callback paths.
+"""The streaming transform matrix, on 8 forced CPU devices, through the three transports: the
+two host-callback paths (``jax.jit`` programs) and ``sowtel.jit``'s summaries as outputs.
 
 Each case streams with the memory exporter and checks the number of records, their modes, steps
 and indices, and their values: ``"full"`` values against hand-derived numbers, derivatives
@@ -27,10 +28,17 @@ X = np.array([0.3, -0.7, 1.1, 0.5], np.float32)
 T = np.array([1.0, 0.5, -0.25, 2.0], np.float32)
 
 
-@pytest.fixture(params=["fast", "debug"], autouse=True)
-def callback_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    # Read at lowering time; every test enables a fresh session, so every program recompiles.
-    monkeypatch.setenv("SOWTEL_CALLBACK", request.param)
+# The jit the cases compile with: jax.jit (host callbacks) or sowtel.jit (set by the fixture).
+jit: Callable[..., Any] = jax.jit
+
+
+@pytest.fixture(params=["fast", "debug", "sowtel.jit"], autouse=True)
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "sowtel.jit":
+        monkeypatch.setitem(globals(), "jit", sowtel.jit)
+    else:
+        # Read at lowering time: each jax.jit below is a new function, so it compiles anew.
+        monkeypatch.setenv("SOWTEL_CALLBACK", request.param)
     return str(request.param)
 
 
@@ -56,7 +64,7 @@ def plain(x, eps=None):
 
 
 def test_jit_streams_primal_with_device_stats() -> None:
-    records = stream(jax.jit(plain), X, summary="stats")
+    records = stream(jit(plain), X, summary="stats")
     [r] = records
     assert (r.name, r.mode, r.step, r.index, r.shape, r.dtype) == (
         "h", "primal", 0, None, (4,), "float32")
@@ -68,11 +76,11 @@ def test_jit_streams_primal_with_device_stats() -> None:
 @pytest.mark.parametrize("kind", ["grad", "value_and_grad", "vjp"])
 def test_reverse_mode_streams_cotangent(kind: str) -> None:
     if kind == "grad":
-        fn = jax.jit(jax.grad(plain))
+        fn = jit(jax.grad(plain))
     elif kind == "value_and_grad":
-        fn = jax.jit(jax.value_and_grad(plain))
+        fn = jit(jax.value_and_grad(plain))
     else:
-        fn = jax.jit(lambda x: jax.vjp(plain, x)[1](jnp.float32(1.0)))
+        fn = jit(lambda x: jax.vjp(plain, x)[1](jnp.float32(1.0)))
     records = stream(fn, X)
     assert [r.mode for r in records] == ["primal", "cotangent"]
     expected = jax.grad(lambda e: plain(X, e))(jnp.zeros(4))
@@ -81,7 +89,7 @@ def test_reverse_mode_streams_cotangent(kind: str) -> None:
 
 
 def test_jvp_streams_tangent_matching_finite_differences() -> None:
-    records = stream(jax.jit(lambda x, t: jax.jvp(plain, (x,), (t,))), X, T)
+    records = stream(jit(lambda x, t: jax.jvp(plain, (x,), (t,))), X, T)
     assert [r.mode for r in records] == ["primal", "tangent"]
     d = 1e-3
     fd = (2 * np.sin(X.astype(np.float64) + d * T) - 2 * np.sin(X.astype(np.float64) - d * T)) / (
@@ -91,7 +99,7 @@ def test_jvp_streams_tangent_matching_finite_differences() -> None:
 
 def test_vmap_inside_and_outside_one_record_per_batch() -> None:
     xs = np.stack([X, X * 2, -X])
-    for fn in (jax.jit(jax.vmap(plain)), jax.vmap(jax.jit(plain))):
+    for fn in (jit(jax.vmap(plain)), jax.vmap(jit(plain))):
         [r] = stream(fn, xs)
         assert r.shape == (3, 4)
         np.testing.assert_allclose(r.value, 2 * np.sin(xs), rtol=1e-6)
@@ -117,7 +125,7 @@ def scan_loss_eps(x, eps):
 
 
 def test_scan_streams_every_iteration_with_its_index() -> None:
-    records = stream(jax.jit(jax.grad(scan_loss)), X)
+    records = stream(jit(jax.grad(scan_loss)), X)
     primal, cot = by(records, "primal"), by(records, "cotangent")
     assert [r.index for r in primal] == [0, 1, 2, 3]
     assert sorted(r.index for r in cot) == [0, 1, 2, 3]
@@ -135,7 +143,7 @@ def test_fori_loop_and_second_execution_steps() -> None:
     def f(x):
         return jax.lax.fori_loop(0, 4, lambda i, c: c + sow(x[i] * c, "f"), jnp.float32(1.0))
 
-    jitted = jax.jit(f)
+    jitted = jit(f)
     with sowtel.enable(exporter="memory", summary="full") as session:
         jitted(X)
         jitted(X)
@@ -150,7 +158,7 @@ def test_fori_loop_and_second_execution_steps() -> None:
         np.testing.assert_allclose(r.value, expected[r.index], rtol=1e-6)
 
 
-def test_while_body_streams_once_per_iteration() -> None:
+def test_while_body_streams_once_per_iteration(transport: str) -> None:
     def f(x):
         def body(state):
             k, v = state
@@ -158,8 +166,10 @@ def test_while_body_streams_once_per_iteration() -> None:
 
         return jax.lax.while_loop(lambda s: s[0] < 3, body, (0, x))[1]
 
-    records = stream(jax.jit(f), X)
-    assert [r.step for r in records] == [0, 1, 2]
+    records = stream(jit(f), X)
+    # Without at_step the callback transport counts occurrences; sowtel.jit counts calls, and its
+    # while-body callbacks carry the call's step.
+    assert [r.step for r in records] == ([0, 0, 0] if transport == "sowtel.jit" else [0, 1, 2])
     assert all(r.index is None for r in records)
     for k, r in enumerate(records):
         np.testing.assert_allclose(r.value, X * 1.5 ** (k + 1), rtol=1e-6)
@@ -170,11 +180,11 @@ def test_cond_and_switch_stream_only_the_taken_branch() -> None:
         return jax.lax.switch(
             k, [lambda v: sow(v + 1, "b0"), lambda v: sow(v * 2, "b1"), lambda v: sow(-v, "b2")], x)
 
-    jitted = jax.jit(f)
+    jitted = jit(f)
     for k in (0, 1, 2):
         [r] = stream(jitted, X, jnp.int32(k))
         assert r.name == f"b{k}"
-    records = stream(jax.jit(lambda x: jax.lax.cond(
+    records = stream(jit(lambda x: jax.lax.cond(
         x[0] > 0, lambda v: sow(v, "yes"), lambda v: sow(v, "no"), x)), X)
     assert [r.name for r in records] == ["yes"]
 
@@ -183,7 +193,7 @@ def test_checkpoint_streams_primal_once() -> None:
     def f(x):
         return jnp.sum(jax.checkpoint(lambda v: jnp.sin(sow(jnp.tanh(v) * 3, "c")))(x) ** 2)
 
-    records = stream(jax.jit(jax.grad(f)), X)
+    records = stream(jit(jax.grad(f)), X)
     assert [r.mode for r in records] == ["primal", "cotangent"]
     np.testing.assert_allclose(records[0].value, np.tanh(X) * 3, rtol=1e-6)
     h = np.tanh(X.astype(np.float64)) * 3
@@ -202,7 +212,7 @@ def test_custom_vjp_fwd_primal_bwd_cotangent() -> None:
         return (sow(ct * 3.0, "bwd"),)
 
     scale.defvjp(fwd, bwd)
-    records = stream(jax.jit(jax.grad(lambda x: jnp.sum(scale(x) ** 2))), X)
+    records = stream(jit(jax.grad(lambda x: jnp.sum(scale(x) ** 2))), X)
     assert [(r.name, r.mode) for r in records] == [("fwd", "primal"), ("bwd", "cotangent")]
     np.testing.assert_allclose(records[1].value, 3 * 2 * 3 * X, rtol=1e-6)
 
@@ -211,7 +221,7 @@ def test_shard_map_and_pmap_one_record_per_shard() -> None:
     mesh = jax.make_mesh((8,), ("i",))
     x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("i")))
     sm = jax.shard_map(lambda v: sow(v * 2.0, "sm"), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-    records = stream(jax.jit(jax.grad(lambda v: jnp.sum(sm(v) ** 2))), x)
+    records = stream(jit(jax.grad(lambda v: jnp.sum(sm(v) ** 2))), x)
     expected = 2.0 * np.arange(16.0).reshape(8, 2)
     for mode, factor in (("primal", 1.0), ("cotangent", 2.0)):
         got = by(records, mode)
@@ -228,7 +238,7 @@ def test_shard_map_and_pmap_one_record_per_shard() -> None:
 def test_sharded_jit_reduces_globally() -> None:
     mesh = jax.make_mesh((8,), ("i",))
     x = jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("i")))
-    [r] = stream(jax.jit(lambda v: sow(v * 0.5, "g").sum()), x, summary="stats")
+    [r] = stream(jit(lambda v: sow(v * 0.5, "g").sum()), x, summary="stats")
     assert r.shape == (16, 4) and r.index is None
     expected = host_summary(np.arange(64.0).reshape(16, 4) * 0.5, "stats")["stats"]
     for k, v in expected.items():

@@ -1,0 +1,200 @@
+"""The two transports side by side: what streaming ``stats`` costs a training step.
+
+Variants of one workload's training step, timed interleaved in this one process, each as a
+ratio to the plain step (``jax.jit`` of the step without sows) run right around it:
+
+- **plain**: ``jax.jit``, no sows;
+- **disabled**: ``jax.jit`` of the step with sows, nothing enabled (the same program);
+- **callback transport**: ``jax.jit`` with a session streaming ``stats`` every step (one host
+  callback a site);
+- **sowtel.jit**: the same session settings through ``sowtel.jit`` (summaries as outputs);
+- **sowtel.jit, every=10**: one step in ten logs; the others run the plain program;
+- **hand-written floor**: the same summaries (``sowtel.summaries.device_summary`` of every
+  site's primal and cotangent) returned as outputs of a hand-written step, no sowtel at run time.
+
+Workloads: the small MLP, the transformer block, and the GPT decoder (reduced on CPU; the full
+size with ``--gpt-full``, for a GPU). Each session has its own memory exporter (bounded); the
+variant about to run is made the active one, as a single training loop would have it. Records
+per step are counted, so a variant that streamed nothing cannot pass for a fast one.
+
+Run: ``python -m benchmarks.bench_jit [--quick] [--gpt-full] [--markdown FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import jax
+
+import sowtel
+from benchmarks import (
+    Table,
+    add_common_arguments,
+    fmt_ratio,
+    fmt_time,
+    interleave,
+    machine,
+    write_markdown,
+)
+from benchmarks.workloads import (
+    Workload,
+    activate_session,
+    gpt,
+    gpt_reduced,
+    make_returning_train_step,
+    make_train_step,
+    mlp,
+    no_tap,
+    transformer_block,
+)
+from sowtel.exporters.memory import MemoryExporter
+from sowtel.summaries import device_summary, summary_form
+
+__all__ = ["run", "main", "jit_table"]
+
+#: The issue's targets on CPU, as ratios to the plain step.
+TARGETS = {
+    ("mlp", "sowtel.jit, stats every step"): 1.10,
+    ("transformer", "sowtel.jit, stats every step"): 1.05,
+    ("gpt", "sowtel.jit, stats every step"): 1.05,
+    ("mlp", "callback transport, stats every step"): 1.25,
+    ("*", "sowtel.jit, every=10"): 1.01,
+}
+
+
+class Runner:
+    """One variant: a step function, its own training state, and the session it streams to."""
+
+    def __init__(self, fn: Callable[..., Any], work: Workload,
+                 session: sowtel.Session | None) -> None:
+        self.fn = fn
+        self.session = session
+        self.params, self.opt_state, self.batch = work.init()
+        self.step = jax.numpy.int32(0)
+        self.calls = 0
+
+    def __call__(self) -> None:
+        activate_session(self.session)
+        out = jax.block_until_ready(self.fn(self.params, self.opt_state, self.batch, self.step))
+        self.params, self.opt_state = out[0], out[1]
+        self.calls += 1
+
+    def drain(self) -> None:
+        if self.session is not None:
+            self.session.flush()
+
+    def records(self) -> int:
+        return 0 if self.session is None else int(self.session.status()["records"])
+
+
+def _floor(work: Workload) -> Callable[..., Any]:
+    returning = make_returning_train_step(work)
+
+    def step(*args: Any) -> Any:
+        params, opt_state, loss, inter = returning(*args)
+        summaries = jax.tree_util.tree_map(lambda v: device_summary(v, "stats"), inter)
+        return params, opt_state, loss, summaries
+
+    return jax.jit(step)
+
+
+def variants(work: Workload, stack: ExitStack) -> dict[str, Runner]:
+    def session(**options: Any) -> sowtel.Session:
+        return stack.enter_context(sowtel.enable(
+            exporter=MemoryExporter(max_records=256), summary="stats", **options))
+
+    sown = make_train_step(work, sowtel.sow)
+    out = {
+        "plain": Runner(jax.jit(make_train_step(work, no_tap)), work, None),
+        "disabled": Runner(jax.jit(sown), work, None),
+        "callback transport, stats every step": Runner(jax.jit(sown), work, session()),
+        "sowtel.jit, stats every step": Runner(sowtel.jit(sown), work, session()),
+        "sowtel.jit, every=10": Runner(sowtel.jit(sown), work, session(every=10)),
+        "hand-written floor (summaries as outputs)": Runner(_floor(work), work, None),
+    }
+    activate_session(None)
+    return out
+
+
+def jit_table(work: Workload, *, rounds: int, steps: int) -> Table:
+    """Times every variant of ``work`` side by side; one table row per variant."""
+    with ExitStack() as stack:
+        runners = variants(work, stack)
+        t0 = time.perf_counter()
+        for r in runners.values():  # compile (and, for sowtel.jit, trace) outside the timing
+            for _ in range(11):
+                r()
+            r.drain()
+        warm_s = time.perf_counter() - t0
+        counts = {name: (r.records(), r.calls) for name, r in runners.items()}
+        timings = interleave(runners, rounds=rounds, steps={"*": steps}, warmup=0,
+                             drains={n: r.drain for n, r in runners.items()}, baseline="plain")
+        for r in runners.values():
+            r.drain()
+        table = Table(f"Transports: {work.description}",
+                      ["variant", "step", "ratio [quartiles]", "+ drain", "records/step",
+                       "target"])
+        base = timings["plain"]
+        per_step = 2 * len(work.sites)
+        for name, r in runners.items():
+            t = timings[name]
+            ratio = t.ratio_to(base)
+            drained = t.ratio_to(base, with_drain=True)
+            before, calls_before = counts[name]
+            recorded = (r.records() - before) / max(r.calls - calls_before, 1)
+            expected = 0 if r.session is None else per_step / (10 if "every=10" in name else 1)
+            rec = f"{recorded:.1f}" + ("" if abs(recorded - expected) <= 0.5 * per_step / 10
+                                       else f" (expected {expected:.1f})")
+            target = TARGETS.get((work.name, name), TARGETS.get(("*", name)))
+            verdict = ""
+            if target is not None:
+                met = max(ratio, drained) <= target
+                verdict = f"≤ {target:.2f}× {'met' if met else 'MISSED'}"
+            table.add(name, fmt_time(t.per_step()), fmt_ratio(ratio, t.ratio_spread(base)),
+                      fmt_ratio(drained), rec, verdict)
+        table.notes.append(
+            f"{rounds} rounds of {steps} steps a variant, each bracketed by as many plain steps; "
+            f"a ratio is the median over rounds of the variant's mean step over the plain steps "
+            f"around it (quartiles in brackets); + drain: with the session's flush after each "
+            f"block. Summary form: {summary_form()}. Warm-up and compilation: {warm_s:.1f} s.")
+        activate_session(None)
+        return table
+
+
+def run(quick: bool = False, gpt_full: bool = False) -> list[Table]:
+    """The tables, one per workload (the MLP only, two short rounds, with ``quick``)."""
+    if quick:
+        return [jit_table(mlp(), rounds=2, steps=10)]
+    return [
+        jit_table(mlp(), rounds=10, steps=10),
+        jit_table(transformer_block(), rounds=8, steps=10),
+        jit_table(gpt() if gpt_full else gpt_reduced(), rounds=6, steps=10),
+    ]
+
+
+def tables(quick: bool = False) -> Iterator[Table]:
+    yield from run(quick)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser)
+    parser.add_argument("--gpt-full", action="store_true",
+                        help="the GPT workload at full size (d_model 768, seq 512, batch 16)")
+    args = parser.parse_args(argv)
+    print(machine())
+    results = run(quick=args.quick, gpt_full=args.gpt_full)
+    for t in results:
+        print("\n" + t.text(), flush=True)
+    if args.markdown:
+        write_markdown(args.markdown, results, header=machine())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""``sowtel.jit``: a drop-in for ``jax.jit`` that streams with no host callback in the program.
+
+With no session active, or on a step that logs nothing, a ``sowtel.jit`` function runs exactly
+``jax.jit(fun)``'s program. On a step that logs, it runs a second program compiled from ``fun``
+by the capture pass of :func:`sowtel.save_intermediates`, in which every selected site's summary
+(``stats``, ``histogram``, ``health``, ``full`` or ``shape``) is computed where the site runs and
+returned as extra outputs:
+
+- inside a ``scan`` (``fori_loop``, ``lax.map``): one summary per iteration, never the stacked
+  values;
+- inside a ``shard_map``: one summary per shard;
+- inside a ``cond`` / ``switch``: only the taken branch's sites give records;
+- inside a ``while_loop`` body (whose iteration count is not static): the site streams through
+  a host callback in that same program (carrying the call's step), as the callback transport
+  does; nothing is dropped.
+
+The call returns the function's results at once; the session's dispatcher thread fetches the
+summaries when the device has computed them and builds the same records the callback transport
+gives. The step is the host-side :func:`sowtel.at_step` around the call, else the number of
+calls of this function since the session began. ``every=N`` (the session's or a site's) is
+decided on the host: a step at which no site is due runs the plain program.
+
+Example:
+    >>> import jax, jax.numpy as jnp, sowtel
+    >>> @sowtel.jit
+    ... def step(w, x):
+    ...     h = sowtel.sow(jnp.tanh(x @ w), "h")
+    ...     return (h ** 2).sum()
+    >>> with sowtel.enable(exporter="memory") as session:
+    ...     _ = step(jnp.ones((3, 2)), jnp.ones((4, 3)))
+    ...     _ = sowtel.flush()
+    >>> [(r.name, r.mode, r.step, round(r.stats["mean"], 4)) for r in session.exporters[0].records]
+    [('h', 'primal', 0, 0.9951)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sowtel import _jax_compat as jc
+from sowtel import capture, naming
+from sowtel.primitive import (
+    CONTEXT,
+    Context,
+    StreamConfig,
+    StreamSite,
+    current_context,
+    host_step,
+    leaf_names,
+)
+from sowtel.summaries import DEFAULT_BINS, device_summary
+
+__all__ = ["jit", "Jitted", "CompiledSummaries"]
+
+_STEP_KW = "_sowtel_step"
+
+
+class _NewStride(Exception):
+    """A site's ``every=`` was not known when the step's due strides were chosen: trace again."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__(every)
+        self.every = every
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteSummary:
+    """One site of a logging program: its streaming site (final name) and how it was stacked."""
+
+    site: StreamSite
+    stacked: capture.Stacking
+    n_arrays: int  # summary arrays of all its leaves, then the "ran" flag
+
+
+class CompiledSummaries:
+    """The extra outputs of a logging program: the summary arrays packed into one flat buffer
+    per dtype (one transfer each), and (static) what they are and where each one lies."""
+
+    def __init__(self, buffers: list[Any], sites: tuple[SiteSummary, ...],
+                 layout: tuple[tuple[int, int, tuple[int, ...]], ...]) -> None:
+        self.buffers = buffers
+        self.sites = sites
+        self.layout = layout  # per array: (buffer, offset, shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(getattr(a, "nbytes", 0)) for a in self.buffers)
+
+    @staticmethod
+    def pack(arrays: list[Any]) -> tuple[list[Any], tuple[tuple[int, int, tuple[int, ...]], ...]]:
+        """Flattens ``arrays`` into one buffer per dtype; returns the buffers and the layout."""
+        groups: dict[str, list[Any]] = {}
+        layout = []
+        sizes: dict[str, int] = {}
+        for a in arrays:
+            key = str(a.dtype)
+            group = groups.setdefault(key, [])
+            layout.append((list(groups).index(key), sizes.get(key, 0), tuple(a.shape)))
+            sizes[key] = sizes.get(key, 0) + int(np.prod(a.shape, dtype=np.int64))
+            group.append(jnp.ravel(a))
+        buffers = [jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups.values()]
+        return buffers, tuple(layout)
+
+    def unpack(self, host_buffers: list[np.ndarray]) -> list[np.ndarray]:
+        """The arrays again, as views of the fetched ``host_buffers``."""
+        out = []
+        for b, offset, shape in self.layout:
+            n = int(np.prod(shape, dtype=np.int64))
+            out.append(host_buffers[b][offset:offset + n].reshape(shape))
+        return out
+
+
+jax.tree_util.register_pytree_node(
+    CompiledSummaries,
+    lambda s: (s.buffers, (s.sites, s.layout)),
+    lambda aux, buffers: CompiledSummaries(list(buffers), *aux),
+)
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, jc.core.Tracer)
+
+
+def _numbered(caps: list[Any]) -> list[str]:
+    """Final names of the captured sites, numbered as the callback transport numbers them: per
+    (name, mode), occurrences in trace order (backward modes in reverse), when there are several."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, c in enumerate(caps):
+        groups.setdefault((c.name, c.mode), []).append(i)
+    names = [c.name for c in caps]
+    for (name, mode), members in groups.items():
+        if len(members) < 2:
+            continue
+        naming.warn_repeated(name)
+        ordered = list(reversed(members)) if naming.runs_backward(mode) else members
+        for occurrence, i in enumerate(ordered):
+            names[i] = naming.numbered(name, occurrence)
+    return names
+
+
+class Jitted:
+    """What :func:`jit` returns: call it as the ``jax.jit`` function it wraps."""
+
+    def __init__(self, fun: Callable[..., Any], options: dict[str, Any]) -> None:
+        self._fun = fun
+        self._options = dict(options)
+        self._plain = jax.jit(fun, **options)  # unknown options fail here, as in jax.jit
+        self._programs: dict[Any, Any] = {}
+        self._strides: dict[StreamConfig, set[int]] = {}
+        self._steps: tuple[int, itertools.count[int]] | None = None  # (session id, counter)
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fun)
+        self.__wrapped__ = fun
+
+    # -- what jax.jit functions have -------------------------------------------------------------
+
+    def _quiet(self) -> Any:
+        ctx = current_context()
+        return CONTEXT(dataclasses.replace(ctx, quiet=True)) if ctx is not None else _nothing()
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """``jax.jit(fun).lower(...)``: the program of a step that logs nothing."""
+        with self._quiet():
+            return self._plain.lower(*args, **kwargs)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        """``jax.jit(fun).trace(...)``: the program of a step that logs nothing."""
+        with self._quiet():
+            return self._plain.trace(*args, **kwargs)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """``jax.jit(fun).eval_shape(...)``."""
+        with self._quiet():
+            return self._plain.eval_shape(*args, **kwargs)
+
+    def lower_logging(self, *args: Any, step: int = 0, **kwargs: Any) -> Any:
+        """Lowers the program a logging step at ``step`` runs under the active session."""
+        from sowtel.session import active_session
+
+        session = active_session()
+        if session is None:
+            raise RuntimeError("lower_logging needs an active session: call sowtel.enable()")
+        program = self._logging_program(session.config, step, args, kwargs)
+        return program.lower(*args, **{_STEP_KW: np.int32(step)}, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"sowtel.jit({getattr(self._fun, '__qualname__', self._fun)!r})"
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else functools.partial(self, obj)
+
+    # -- the call ----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = current_context()
+        if ctx is None or ctx.stream is None:
+            return self._plain(*args, **kwargs)
+        if jc.is_tracing() or any(
+                isinstance(x, jc.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+            # Called inside another traced function: its sows belong to that program.
+            return self._plain(*args, **kwargs)
+        if ctx.quiet or ctx.capture is not None:
+            return self._plain(*args, **kwargs)
+        from sowtel.session import active_session
+
+        session = active_session()
+        if session is None:
+            with CONTEXT(dataclasses.replace(ctx, quiet=True)):
+                return self._plain(*args, **kwargs)
+        step = host_step()
+        if step is None:
+            step = self._next_step(session.id)
+        config = ctx.stream
+        if config not in self._strides:
+            self._discover(config, args, kwargs)
+        while True:
+            due = self._due(config, step)
+            if not due:
+                with CONTEXT(dataclasses.replace(ctx, quiet=True)):
+                    return self._plain(*args, **kwargs)
+            try:
+                out, summaries = self._program(config, due)(
+                    *args, **{_STEP_KW: np.int32(step)}, **kwargs)
+            except _NewStride as new:  # raised while tracing: nothing ran
+                self._strides[config].add(new.every)
+                continue
+            session.receive_compiled(summaries, step)
+            return out
+
+    def _next_step(self, session_id: int) -> int:
+        with self._lock:
+            if self._steps is None or self._steps[0] != session_id:
+                self._steps = (session_id, itertools.count())
+            return next(self._steps[1])
+
+    def _due(self, config: StreamConfig, step: int) -> frozenset[int]:
+        return frozenset(e for e in self._strides[config] if step % e == 0)
+
+    def _discover(self, config: StreamConfig, args: Any, kwargs: Any) -> None:
+        # One trace (no compilation) to learn the every= of the function's sites.
+        self._strides.setdefault(config, {config.every})
+        with CONTEXT(Context(stream=config)):
+            self._program(config, None).trace(*args, **{_STEP_KW: np.int32(0)}, **kwargs)
+
+    def _logging_program(self, config: StreamConfig, step: int, args: Any,
+                         kwargs: Any) -> Any:
+        if config not in self._strides:
+            self._discover(config, args, kwargs)
+        while True:
+            program = self._program(config, self._due(config, step))
+            try:
+                program.trace(*args, **{_STEP_KW: np.int32(step)}, **kwargs)
+            except _NewStride as new:
+                self._strides[config].add(new.every)
+                continue
+            return program
+
+    def _program(self, config: StreamConfig, due: frozenset[int] | None) -> Any:
+        key = (config, due)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs.setdefault(key, self._build(config, due))
+        return program
+
+    def _build(self, config: StreamConfig, due: frozenset[int] | None) -> Any:
+        fun = self._fun
+        strides = self._strides.setdefault(config, {config.every})
+
+        def reduce(params: dict[str, Any], leaves: list[Any]) -> tuple[Any, list[Any]] | None:
+            every = int(params["every"])
+            if due is None:  # the discovery trace
+                strides.add(every)
+                return None
+            if every not in strides:
+                raise _NewStride(every)
+            if every not in due:
+                return None
+            site = params["site"]
+            summary = params["summary"]
+            info = StreamSite(
+                name=site.name, mode=params["mode"], tag=site.tag, leaf_names=leaf_names(site),
+                shapes=tuple(tuple(v.shape) for v in leaves),
+                dtypes=tuple(str(v.dtype) for v in leaves), summary=summary, every=every,
+                bins=DEFAULT_BINS, loops=site.loops, extras=(), order=next(_order),
+            )
+            arrays = [a for v in leaves for a in device_summary(v, summary, info.bins)]
+            return info, [*arrays, jnp.ones((), jnp.int32)]
+
+        def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:
+            step = kwargs.pop(_STEP_KW)
+            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+            dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+            out_tree: list[Any] = []
+
+            def flat_fun(*dyn: Any) -> list[Any]:
+                full = list(leaves)
+                for i, x in zip(dynamic, dyn, strict=True):
+                    full[i] = x
+                a, k = jax.tree_util.tree_unflatten(treedef, full)
+                out_leaves, tree = jax.tree_util.tree_flatten(fun(*a, **k))
+                out_tree.append(tree)
+                return out_leaves
+
+            dyn = [leaves[i] for i in dynamic]
+            with jax.disable_jit(False):
+                closed = jax.make_jaxpr(flat_fun)(*dyn)
+            jaxpr, consts = jc.jaxpr_and_consts(closed)
+            outs, caps = capture.eval_summaries(
+                jaxpr, consts, dyn, capture.SummaryPass(reduce=reduce, step=step))
+            names = _numbered(caps)
+            sites = []
+            arrays: list[Any] = []
+            for c, name in zip(caps, names, strict=True):
+                site = c.site
+                if name != site.name:
+                    site = dataclasses.replace(site, name=name, leaf_names=tuple(
+                        name + leaf[len(site.name):] for leaf in site.leaf_names))
+                sites.append(SiteSummary(site, c.stacked, len(c.leaves)))
+                arrays.extend(c.leaves)
+            result = jax.tree_util.tree_unflatten(out_tree[-1], outs)
+            buffers, layout = CompiledSummaries.pack(arrays)
+            return result, CompiledSummaries(buffers, tuple(sites), layout)
+
+        _sign(logging_step, fun)
+        options = dict(self._options)
+        if "out_shardings" in options:
+            options["out_shardings"] = (options["out_shardings"], None)
+        return jax.jit(logging_step, **options)
+
+
+_order = itertools.count()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _sign(wrapper: Callable[..., Any], fun: Callable[..., Any]) -> None:
+    # jax.jit reads the signature for static_argnames / donate_argnames: the user's, plus the
+    # keyword-only step.
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return
+    params = list(signature.parameters.values())
+    step = inspect.Parameter(_STEP_KW, inspect.Parameter.KEYWORD_ONLY)
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD),
+              len(params))
+    params.insert(at, step)
+    try:
+        wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    except ValueError:
+        return
+
+
+def jit(fun: Callable[..., Any] | None = None, /, **jax_jit_options: Any) -> Any:
+    """``jax.jit`` for training steps: streams the step's sows as outputs, not host callbacks.
+
+    Takes ``jax.jit``'s options (``static_argnums``, ``donate_argnums``, shardings, ...) and
+    handles them as ``jax.jit`` does; ``.lower``, ``.trace``, ``.eval_shape`` and ``__wrapped__``
+    behave as on ``jax.jit(fun)``. Usable as a decorator, with or without options
+    (``@sowtel.jit(donate_argnums=0)``).
+
+    With no session, or on a step that logs nothing, the call runs ``jax.jit(fun)``'s own
+    program. On a logging step the summaries of the selected sites come back as outputs of the
+    compiled program; the call returns at once and the session's dispatcher thread turns them
+    into records (see the module docs). ``lower_logging(*args, step=k)`` lowers the program a
+    logging step runs.
+
+    Raises:
+      TypeError: ``fun`` is not callable, or an option ``jax.jit`` does not take.
+    """
+    if fun is None:
+        return lambda f: jit(f, **jax_jit_options)
+    if not callable(fun):
+        raise TypeError(
+            f"sowtel.jit needs a callable, got {type(fun).__name__} {fun!r:.60}: pass the "
+            "training-step function, e.g. sowtel.jit(train_step, donate_argnums=0)")
+    return Jitted(fun, jax_jit_options)
