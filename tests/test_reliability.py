@@ -176,6 +176,31 @@ def test_queue_drops_convert_failures_and_pytree_items_add_up(made):
     assert_adds_up(s, received=1 + 45 + 2)
 
 
+def test_late_records_complete_the_identity_after_disable():
+    import jax
+    import jax.numpy as jnp
+
+    import sowtel
+
+    def pair_sum(x):
+        a, b = sowtel.sow((x * 2.0, x + 1.0), "pair")
+        return jnp.sum(a) + jnp.sum(b)
+
+    f = jax.jit(pair_sum)
+    x = jnp.ones(3)
+    with sowtel.enable(exporter="memory") as session:
+        compiled = f.lower(x).compile()  # holds the callback of this session
+        compiled(x)
+    final = session.status()
+    assert_adds_up(final, received=2)
+    compiled(x)  # after the session ended: its two records (one a leaf) arrive late
+    jax.effects_barrier()
+    later = session.status()
+    assert later["late"] == final["late"] + 2
+    assert later["accounts"]["memory"]["received"] == 4
+    assert_adds_up(later, received=2)
+
+
 # -- 2. stalls per record ------------------------------------------------------------------------
 
 def test_a_slow_exporter_that_keeps_progressing_is_never_declared_hung(made):
