@@ -440,6 +440,10 @@ class _ExporterWorker:
                         entry.done = True
                     if kind == "close":
                         self._finished = True
+                        for late in self._queue:  # requests made after the close: answered
+                            if isinstance(late, _Token):
+                                late.done = True
+                        self._queue.clear()
                     self._cond.notify_all()
                 if kind == "close":
                     return
@@ -977,7 +981,10 @@ class Dispatcher:
             if n:
                 self._queue_drops["close_timeout"] = self._queue_drops.get("close_timeout", 0) + n
         for worker in self._workers:
-            worker.give_up()
+            # An exporter closing its own session from inside write() is not given up on: its
+            # worker writes what it still has, then closes it, once that call returns.
+            if worker.ident != threading.get_ident():
+                worker.give_up()
 
     def status(self, late: int = 0) -> dict[str, Any]:
         """Counters for ``sowtel.status()``, in records.

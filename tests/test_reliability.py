@@ -278,6 +278,31 @@ def test_close_gives_up_on_a_backlog_within_its_timeout_and_counts_it(made):
     assert slow.closed_at - closed_at < 5.0
 
 
+def test_an_exporter_that_closes_its_own_dispatcher_still_writes_what_it_was_given():
+    d: Dispatcher
+
+    class ClosesItself(Slow):
+        def write(self, records: Sequence[Record]) -> None:
+            if not self.steps:
+                d.close(timeout=5.0)  # from inside write(): must not wait for itself
+            super().write(records)
+
+    exporter = ClosesItself(per_record=0.0)
+    d = Dispatcher([exporter], convert=convert, flush_interval=60.0)
+    for i in range(100):
+        d.put(i)
+    t0 = time.monotonic()
+    d.flush(timeout=20.0)
+    assert time.monotonic() - t0 < 10.0
+    deadline = time.monotonic() + 10.0
+    while exporter.closed_at is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert exporter.steps == list(range(100))
+    s = d.status()
+    assert s["exported"] == {"ClosesItself": 100}
+    assert_adds_up(s, received=100)
+
+
 # -- 4. max_bytes is a real bound ----------------------------------------------------------------
 
 @pytest.mark.parametrize("on_full", ["drop", "block"])
