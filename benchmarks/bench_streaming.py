@@ -63,6 +63,7 @@ from benchmarks import (
 from benchmarks.workloads import (
     Trainer,
     Workload,
+    activate_session,
     debug_tap,
     make_returning_train_step,
     make_train_step,
@@ -461,8 +462,16 @@ def sow_program_cost(quick: bool = False, *, many: int = 16, width: int = 256) -
     drains: dict[str, Callable[[], Any]] = {}
     sessions: dict[str, sowtel.Session] = {}
 
-    def runner(compiled: Any, x: jax.Array) -> Callable[[], Any]:
-        return lambda: jax.block_until_ready(compiled(x))
+    def runner(compiled: Any, x: jax.Array,
+               session: sowtel.Session | None = None) -> Callable[[], Any]:
+        if session is None:
+            return lambda: jax.block_until_ready(compiled(x))
+
+        def run() -> Any:
+            activate_session(session)  # its records go to its own session
+            return jax.block_until_ready(compiled(x))
+
+        return run
 
     def lower(program: Callable[..., Any], x: jax.Array) -> Any:
         return jax.jit(program).lower(x).compile()
@@ -479,7 +488,7 @@ def sow_program_cost(quick: bool = False, *, many: int = 16, width: int = 256) -
                     if path == "shape" and n != many:
                         continue
                     key = f"{path}/{n}"
-                    variants[key] = runner(lower(_sow_program(n), x), x)
+                    variants[key] = runner(lower(_sow_program(n), x), x, session)
                     drains[key] = session.flush
                     sessions[key] = session
         rounds = 3 if quick else 9
@@ -523,7 +532,9 @@ def sow_program_cost(quick: bool = False, *, many: int = 16, width: int = 256) -
     return table
 
 
-def _run_blocking(compiled: Any, *args: Any) -> Any:
+def _run_blocking(compiled: Any, *args: Any, session: sowtel.Session | None = None) -> Any:
+    if session is not None:
+        activate_session(session)
     return jax.block_until_ready(compiled(*args))
 
 
@@ -546,7 +557,7 @@ def full_transfer(quick: bool = False, *, mib: int = 64) -> Table:
             session = _memory_session(stack, keep=1)
             with callback_path(path):
                 compiled = jax.jit(program).lower(x).compile()
-            variants[path] = functools.partial(_run_blocking, compiled, x)
+            variants[path] = functools.partial(_run_blocking, compiled, x, session=session)
             drains[path] = session.flush
             sessions[path] = session
         variants["numpy copy"] = lambda: np.array(x_host, copy=True)

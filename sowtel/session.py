@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -204,6 +205,20 @@ class Session:
         finally:
             self._host_steps.pop()
             self._host_lock.release()
+
+    @contextlib.contextmanager
+    def host_step_block(self, step: int) -> Iterator[None]:
+        """Host callbacks of programs run inside carry ``step``: held until they have run."""
+        self._host_lock.acquire()
+        self._host_steps.append(step)
+        try:
+            yield
+        finally:
+            try:
+                self._effects_barrier()
+            finally:
+                self._host_steps.pop()
+                self._host_lock.release()
 
     def count_late(self, site: StreamSite) -> None:
         """A host callback of ``site`` ran after this session ended: counted, not exported."""
