@@ -545,9 +545,13 @@ def status() -> dict[str, Any]:
         closed = RECEIVERS.closed
         if isinstance(closed, Session):  # the last session's final counters
             return closed.status()
-        return {"enabled": False, "received": 0, "dropped": 0, "queued": 0, "exported": {},
-                "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0,
-                "late": 0, "evicted": {}}
+        empty: dict[str, Any] = {
+            "enabled": False, "received": 0, "dropped": 0, "queued": 0, "exported": {},
+            "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0,
+            "late": 0, "evicted": {}, "failed": {}, "drop_reasons": {}, "pending": {},
+            "backlog": {}, "held_bytes": 0}
+        empty["accounts"] = accounts(empty)
+        return empty
     return session.status()
 
 
