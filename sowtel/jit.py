@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sowtel import _jax_compat as jc
-from sowtel import capture, naming
+from sowtel import capture, multihost, naming
 from sowtel.primitive import (
     CONTEXT,
     Context,
@@ -87,10 +87,10 @@ class CompiledSummaries:
     per dtype (one transfer each), and (static) what they are and where each one lies."""
 
     def __init__(self, buffers: list[Any], sites: tuple[SiteSummary, ...],
-                 layout: tuple[tuple[int, int, tuple[int, ...]], ...]) -> None:
+                 layout: tuple[tuple[int, int, tuple[int, ...]], ...] | None) -> None:
         self.buffers = buffers
         self.sites = sites
-        self.layout = layout  # per array: (buffer, offset, shape)
+        self.layout = layout  # per array: (buffer, offset, shape); None: one buffer per array
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +113,8 @@ class CompiledSummaries:
 
     def unpack(self, host_buffers: list[np.ndarray]) -> list[np.ndarray]:
         """The arrays again, as views of the fetched ``host_buffers``."""
+        if self.layout is None:
+            return list(host_buffers)
         out = []
         for b, offset, shape in self.layout:
             n = int(np.prod(shape, dtype=np.int64))
@@ -328,6 +330,10 @@ class Jitted:
                 sites.append(SiteSummary(site, c.stacked, len(c.leaves)))
                 arrays.extend(c.leaves)
             result = jax.tree_util.tree_unflatten(out_tree[-1], outs)
+            if multihost.spans_processes():
+                # Unpacked, so each keeps its sharding: a shard_map site's per-shard summaries
+                # stay with the process that ran the shard (see sowtel.multihost).
+                return result, CompiledSummaries(arrays, tuple(sites), None)
             buffers, layout = CompiledSummaries.pack(arrays)
             return result, CompiledSummaries(buffers, tuple(sites), layout)
 
