@@ -59,9 +59,9 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
-    "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing", "jaxpr_and_consts",
-    "manual_axes", "module_state", "register_uncached_lowering", "scan_split_counts",
-    "traced_for",
+    "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
+    "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
+    "scan_split_counts", "traced_for",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2", "0.11.2", "0.12.0.1")

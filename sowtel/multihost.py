@@ -183,6 +183,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def _describe(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
+    if isinstance(value, dict):
+        return {str(k): _describe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, frozenset, set)):
         items = [_describe(v) for v in value]
         return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
