@@ -31,6 +31,7 @@ Example (one process is a job of one, where all of this is a no-op):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -253,20 +254,36 @@ def agree(settings: dict[str, Any], *, what: str) -> None:
 # -- fetching sowtel.jit summaries ------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4096)
+def _lowest_holder_of(sharding: Any, shape: tuple[int, ...]) -> np.ndarray:
+    low = np.full(shape, np.iinfo(np.int32).max, np.int32)
+    for device, index in sharding.devices_indices_map(shape).items():
+        low[index] = np.minimum(low[index], int(device.process_index))
+    low.flags.writeable = False
+    return low
+
+
 def _lowest_holder(array: Any) -> np.ndarray:
     """Per element of ``array``: the lowest process index holding it on one of its devices."""
-    low = np.full(array.shape, np.iinfo(np.int32).max, np.int32)
-    for device, index in array.sharding.devices_indices_map(tuple(array.shape)).items():
-        low[index] = np.minimum(low[index], int(device.process_index))
-    return low
+    # The same few shardings every step: computed once each.
+    return _lowest_holder_of(array.sharding, tuple(array.shape))
+
+
+def _whole(index: tuple[Any, ...], shape: tuple[int, ...]) -> bool:
+    return all(i.indices(n) == (0, n, 1) for i, n in zip(index, shape, strict=True))
 
 
 def _local_value(array: Any) -> np.ndarray:
     """The global value of ``array`` with the elements this process holds (zeros elsewhere)."""
     if array.is_fully_addressable:
         return np.asarray(array)
-    out = np.zeros(array.shape, array.dtype)
-    for shard in array.addressable_shards:
+    shape = tuple(array.shape)
+    shards = array.addressable_shards
+    for shard in shards:  # a replicated summary: one copy is the whole value
+        if _whole(shard.index, shape):
+            return np.asarray(shard.data)
+    out = np.zeros(shape, array.dtype)
+    for shard in shards:
         out[shard.index] = np.asarray(shard.data)
     return out
 
