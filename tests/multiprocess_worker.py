@@ -77,6 +77,16 @@ def stream(k: int, out: Path) -> dict[str, Any]:
     h = jax.jit(lambda w, x: jnp.tanh(x @ w))(w, x)
     result["h"] = np.asarray(multihost_utils.process_allgather(h, tiled=True)).tolist()
 
+    # save_intermediates gives global arrays, as JAX does; a dump of one is a clear error.
+    _, inter = jax.jit(sowtel.save_intermediates(loss))(w, x)
+    result["captured_h"] = np.asarray(multihost_utils.process_allgather(
+        inter["h"]["primal"], tiled=True)).tolist()
+    result["captured_m_shape"] = list(inter["m"]["primal"].shape)
+    try:
+        sowtel.dump(inter, out / f"dump_{k}", step=0)
+    except ValueError as e:
+        result["dump_error"] = str(e)
+
     # Callback transport: enable() + jax.jit, two host-side steps.
     step = jax.jit(jax.value_and_grad(loss))
     with sowtel.enable(exporter="memory") as session:

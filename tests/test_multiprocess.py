@@ -143,6 +143,13 @@ def test_both_transports_give_one_coherent_set_of_records_across_two_processes(t
     # Statistics against numpy on the value gathered from both processes' devices.
     np.testing.assert_allclose(gathered, refs[("h", "primal", None)], rtol=1e-5, atol=1e-6)
     refs[("h", "primal", None)] = gathered
+    # save_intermediates: the global value (shard_map sites stacked on a leading shard axis);
+    # dumping a value other processes hold is a clear error, not JAX's.
+    for r in results:
+        np.testing.assert_allclose(np.asarray(r["captured_h"]), gathered, rtol=1e-6)
+        assert r["captured_m_shape"] == [8, worker.ROWS // 8, worker.COLS]
+        assert "spans devices of other processes" in r["dump_error"]
+        assert "process_allgather" in r["dump_error"]
     for transport in ("callback", "jit"):
         check_records([r[transport] for r in results], [0, 1], refs)
     assert results[0]["loss"] == pytest.approx(results[1]["jit_loss"], rel=1e-6)
