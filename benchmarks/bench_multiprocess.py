@@ -6,7 +6,8 @@ devices, the parameters replicated, gradients reduced across the processes by th
 program. Both processes time, interleaved in rounds, the plain step (``jax.jit``, no sows) and
 the same step with sows through ``sowtel.jit`` with a session streaming ``stats`` every step
 (each site's statistics reduced over the global activations on the devices; process 0 exports
-the records). Process 0 reports the medians and their ratio, and the records per step it
+the records), the same session through ``jax.jit`` (the callback transport), and ``sowtel.jit``
+with ``every=10``. Process 0 reports the medians and their ratio, and the records per step it
 exported, so a variant that streamed nothing cannot pass for a fast one.
 
 Run: ``python -m benchmarks.bench_multiprocess [--quick]``.
@@ -68,13 +69,16 @@ def _worker(k: int, port: int, out: Path, quick: bool) -> None:
         name = "sowtel.jit" if every == 1 else f"sowtel.jit every={every}"
         with sowtel.enable(exporter=memory, every=every):
             logged = sowtel.jit(make_train_step(work, sowtel.sow))
-            for fn in (plain, logged):  # compile, warm up
+            variants = [(f"plain ({name})", plain), (name, logged)]
+            if every == 1:
+                variants.append(("callback", jax.jit(make_train_step(work, sowtel.sow))))
+            for _, fn in variants:  # compile, warm up
                 for _ in range(2):
                     jax.block_until_ready(fn(params, opt_state, batch, step))
             sowtel.flush()
             before = sowtel.status()["exported"]["memory"]
             for _ in range(rounds):
-                for variant, fn in ((f"plain ({name})", plain), (name, logged)):
+                for variant, fn in variants:
                     start = time.perf_counter()
                     for _ in range(n):
                         results = fn(params, opt_state, batch, step)
@@ -82,7 +86,7 @@ def _worker(k: int, port: int, out: Path, quick: bool) -> None:
                     times.setdefault(variant, []).append((time.perf_counter() - start) / n)
             sowtel.flush()
             exported = sowtel.status()["exported"]["memory"] - before
-        result[f"records_per_step ({name})"] = exported / (rounds * n)
+        result[f"records_per_step ({name})"] = exported / (rounds * n * (len(variants) - 1))
     result["median_s"] = {variant: float(np.median(t)) for variant, t in times.items()}
     (out / f"bench_{k}.json").write_text(json.dumps(result))
 
@@ -132,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  plain step (jax.jit, no sows)  {plain * 1e3:8.2f} ms")
         print(f"  {name:<29}  {logged * 1e3:8.2f} ms   {logged / plain:.2f}x   "
               f"({result[f'records_per_step ({name})']:.1f} records/step, process 0)")
+        if name == "sowtel.jit":
+            callback = median["callback"]
+            print(f"  {'callback (enable + jax.jit)':<29}  {callback * 1e3:8.2f} ms   "
+                  f"{callback / plain:.2f}x")
     return 0
 
 
