@@ -223,6 +223,7 @@ class Jitted:
         if step is None:
             step = self._next_step(session.id)
         config = ctx.stream
+        gather = multihost.replicated_sharding((args, kwargs))
         if config not in self._strides:
             self._discover(config, args, kwargs)
         while True:
@@ -231,7 +232,7 @@ class Jitted:
                 with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                     return self._plain(*args, **kwargs)
             try:
-                out, summaries = self._program(config, due)(
+                out, summaries = self._program(config, due, gather)(
                     *args, **{_STEP_KW: np.int32(step)}, **kwargs)
             except _NewStride as new:  # raised while tracing: nothing ran
                 self._strides[config].add(new.every)
@@ -258,8 +259,9 @@ class Jitted:
                          kwargs: Any) -> Any:
         if config not in self._strides:
             self._discover(config, args, kwargs)
+        gather = multihost.replicated_sharding((args, kwargs))
         while True:
-            program = self._program(config, self._due(config, step))
+            program = self._program(config, self._due(config, step), gather)
             try:
                 program.trace(*args, **{_STEP_KW: np.int32(step)}, **kwargs)
             except _NewStride as new:
@@ -267,14 +269,16 @@ class Jitted:
                 continue
             return program
 
-    def _program(self, config: StreamConfig, due: frozenset[int] | None) -> Any:
-        key = (config, due)
+    def _program(self, config: StreamConfig, due: frozenset[int] | None,
+                 gather: Any = None) -> Any:
+        key = (config, due, gather)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs.setdefault(key, self._build(config, due))
+            program = self._programs.setdefault(key, self._build(config, due, gather))
         return program
 
-    def _build(self, config: StreamConfig, due: frozenset[int] | None) -> Any:
+    def _build(self, config: StreamConfig, due: frozenset[int] | None,
+               gather: Any = None) -> Any:
         fun = self._fun
         strides = self._strides.setdefault(config, {config.every})
 
@@ -332,7 +336,9 @@ class Jitted:
             result = jax.tree_util.tree_unflatten(out_tree[-1], outs)
             if multihost.spans_processes():
                 # Unpacked, so each keeps its sharding: a shard_map site's per-shard summaries
-                # stay with the process that ran the shard (see sowtel.multihost).
+                # stay with the process that ran the shard (see sowtel.multihost); a global
+                # site's full value is gathered (replicated), as the callback transport does.
+                arrays = multihost.gather_full_values(sites, arrays, gather)
                 return result, CompiledSummaries(arrays, tuple(sites), None)
             buffers, layout = CompiledSummaries.pack(arrays)
             return result, CompiledSummaries(buffers, tuple(sites), layout)

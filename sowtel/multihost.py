@@ -45,10 +45,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sowtel import _jax_compat as jc
 
 __all__ = ["initialize", "agree", "peer_timeout", "fetch", "owns", "spans_processes",
+           "replicated_sharding", "gather_full_values",
            "PEER_TIMEOUT_ENV", "DEFAULT_PEER_TIMEOUT"]
 
 logger = logging.getLogger("sowtel")
@@ -254,6 +256,34 @@ def agree(settings: dict[str, Any], *, what: str) -> None:
 # -- fetching sowtel.jit summaries ------------------------------------------------------------
 
 
+def replicated_sharding(tree: Any) -> Any:
+    """With several processes: a replicated sharding on the mesh of ``tree``'s first array that
+    has a ``NamedSharding`` (``None`` in a job of one process, or when there is none)."""
+    if not spans_processes():
+        return None
+    for leaf in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec())
+    return None
+
+
+def gather_full_values(sites: Sequence[Any], arrays: list[Any], replicated: Any) -> list[Any]:
+    """Inside a logging program: the ``full`` values of sites outside ``shard_map`` made
+    replicated on ``replicated`` (a value sharded across processes would otherwise be held
+    in parts that no process can export whole)."""
+    if replicated is None:
+        return arrays
+    out = list(arrays)
+    at = 0
+    for entry in sites:
+        if entry.site.summary == "full" and all(k != "shard" for k, _ in entry.stacked):
+            for i in range(at, at + entry.n_arrays - 1):  # the last one is the "ran" flag
+                out[i] = jax.lax.with_sharding_constraint(out[i], replicated)
+        at += entry.n_arrays
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
 def _lowest_holder_of(sharding: Any, shape: tuple[int, ...]) -> np.ndarray:
     low = np.full(shape, np.iinfo(np.int32).max, np.int32)
@@ -313,6 +343,8 @@ def owns(lowest: Sequence[np.ndarray], pos: tuple[int, ...], process_index: int)
         if not _warned_unowned:
             _warned_unowned = True
             logger.warning("sowtel: a summary of a sowtel.jit step is split across processes "
-                           "%s and was not exported", sorted(owners))
+                           "%s and was not exported (a full value of a site sharded across "
+                           "processes, with no NamedSharding among the step's arguments to "
+                           "gather it on)", sorted(owners))
         return False
     return owners == {process_index}

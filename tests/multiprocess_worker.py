@@ -113,6 +113,14 @@ def stream(k: int, out: Path) -> dict[str, Any]:
     result["jit_loss"] = float(value)
     result["jit_status"] = {k: v for k, v in sowtel.status().items()
                             if k in ("received", "exported", "dropped", "errors")}
+    # summary="full": whole values, a global one gathered to process 0 by both transports.
+    for transport, fn in (("jit", sowtel.jit(loss)), ("callback", jax.jit(loss))):
+        with sowtel.enable(exporter="memory", summary="full", modes=("primal",)) as session:
+            fn(w, x)
+            sowtel.flush()
+            result[f"full_{transport}"] = [
+                {"name": r.name, "index": r.index, "process_index": r.process_index,
+                 "value": np.asarray(r.value).tolist()} for r in session.exporters[0].records]
     result["resource"] = sorted({
         (key, str(val)) for s in spans.get_finished_spans()
         for key, val in s.resource.attributes.items() if key.startswith("process.")})

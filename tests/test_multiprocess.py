@@ -162,6 +162,16 @@ def test_both_transports_give_one_coherent_set_of_records_across_two_processes(t
         assert r["resource"] == [["process.count", "2"], ["process.index", str(k)]]
     assert [len(r["jit"]) for r in results] == [2 * (2 + 6 + 8), 2 * 8]
 
+    # summary="full": the whole value of each record, once, in the process that owns it.
+    for transport in ("jit", "callback"):
+        full = [(k, r) for k, result in enumerate(results) for r in result[f"full_{transport}"]]
+        assert sorted((r["name"], str(r["index"])) for _, r in full) == sorted(
+            (name, str(index)) for name, mode, index in refs if mode == "primal")
+        for k, r in full:
+            key = (r["name"], "primal", r["index"])
+            assert k == r["process_index"] == owner(key)
+            np.testing.assert_allclose(np.asarray(r["value"]), refs[key], rtol=1e-5, atol=1e-6)
+
     # jsonl: one file per process, holding that process's records.
     for k, r in enumerate(results):
         lines = read_records(tmp_path / "jsonl" / f"records_process_{k}.jsonl")
