@@ -299,7 +299,9 @@ class Jitted:
                 dtypes=tuple(str(v.dtype) for v in leaves), summary=summary, every=every,
                 bins=DEFAULT_BINS, loops=site.loops, extras=(), order=next(_order),
             )
-            arrays = [a for v in leaves for a in device_summary(v, summary, info.bins)]
+            arrays = [a for v in leaves for a in (
+                device_summary(v, summary, info.bins) if gather is None
+                else multihost.global_summary(v, summary, info.bins, gather))]
             return info, [*arrays, jnp.ones((), jnp.int32)]
 
         def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:

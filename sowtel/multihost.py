@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sowtel import _jax_compat as jc
 
 __all__ = ["initialize", "agree", "peer_timeout", "fetch", "owns", "spans_processes",
-           "replicated_sharding", "gather_full_values",
+           "replicated_sharding", "gather_full_values", "global_summary",
            "PEER_TIMEOUT_ENV", "DEFAULT_PEER_TIMEOUT"]
 
 logger = logging.getLogger("sowtel")
@@ -266,6 +266,54 @@ def replicated_sharding(tree: Any) -> Any:
         if isinstance(sharding, NamedSharding):
             return NamedSharding(sharding.mesh, PartitionSpec())
     return None
+
+
+def global_summary(x: Any, summary: str, bins: int, replicated: Any) -> list[Any]:
+    """:func:`sowtel.summaries.device_summary` of a value that may be sharded across processes,
+    with one collective: the same arrays, computed in two levels.
+
+    Each of the mesh's ``P`` devices summarises one of ``P`` equal blocks of the flattened value
+    (its own shard, when the value is sharded along its leading axis), the ``P`` partial
+    summaries are gathered in one transfer (replicated on ``replicated``), and every device
+    combines them: counts add, extrema take the extremum, and the mean and variance merge
+    pairwise (Chan et al.), so ``std`` keeps its precision. On XLA's CPU backend, which runs
+    every cross-process all-reduce on its own, this replaces about eight all-reduces a value by
+    one all-gather. Other summaries, values that do not split into ``P`` blocks, and values
+    inside ``shard_map`` (already per device) use ``device_summary`` itself.
+    """
+    import jax.numpy as jnp
+
+    from sowtel.summaries import device_summary
+
+    parts = int(replicated.mesh.size) if replicated is not None else 1
+    size = int(np.prod(x.shape, dtype=np.int64))
+    if (summary != "stats" or parts <= 1 or size == 0 or size % parts or jc.manual_axes()):
+        return device_summary(x, summary, bins)
+    rows = jnp.reshape(x, (parts, size // parts))
+    floats, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats", bins)))(rows)
+    ftype = floats.dtype
+    partial = jnp.concatenate([floats, counts.astype(ftype)], axis=1)
+    partial = jax.lax.with_sharding_constraint(partial, replicated)  # the one collective
+    mean_r, std_r, min_r, max_r, l2_r, abs_r = (partial[:, i] for i in range(6))
+    nonfinite = partial[:, 6] + partial[:, 7] + partial[:, 8]
+    n_r = (size // parts) - nonfinite
+    has = n_r > 0
+    n = jnp.sum(n_r)
+    safe_n = jnp.maximum(n, 1)
+    mean = jnp.sum(jnp.where(has, n_r * mean_r, 0)) / safe_n
+    dev = jnp.where(has, mean_r - mean, 0)
+    var = jnp.sum(jnp.where(has, n_r * (std_r * std_r + dev * dev), 0)) / safe_n
+    empty = n == 0
+    nan = jnp.asarray(jnp.nan, ftype)
+    out_floats = jnp.stack([
+        jnp.where(empty, nan, mean), jnp.where(empty, nan, jnp.sqrt(var)),
+        jnp.where(empty, nan, jnp.min(jnp.where(has, min_r, jnp.inf))),
+        jnp.where(empty, nan, jnp.max(jnp.where(has, max_r, -jnp.inf))),
+        jnp.sqrt(jnp.sum(l2_r * l2_r)),
+        jnp.where(empty, nan, jnp.sum(jnp.where(has, n_r * abs_r, 0)) / safe_n),
+    ]).astype(ftype)
+    out_counts = jnp.sum(partial[:, 6:10], axis=0).astype(counts.dtype)
+    return [out_floats, out_counts]
 
 
 def gather_full_values(sites: Sequence[Any], arrays: list[Any], replicated: Any) -> list[Any]:
