@@ -281,6 +281,7 @@ class Jitted:
                gather: Any = None) -> Any:
         fun = self._fun
         strides = self._strides.setdefault(config, {config.every})
+        in_blocks: set[int] = set()  # sites whose stats are summarised per device (multihost)
 
         def reduce(params: dict[str, Any], leaves: list[Any]) -> tuple[Any, list[Any]] | None:
             every = int(params["every"])
@@ -299,9 +300,11 @@ class Jitted:
                 dtypes=tuple(str(v.dtype) for v in leaves), summary=summary, every=every,
                 bins=DEFAULT_BINS, loops=site.loops, extras=(), order=next(_order),
             )
-            arrays = [a for v in leaves for a in (
-                device_summary(v, summary, info.bins) if gather is None
-                else multihost.global_summary(v, summary, info.bins, gather))]
+            arrays = multihost.partial_summaries(leaves, summary, info.bins, gather)
+            if arrays is not None:  # finished in logging_step, with every site's
+                in_blocks.add(info.order)
+            else:
+                arrays = [a for v in leaves for a in device_summary(v, summary, info.bins)]
             return info, [*arrays, jnp.ones((), jnp.int32)]
 
         def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:
@@ -325,6 +328,8 @@ class Jitted:
             jaxpr, consts = jc.jaxpr_and_consts(closed)
             outs, caps = capture.eval_summaries(
                 jaxpr, consts, dyn, capture.SummaryPass(reduce=reduce, step=step))
+            if in_blocks:
+                caps = multihost.combine_partials(caps, in_blocks, gather)
             names = _numbered(caps)
             sites = []
             arrays: list[Any] = []

@@ -50,7 +50,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sowtel import _jax_compat as jc
 
 __all__ = ["initialize", "agree", "peer_timeout", "fetch", "owns", "spans_processes",
-           "replicated_sharding", "gather_full_values", "global_summary",
+           "replicated_sharding", "gather_full_values", "partial_summaries",
+           "combine_partials",
            "PEER_TIMEOUT_ENV", "DEFAULT_PEER_TIMEOUT"]
 
 logger = logging.getLogger("sowtel")
@@ -268,52 +269,96 @@ def replicated_sharding(tree: Any) -> Any:
     return None
 
 
-def global_summary(x: Any, summary: str, bins: int, replicated: Any) -> list[Any]:
-    """:func:`sowtel.summaries.device_summary` of a value that may be sharded across processes,
-    with one collective: the same arrays, computed in two levels.
+def partial_summaries(leaves: Sequence[Any], summary: str, bins: int,
+                      replicated: Any) -> list[Any] | None:
+    """Inside a logging program: the first level of a global ``stats`` summary of each leaf.
 
-    Each of the mesh's ``P`` devices summarises one of ``P`` equal blocks of the flattened value
-    (its own shard, when the value is sharded along its leading axis), the ``P`` partial
-    summaries are gathered in one transfer (replicated on ``replicated``), and every device
-    combines them: counts add, extrema take the extremum, and the mean and variance merge
-    pairwise (Chan et al.), so ``std`` keeps its precision. On XLA's CPU backend, which runs
-    every cross-process all-reduce on its own, this replaces about eight all-reduces a value by
-    one all-gather. Other summaries, values that do not split into ``P`` blocks, and values
-    inside ``shard_map`` (already per device) use ``device_summary`` itself.
+    With several processes, each of the mesh's ``P`` devices summarises one of ``P`` equal
+    blocks of a leaf's flattened value (its own shard, when the value is sharded along its
+    leading axis) into 10 numbers: a ``(P, 10)`` array per leaf, still on the devices.
+    :func:`combine_partials` then gathers every site's blocks in one transfer and finishes the
+    summaries. On XLA's CPU backend, which runs each cross-process all-reduce on its own, this
+    replaces about eight all-reduces a site by one all-gather a step.
+
+    ``None`` (use ``device_summary``) for other summaries, for a leaf that does not split into
+    ``P`` blocks, and inside ``shard_map`` (where a value is already one device's).
     """
     import jax.numpy as jnp
 
     from sowtel.summaries import device_summary
 
     parts = int(replicated.mesh.size) if replicated is not None else 1
-    size = int(np.prod(x.shape, dtype=np.int64))
-    if (summary != "stats" or parts <= 1 or size == 0 or size % parts or jc.manual_axes()):
-        return device_summary(x, summary, bins)
-    rows = jnp.reshape(x, (parts, size // parts))
-    floats, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats", bins)))(rows)
-    ftype = floats.dtype
-    partial = jnp.concatenate([floats, counts.astype(ftype)], axis=1)
-    partial = jax.lax.with_sharding_constraint(partial, replicated)  # the one collective
-    mean_r, std_r, min_r, max_r, l2_r, abs_r = (partial[:, i] for i in range(6))
-    nonfinite = partial[:, 6] + partial[:, 7] + partial[:, 8]
-    n_r = (size // parts) - nonfinite
+    sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in leaves]
+    if (summary != "stats" or parts <= 1 or not leaves or any(n == 0 or n % parts for n in sizes)
+            or jc.manual_axes()):
+        return None
+    out = []
+    for v, n in zip(leaves, sizes, strict=True):
+        rows = jnp.reshape(v, (parts, n // parts))
+        floats, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats", bins)))(rows)
+        out.append(jnp.concatenate([floats, counts.astype(floats.dtype)], axis=1))
+    return out
+
+
+def _combine(partial: Any, per_row: int) -> tuple[Any, Any]:
+    """The ``stats`` arrays ``[floats(6), counts(4)]`` of ``P`` block summaries ``(..., P, 10)``:
+    counts add, extrema take the extremum, means and variances merge (Chan et al.)."""
+    import jax.numpy as jnp
+
+    ftype = partial.dtype
+    mean_r, std_r, min_r, max_r, l2_r, abs_r = (partial[..., i] for i in range(6))
+    n_r = per_row - (partial[..., 6] + partial[..., 7] + partial[..., 8])
     has = n_r > 0
-    n = jnp.sum(n_r)
+    n = jnp.sum(n_r, axis=-1)
     safe_n = jnp.maximum(n, 1)
-    mean = jnp.sum(jnp.where(has, n_r * mean_r, 0)) / safe_n
-    dev = jnp.where(has, mean_r - mean, 0)
-    var = jnp.sum(jnp.where(has, n_r * (std_r * std_r + dev * dev), 0)) / safe_n
+    mean = jnp.sum(jnp.where(has, n_r * mean_r, 0), axis=-1) / safe_n
+    dev = jnp.where(has, mean_r - mean[..., None], 0)
+    var = jnp.sum(jnp.where(has, n_r * (std_r * std_r + dev * dev), 0), axis=-1) / safe_n
     empty = n == 0
     nan = jnp.asarray(jnp.nan, ftype)
-    out_floats = jnp.stack([
+    floats = jnp.stack([
         jnp.where(empty, nan, mean), jnp.where(empty, nan, jnp.sqrt(var)),
-        jnp.where(empty, nan, jnp.min(jnp.where(has, min_r, jnp.inf))),
-        jnp.where(empty, nan, jnp.max(jnp.where(has, max_r, -jnp.inf))),
-        jnp.sqrt(jnp.sum(l2_r * l2_r)),
-        jnp.where(empty, nan, jnp.sum(jnp.where(has, n_r * abs_r, 0)) / safe_n),
-    ]).astype(ftype)
-    out_counts = jnp.sum(partial[:, 6:10], axis=0).astype(counts.dtype)
-    return [out_floats, out_counts]
+        jnp.where(empty, nan, jnp.min(jnp.where(has, min_r, jnp.inf), axis=-1)),
+        jnp.where(empty, nan, jnp.max(jnp.where(has, max_r, -jnp.inf), axis=-1)),
+        jnp.sqrt(jnp.sum(l2_r * l2_r, axis=-1)),
+        jnp.where(empty, nan, jnp.sum(jnp.where(has, n_r * abs_r, 0), axis=-1) / safe_n),
+    ], axis=-1).astype(ftype)
+    counts = jnp.sum(partial[..., 6:10], axis=-2).astype(jnp.int32)
+    return floats, counts
+
+
+def combine_partials(caps: list[Any], orders: set[int], replicated: Any) -> list[Any]:
+    """Inside a logging program: the captured sites, with the block summaries of the sites in
+    ``orders`` (see :func:`partial_summaries`) gathered, one transfer per dtype, and combined
+    into the arrays ``device_summary`` gives."""
+    import jax.numpy as jnp
+
+    picks = [(i, j) for i, c in enumerate(caps) if c.site.order in orders
+             for j in range(len(c.leaves) - 1)]  # the last leaf is the "ran" flag
+    if not picks:
+        return caps
+    parts = int(replicated.mesh.size)
+    by_dtype: dict[str, list[tuple[int, int]]] = {}
+    for i, j in picks:
+        by_dtype.setdefault(str(caps[i].leaves[j].dtype), []).append((i, j))
+    gathered: dict[tuple[int, int], Any] = {}
+    for group in by_dtype.values():
+        flat = [caps[i].leaves[j].reshape(-1, parts, 10) for i, j in group]
+        together = jax.lax.with_sharding_constraint(jnp.concatenate(flat, 0), replicated)
+        at = 0
+        for (i, j), f in zip(group, flat, strict=True):
+            lead = caps[i].leaves[j].shape[:-2]
+            gathered[(i, j)] = together[at:at + f.shape[0]].reshape(*lead, parts, 10)
+            at += f.shape[0]
+    out = list(caps)
+    for i, c in enumerate(caps):
+        if c.site.order not in orders:
+            continue
+        leaves: list[Any] = []
+        for j in range(len(c.leaves) - 1):
+            leaves.extend(_combine(gathered[(i, j)], c.site.sizes[j] // parts))
+        out[i] = c.with_leaves([*leaves, c.leaves[-1]])
+    return out
 
 
 def gather_full_values(sites: Sequence[Any], arrays: list[Any], replicated: Any) -> list[Any]:

@@ -28,6 +28,7 @@ import sowtel  # noqa: E402
 from sowtel import multihost  # noqa: E402
 
 ROWS, COLS, SCAN = 16, 4, 3
+SCAN_FACTORS = (1.0, 0.5, -1.0)
 
 
 def inputs() -> tuple[np.ndarray, np.ndarray]:
@@ -38,6 +39,11 @@ def inputs() -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.float32), w.astype(np.float32)
 
 
+def scan_inputs(h: Any) -> Any:
+    """What the step scans over: ``SCAN`` multiples of ``h``."""
+    return jnp.stack([h * c for c in SCAN_FACTORS])
+
+
 def make_loss(mesh: Mesh) -> Any:
     def loss(w: Any, x: Any) -> Any:
         h = sowtel.sow(jnp.tanh(x @ w), "h")  # sharded over both processes' devices
@@ -45,7 +51,8 @@ def make_loss(mesh: Mesh) -> Any:
         def body(c: Any, r: Any) -> tuple[Any, None]:
             return c + sowtel.sow(r * 2.0, "s"), None
 
-        c, _ = jax.lax.scan(body, jnp.zeros(COLS), h[:SCAN])
+        # Each iteration's value is as sharded as h: a global record per iteration.
+        c, _ = jax.lax.scan(body, jnp.zeros_like(h), scan_inputs(h))
         m = jax.shard_map(lambda b: sowtel.sow(b * 3.0, "m"), mesh=mesh, in_specs=P("d"),
                           out_specs=P("d"))(h)
         return jnp.sum(m ** 2) + jnp.sum(c)

@@ -93,19 +93,20 @@ def references() -> dict[tuple[str, str, Any], np.ndarray]:
 
     def perturbed(eh: Any, es: Any, em: Any) -> Any:
         h = jnp.tanh(jnp.asarray(x) @ jnp.asarray(w)) + eh
-        c = jnp.sum(h[:worker.SCAN] * 2.0 + es, axis=0)
+        c = jnp.sum(worker.scan_inputs(h) * 2.0 + es, axis=0)
         m = h * 3.0 + em
         return jnp.sum(m ** 2) + jnp.sum(c)
 
     h = np.tanh(x.astype(np.float64) @ w.astype(np.float64))
-    zeros = (jnp.zeros((worker.ROWS, worker.COLS)), jnp.zeros((worker.SCAN, worker.COLS)),
+    zeros = (jnp.zeros((worker.ROWS, worker.COLS)),
+             jnp.zeros((worker.SCAN, worker.ROWS, worker.COLS)),
              jnp.zeros((worker.ROWS, worker.COLS)))
     cot_h, cot_s, cot_m = (np.asarray(g) for g in jax.grad(perturbed, argnums=(0, 1, 2))(*zeros))
     rows = worker.ROWS // 8
     out: dict[tuple[str, str, Any], np.ndarray] = {
         ("h", "primal", None): h, ("h", "cotangent", None): cot_h}
     for i in range(worker.SCAN):
-        out[("s", "primal", i)] = h[i] * 2.0
+        out[("s", "primal", i)] = h * worker.SCAN_FACTORS[i] * 2.0
         out[("s", "cotangent", i)] = cot_s[i]
     for i in range(8):
         out[("m", "primal", i)] = h[i * rows:(i + 1) * rows] * 3.0
