@@ -7,8 +7,9 @@ program over a global mesh of devices. sowtel keeps the records of such a job co
   ``jit``) gives **one global record** per occurrence, its statistics reduced on the devices
   over the whole global value (only the summary crosses to a host, never the value), exported
   by process 0 alone. With ``enable()`` + ``jax.jit`` the host callback runs on global device 0
-  (process 0's); with :func:`sowtel.jit` every process receives the replicated summary and
-  process 0 alone turns it into records.
+  (process 0's); with :func:`sowtel.jit` each device summarises its block of the value, the
+  blocks of every such site are gathered in one transfer a step and combined on the devices,
+  and process 0 alone turns the (replicated) summaries into records.
 - A site inside ``shard_map`` gives **one record per shard**, with the global shard index as
   ``Record.index``, exported by the process whose device ran the shard, and that process's
   ``Record.process_index``.
