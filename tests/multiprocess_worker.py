@@ -117,6 +117,12 @@ def stream(k: int, out: Path) -> dict[str, Any]:
             value, _ = jstep(w, x)
         sowtel.flush()
         result["jit"] = [as_json(r) for r in session.exporters[0].records]
+        # The collectives of the logging program, against those of the plain one.
+        hlo = {"plain": jstep.lower(w, x).compile().as_text(),
+               "logging": jstep.lower_logging(w, x, step=0).compile().as_text()}
+        result["collectives"] = {name: {op: text.count(f" {op}(") for op in (
+            "all-reduce", "all-gather", "all-to-all", "collective-permute")}
+            for name, text in hlo.items()}
     result["jit_loss"] = float(value)
     result["jit_status"] = {k: v for k, v in sowtel.status().items()
                             if k in ("received", "exported", "dropped", "errors")}

@@ -163,6 +163,12 @@ def test_both_transports_give_one_coherent_set_of_records_across_two_processes(t
         assert r["resource"] == [["process.count", "2"], ["process.index", str(k)]]
     assert [len(r["jit"]) for r in results] == [2 * (2 + 6 + 8), 2 * 8]
 
+    # sowtel.jit's summaries of the global sites (h, and s in every iteration of its scan)
+    # cross between processes in one all-gather: no more all-reduces than the step's own.
+    for r in results:
+        plain, logging = r["collectives"]["plain"], r["collectives"]["logging"]
+        assert logging == {**plain, "all-gather": plain["all-gather"] + 1}, r["collectives"]
+
     # summary="full": the whole value of each record, once, in the process that owns it.
     for transport in ("jit", "callback"):
         full = [(k, r) for k, result in enumerate(results) for r in result[f"full_{transport}"]]
