@@ -96,7 +96,7 @@ def receiver(n: int) -> float:
 
     with sowtel.enable(exporter=MemoryExporter(max_records=1), queue_size=n + 1) as session:
         site = StreamSite(
-            session=session.id, name="h", mode="primal", tag="intermediates", leaf_names=("h",),
+            name="h", mode="primal", tag="intermediates", leaf_names=("h",),
             shapes=((16,),), dtypes=("float32",), summary="stats", every=1, bins=30,
             loops=None, extras=(),
         )

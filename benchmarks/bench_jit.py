@@ -43,6 +43,7 @@ from benchmarks import (
 )
 from benchmarks.workloads import (
     Workload,
+    activate_session,
     gpt,
     gpt_reduced,
     make_returning_train_step,
@@ -51,7 +52,6 @@ from benchmarks.workloads import (
     no_tap,
     transformer_block,
 )
-from sowtel import session as session_module
 from sowtel.exporters.memory import MemoryExporter
 from sowtel.summaries import device_summary, summary_form
 
@@ -67,15 +67,6 @@ TARGETS = {
 }
 
 
-def _activate(session: sowtel.Session | None) -> None:
-    """Makes ``session`` (or none) the one programs stream to, keeping the others open."""
-    with session_module._lock:
-        if session is not None:
-            session_module._stack.remove(session)
-            session_module._stack.append(session)
-        session_module._activate(session)
-
-
 class Runner:
     """One variant: a step function, its own training state, and the session it streams to."""
 
@@ -88,7 +79,7 @@ class Runner:
         self.calls = 0
 
     def __call__(self) -> None:
-        _activate(self.session)
+        activate_session(self.session)
         out = jax.block_until_ready(self.fn(self.params, self.opt_state, self.batch, self.step))
         self.params, self.opt_state = out[0], out[1]
         self.calls += 1
@@ -126,7 +117,7 @@ def variants(work: Workload, stack: ExitStack) -> dict[str, Runner]:
         "sowtel.jit, every=10": Runner(sowtel.jit(sown), work, session(every=10)),
         "hand-written floor (summaries as outputs)": Runner(_floor(work), work, None),
     }
-    _activate(None)
+    activate_session(None)
     return out
 
 
@@ -171,14 +162,14 @@ def jit_table(work: Workload, *, rounds: int, steps: int) -> Table:
             f"a ratio is the median over rounds of the variant's mean step over the plain steps "
             f"around it (quartiles in brackets); + drain: with the session's flush after each "
             f"block. Summary form: {summary_form()}. Warm-up and compilation: {warm_s:.1f} s.")
-        _activate(None)
+        activate_session(None)
         return table
 
 
 def run(quick: bool = False, gpt_full: bool = False) -> list[Table]:
     """The tables, one per workload (the MLP only, two short rounds, with ``quick``)."""
-    if quick:
-        return [jit_table(mlp(), rounds=2, steps=10)]
+    if quick:  # a smoke run of every variant, on a small MLP
+        return [jit_table(mlp(batch=32, width=64), rounds=1, steps=10)]
     return [
         jit_table(mlp(), rounds=10, steps=10),
         jit_table(transformer_block(), rounds=8, steps=10),

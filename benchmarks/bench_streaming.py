@@ -18,7 +18,8 @@ Four measurements, all as ratios of variants timed side by side in this one proc
 
 Every variant is compiled ahead of time (``jax.jit(f).lower(...).compile()``) while its own
 session is the active one, so all variants run in one process with their sessions open side
-by side, and each records to its own memory exporter. Between rounds each variant's session is
+by side; before each step a variant makes its session the active one (records go to the active
+session), so each records to its own memory exporter. Between rounds each variant's session is
 flushed; the flush is timed apart (column "+ drain": the step including the dispatcher work it
 left behind, shared over the round's steps).
 
@@ -62,6 +63,7 @@ from benchmarks import (
 from benchmarks.workloads import (
     Trainer,
     Workload,
+    activate_session,
     debug_tap,
     make_returning_train_step,
     make_train_step,
@@ -105,6 +107,7 @@ class HostStepTrainer(Trainer):
     the program compiled without sows, the logging ones the instrumented program."""
 
     def __call__(self) -> None:
+        self.activate()
         step = self.step_numbers[self.calls % len(self.step_numbers)]
         with sowtel.at_step(int(step)):
             out = jax.block_until_ready(
@@ -182,7 +185,7 @@ def workload_variants(
             drain = session.flush
             counted = functools.partial(_received, session)
         variants[name] = Variant(
-            name=name, trainer=Trainer(compiled, work, steps), drain=drain,
+            name=name, trainer=Trainer(compiled, work, steps, session=session), drain=drain,
             records_per_step=records, count_records=counted, every=every, target=target,
             compile_s=compile_s.get(id(compiled), float("nan")), baseline=baseline,
         )
@@ -232,7 +235,8 @@ def workload_variants(
     session = _memory_session(stack, every=10)
     host = jax.jit(make_train_step(work, sowtel.sow))
     variants[HOST_EVERY] = Variant(
-        name=HOST_EVERY, trainer=HostStepTrainer(host, work, steps), drain=session.flush,
+        name=HOST_EVERY, trainer=HostStepTrainer(host, work, steps, session=session),
+        drain=session.flush,
         records_per_step=per_step, count_records=functools.partial(_received, session),
         every=10, target=EVERY_TARGET,
     )
@@ -458,8 +462,16 @@ def sow_program_cost(quick: bool = False, *, many: int = 16, width: int = 256) -
     drains: dict[str, Callable[[], Any]] = {}
     sessions: dict[str, sowtel.Session] = {}
 
-    def runner(compiled: Any, x: jax.Array) -> Callable[[], Any]:
-        return lambda: jax.block_until_ready(compiled(x))
+    def runner(compiled: Any, x: jax.Array,
+               session: sowtel.Session | None = None) -> Callable[[], Any]:
+        if session is None:
+            return lambda: jax.block_until_ready(compiled(x))
+
+        def run() -> Any:
+            activate_session(session)  # its records go to its own session
+            return jax.block_until_ready(compiled(x))
+
+        return run
 
     def lower(program: Callable[..., Any], x: jax.Array) -> Any:
         return jax.jit(program).lower(x).compile()
@@ -476,7 +488,7 @@ def sow_program_cost(quick: bool = False, *, many: int = 16, width: int = 256) -
                     if path == "shape" and n != many:
                         continue
                     key = f"{path}/{n}"
-                    variants[key] = runner(lower(_sow_program(n), x), x)
+                    variants[key] = runner(lower(_sow_program(n), x), x, session)
                     drains[key] = session.flush
                     sessions[key] = session
         rounds = 3 if quick else 9
@@ -520,7 +532,9 @@ def sow_program_cost(quick: bool = False, *, many: int = 16, width: int = 256) -
     return table
 
 
-def _run_blocking(compiled: Any, *args: Any) -> Any:
+def _run_blocking(compiled: Any, *args: Any, session: sowtel.Session | None = None) -> Any:
+    if session is not None:
+        activate_session(session)
     return jax.block_until_ready(compiled(*args))
 
 
@@ -543,7 +557,7 @@ def full_transfer(quick: bool = False, *, mib: int = 64) -> Table:
             session = _memory_session(stack, keep=1)
             with callback_path(path):
                 compiled = jax.jit(program).lower(x).compile()
-            variants[path] = functools.partial(_run_blocking, compiled, x)
+            variants[path] = functools.partial(_run_blocking, compiled, x, session=session)
             drains[path] = session.flush
             sessions[path] = session
         variants["numpy copy"] = lambda: np.array(x_host, copy=True)

@@ -85,6 +85,18 @@ class Workload:
         return params, self.optimizer.init(params), self.batch
 
 
+def activate_session(session: sowtel.Session | None) -> None:
+    """Makes ``session`` (or none) the one records go to, keeping the other sessions open: the
+    benchmarks run variants with sessions of their own side by side in one process."""
+    from sowtel import session as session_module
+
+    with session_module._lock:
+        if session is not None and session in session_module._stack:
+            session_module._stack.remove(session)
+            session_module._stack.append(session)
+        session_module._activate(session)
+
+
 def no_tap(x: jax.Array, name: str) -> jax.Array:
     """The uninstrumented site: returns ``x``."""
     return x
@@ -365,13 +377,22 @@ class Trainer:
     """
 
     def __init__(self, compiled: Any, work: Workload,
-                 step_numbers: Sequence[jax.Array] | None = None) -> None:
+                 step_numbers: Sequence[jax.Array] | None = None,
+                 session: sowtel.Session | None = None) -> None:
         self.compiled = compiled
         self.params, self.opt_state, self.batch = work.init()
         self.step_numbers = step_numbers or [jnp.int32(i) for i in range(1000)]
         self.calls = 0
+        # Records go to the active session: a variant with its own session makes it active
+        # before each step (sessions stay open side by side).
+        self.session = session
+
+    def activate(self) -> None:
+        if self.session is not None:
+            activate_session(self.session)
 
     def __call__(self) -> None:
+        self.activate()
         step = self.step_numbers[self.calls % len(self.step_numbers)]
         out = jax.block_until_ready(self.compiled(self.params, self.opt_state, self.batch, step))
         self.params, self.opt_state = out[0], out[1]
@@ -408,7 +429,8 @@ def exporter_training_table(
             # by side, each streaming to its own exporter.
             session = stack.enter_context(sowtel.enable(exporter=make()))
             sessions[name] = session
-            variants[name] = Trainer(jax.jit(sown).lower(*args).compile(), work)
+            variants[name] = Trainer(jax.jit(sown).lower(*args).compile(), work,
+                                     session=session)
             drains[name] = session.flush
         timings = interleave(variants, rounds=rounds, steps=10, warmup=2, drains=drains)
         for drain in drains.values():

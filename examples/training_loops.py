@@ -48,7 +48,7 @@ def plain_optax() -> None:
 
     opt_state = optimizer.init(params)
     with sowtel.enable(exporter=MemoryExporter(), every=10) as session:
-        for step in range(30):
+        for _ in range(30):
             params, opt_state, value = train_step(params, opt_state, X, Y)
         sowtel.flush()
     report("optax", session)
@@ -86,8 +86,8 @@ def flax_linen() -> None:
         return jax.tree.map(lambda p, g: p - 0.1 * g, variables, grads)
 
     with sowtel.enable(exporter=MemoryExporter(), modes=("primal",)) as session:
-        for step in range(3):
-            with sowtel.at_step(100 + step):  # a host-side step, around the call
+        for k in range(3):
+            with sowtel.at_step(100 + k):  # a host-side step, around the call
                 variables = train_step(variables, X, Y)
         sowtel.flush()
     report("flax linen", session)

@@ -157,13 +157,13 @@ class SummaryPass:
     ``reduce(params, leaves)`` runs where a streaming sow runs (per scan iteration, per shard,
     in its branch of a cond) and returns ``(site, arrays)``: the arrays to return for the site
     (its summary, and a flag that says it ran), or None to leave the site out. Sows inside a
-    ``while_loop`` body, whose iteration count is not static, keep their host callback; they
-    carry ``step`` (a traced int) as their step.
+    ``while_loop`` body, whose iteration count is not static, keep their host callback; the pass
+    notes that it met one in ``callbacks``.
     """
 
     reduce: Callable[[dict[str, Any], list[Any]], tuple[Any, list[Any]] | None]
-    step: Any
     in_while: int = 0
+    callbacks: bool = False
 
 
 _PASS = threading.local()  # .stack: the summary passes this thread is tracing, innermost last
@@ -303,15 +303,9 @@ def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[An
     if not _wanted(p, summaries=True):
         return leaves, []
     if summary_pass.in_while:
-        # The host callback in this program, with the call's step as the record's step.
-        extras = list(invals[n:])
-        kinds = list(site.extras)
-        if "step" not in kinds:
-            at = len(kinds) - 1 if kinds and kinds[-1] == "shard" else len(kinds)
-            kinds.insert(at, "step")
-            extras.insert(at, summary_pass.step)
-            site = dataclasses.replace(site, extras=tuple(kinds))
-        return list(sow_p.bind(*leaves, *extras, **{**p, "site": site, "capture": False})), []
+        # The host callback in this program (the call's step comes from the host side).
+        summary_pass.callbacks = True
+        return list(sow_p.bind(*invals, **{**p, "capture": False})), []
     reduced = summary_pass.reduce(p, leaves)
     if reduced is None:
         return leaves, []

@@ -10,8 +10,9 @@ head. Its sites show what sowtel streams:
 - ``loss``: the loss itself.
 
 Training uses ``jax.value_and_grad``, so every site also streams its cotangent (the gradient of
-the loss with respect to that intermediate) during the backward pass, and ``sowtel.at_step``
-stamps records with the training step.
+the loss with respect to that intermediate) from the backward pass. The step is compiled with
+``sowtel.jit``, so the summaries come back as outputs of the compiled step, and
+``sowtel.at_step`` around the call stamps records with the training step.
 
 Example:
     $ sowtel demo                       # about a minute on 2 CPU cores
@@ -195,12 +196,11 @@ def train(steps: int, exporter: Any, *, slow: float = 0.0, progress: bool = True
             h = h + jnp.tanh(h @ teacher["blocks_w"][i] + teacher["blocks_b"][i])
         return (h @ teacher["head"])[:, 0]
 
-    @jax.jit
+    @sowtel.jit  # a logging step returns the summaries as outputs: no host callback
     def train_step(params: Any, velocity: Any, step: Any) -> tuple[Any, Any, Any]:
         x = jax.random.normal(jax.random.fold_in(jax.random.key(2), step), (_BATCH, _IN))
         y = teacher_out(x)
-        with sowtel.at_step(step):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         velocity = jax.tree.map(lambda v, g: 0.9 * v + g, velocity, grads)
         params = jax.tree.map(lambda p, v: p - 0.01 * v, params, velocity)
         return params, velocity, loss
@@ -211,7 +211,8 @@ def train(steps: int, exporter: Any, *, slow: float = 0.0, progress: bool = True
     with sowtel.enable(exporter=exporter):
         bar = tqdm(range(steps), desc="sowtel demo", unit="step", disable=not progress)
         for step in bar:
-            params, velocity, loss = train_step(params, velocity, jnp.int32(step))
+            with sowtel.at_step(step):  # records carry the training step
+                params, velocity, loss = train_step(params, velocity, jnp.int32(step))
             if step % 25 == 0 or step == steps - 1:
                 bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
             if slow:

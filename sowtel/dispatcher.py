@@ -10,6 +10,11 @@ Each exporter has its own worker thread and its own bounded backlog, so an expor
 or hangs never stops the others nor training. Exporters see no threads: ``write``, ``flush`` and
 ``close`` of one exporter are always called from its one worker thread.
 
+Every record received ends, for each exporter, in exactly one of ``exported``, ``dropped`` (with
+its reason), ``failed`` (a call raised) or ``late`` (counted by the session), or is still
+``pending``: :func:`accounts` checks ``received == exported + dropped + failed + late +
+pending``, and ``pending`` is 0 after :meth:`Dispatcher.flush` and :meth:`Dispatcher.close`.
+
 Example:
     >>> from sowtel.dispatcher import Dispatcher
     >>> from sowtel.exporters.memory import MemoryExporter
@@ -44,7 +49,10 @@ from typing import Any
 
 from sowtel.records import Record
 
-__all__ = ["Dispatcher", "ON_FULL", "EXIT_TIMEOUT", "close_all"]
+__all__ = [
+    "Dispatcher", "ON_FULL", "EXIT_TIMEOUT", "DROP_REASONS", "WRITE_RECORDS", "WRITE_BYTES",
+    "accounts", "close_all", "sigterm_unhandled",
+]
 
 logger = logging.getLogger("sowtel")
 
@@ -55,10 +63,22 @@ ON_FULL: tuple[str, ...] = ("drop", "block")
 #: live dispatcher before the process goes on exiting.
 EXIT_TIMEOUT: float = 10.0
 
-# A worker hands at most this many records to one write() call when it has fallen behind.
-_MAX_WRITE = 8192
+#: One ``write()`` gets at most this many records, and at most :data:`WRITE_BYTES` bytes of full
+#: values (always at least one record): bounded calls let a stall be told from slow progress.
+WRITE_RECORDS = 1024
+#: See :data:`WRITE_RECORDS`.
+WRITE_BYTES = 16 << 20
+# The first write of an exporter, before its pace is known, holds at most this many records.
+_FIRST_WRITE = 64
+# Writes are sized to last about this fraction of exporter_timeout at the exporter's pace.
+_WRITE_SHARE = 1 / 20
 # How often waits that cannot be woken by a notification re-check for stalled exporters.
 _POLL = 0.05
+
+#: Why records were dropped (``status()["drop_reasons"]``).
+DROP_REASONS: tuple[str, ...] = (
+    "queue_full", "backlog_full", "stalled", "closed", "close_timeout",
+)
 
 
 def _check_count(value: Any, name: str) -> int:
@@ -101,30 +121,50 @@ class _Token:
         self.done = False
 
 
+class _Batch:
+    """Records waiting in a worker's backlog, and the bytes of full values among them."""
+
+    __slots__ = ("records", "nbytes")
+
+    def __init__(self, records: Sequence[Record], nbytes: int) -> None:
+        self.records = records
+        self.nbytes = nbytes
+
+
 class _ExporterWorker:
-    """One exporter, its bounded backlog, and the only thread that ever calls it."""
+    """One exporter, its bounded backlog, and the only thread that ever calls it.
+
+    Every record offered ends in exactly one of ``exported``, ``failed`` (its write raised) or
+    ``dropped`` (by reason), or is still ``pending``. ``release`` is called with the records the
+    worker is done with (written, failed or dropped), so the dispatcher can free their bytes;
+    it is never called while this worker's lock is held.
+    """
 
     def __init__(
-        self, exporter: Any, label: str, *, max_records: int, max_bytes: int,
-        flush_interval: float, timeout: float,
+        self, exporter: Any, label: str, *, max_records: int, flush_interval: float,
+        timeout: float, release: Callable[[Sequence[Record]], None],
     ) -> None:
         self.exporter = exporter
         self.label = label
         self.exported = 0
+        self.failed = 0
         self.errors = 0
-        self.dropped = 0
         self.pending = 0
-        self._pending_bytes = 0
+        self.drop_reasons: dict[str, int] = {}
         self._max_records = max_records
-        self._max_bytes = max_bytes
         self._flush_interval = flush_interval
         self._timeout = timeout
+        self._release = release
         # A Condition over an RLock: the SIGTERM handler may run on a thread that holds it.
         self._cond = threading.Condition()
-        self._queue: deque[Sequence[Record] | _Token] = deque()
+        self._queue: deque[_Batch | _Token] = deque()
+        self._writing: Sequence[Record] | None = None  # the records of the write in progress
         self._busy_since: float | None = None
         self._busy_in = ""
+        self._seconds_per_record: float | None = None
         self._accepting = True
+        self._abandoned = False  # given up on while inside a call; its records were counted
+        self._given_up = False  # given up on for good by close(): only close() is called next
         self._finished = False
         self._logged_error = False
         self._logged_stall = False
@@ -138,48 +178,118 @@ class _ExporterWorker:
     def ident(self) -> int | None:
         return self._thread.ident
 
+    @property
+    def dropped(self) -> int:
+        return sum(self.drop_reasons.values())
+
+    def _drop(self, reason: str, n: int) -> None:
+        if n:
+            self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + n
+
+    # -- stalls -------------------------------------------------------------------------------
+
     def stalled(self) -> bool:
-        """True while the exporter has been inside one call for longer than the timeout."""
-        since = self._busy_since
-        stalled = since is not None and time.monotonic() - since > self._timeout
-        if not stalled and not self._finished and not self._thread.is_alive():
-            stalled = True  # the worker is gone (e.g. in a forked child): never wait for it
-        if stalled and not self._logged_stall:
-            self._logged_stall = True
-            logger.error(
-                "sowtel exporter %s made no progress for %.3g s inside %s(); it is skipped "
-                "until that call returns (records for it are counted in status()"
-                "['exporter_dropped'])", self.label, self._timeout, self._busy_in or "a call",
-            )
-        return stalled
+        """True while the exporter is given up on: one call has lasted longer than the timeout.
+
+        The first time it is seen, everything queued for the exporter and the records of the
+        call it is stuck in are counted as dropped (reason ``"stalled"``) and released.
+        """
+        released: list[Sequence[Record]] = []
+        with self._cond:
+            if self._abandoned:
+                return True
+            since = self._busy_since
+            if since is None or time.monotonic() - since <= self._timeout:
+                # A worker that is gone (e.g. in a forked child) is never waited for.
+                return not self._finished and not self._thread.is_alive()
+            released = self._abandon("stalled")
+            if not self._logged_stall:
+                self._logged_stall = True
+                logger.error(
+                    "sowtel exporter %s made no progress for %.3g s inside %s() of at most %d "
+                    "records; it is given up on until that call returns: its backlog and the "
+                    "records of that call are counted in status()['drop_reasons'][%r]"
+                    "['stalled']", self.label, self._timeout, self._busy_in or "a call",
+                    WRITE_RECORDS, self.label,
+                )
+        for records in released:
+            self._release(records)
+        return True
+
+    def _abandon(self, reason: str) -> list[Sequence[Record]]:
+        """Counts the backlog and the write in progress as dropped; returns them (lock held)."""
+        released: list[Sequence[Record]] = []
+        tokens: deque[_Batch | _Token] = deque()
+        for entry in self._queue:
+            if isinstance(entry, _Token):
+                tokens.append(entry)
+            else:
+                released.append(entry.records)
+        self._queue = tokens
+        if self._writing is not None:
+            released.append(self._writing)
+            self._writing = None
+        n = sum(len(r) for r in released)
+        self.pending -= n
+        self._drop(reason, n)
+        self._abandoned = True
+        self._cond.notify_all()
+        return released
+
+    def give_up(self) -> None:
+        """Called by a close() whose time ran out: drops what is left, takes nothing more.
+
+        The call the exporter may be inside is left to finish (its records are counted as
+        dropped now); then the worker calls ``close()`` on the exporter and stops.
+        """
+        with self._cond:
+            if self._finished or self._given_up:
+                return
+            self._given_up = True
+            self._accepting = False
+            released = self._abandon("close_timeout")
+            for entry in self._queue:
+                if isinstance(entry, _Token):
+                    entry.done = True
+            self._queue.clear()
+            self._cond.notify_all()
+        for records in released:
+            self._release(records)
 
     # -- called from the dispatcher thread -------------------------------------------------
 
-    def offer(self, batch: Sequence[Record], nbytes: int, block: bool) -> None:
-        """Appends ``batch`` to the backlog; when it is full, drops it or waits for room."""
-        with self._cond:
-            while True:
+    def offer(self, batch: Sequence[Record], nbytes: int, block: bool) -> bool:
+        """Appends ``batch`` to the backlog; when it is full, drops it or waits for room.
+
+        Returns False if the batch was dropped (and counted); the caller then releases it.
+        """
+        while True:
+            stalled = self.stalled() if block else False
+            with self._cond:
                 if not self._accepting:
-                    self.dropped += len(batch)
-                    return
-                # A backlog under its bounds takes a whole batch, so it holds at most one batch
-                # beyond them; no batch is ever refused for being larger than the bounds.
-                if self.pending < self._max_records and self._pending_bytes < self._max_bytes:
-                    self._queue.append(batch)
+                    self._drop("closed" if not self._given_up else "close_timeout", len(batch))
+                    return False
+                if self._abandoned or stalled:
+                    self._drop("stalled", len(batch))
+                    return False
+                # A backlog under its bound takes a whole batch, so it holds at most one batch
+                # beyond it; no batch is ever refused for being larger than the bound.
+                if self.pending < self._max_records:
+                    self._queue.append(_Batch(batch, nbytes))
                     self.pending += len(batch)
-                    self._pending_bytes += nbytes
                     self._cond.notify_all()
-                    return
-                if not block or self.stalled():
-                    self.dropped += len(batch)
+                    return True
+                if not block:
+                    self._drop("backlog_full", len(batch))
                     if not self._logged_overflow:
                         self._logged_overflow = True
                         logger.warning(
                             "sowtel exporter %s is falling behind: its backlog is full (%d "
                             "records), so records for it are dropped and counted in status()"
-                            "['exporter_dropped']", self.label, self.pending,
+                            "['drop_reasons'][%r]['backlog_full']", self.label, self.pending,
+                            self.label,
                         )
-                    return
+                    return False
                 self._cond.wait(_POLL)
 
     # -- called from any thread --------------------------------------------------------------
@@ -188,7 +298,7 @@ class _ExporterWorker:
         """Queues a flush or close request behind everything already queued."""
         token = _Token(kind)
         with self._cond:
-            if self._finished:
+            if self._finished or self._given_up:
                 token.done = True
                 return token
             if kind == "close":
@@ -199,10 +309,12 @@ class _ExporterWorker:
 
     def wait(self, token: _Token, deadline: float | None) -> str:
         """Waits for ``token``: returns ``"done"``, ``"stalled"`` or ``"timeout"``."""
-        with self._cond:
-            while not token.done:
-                if self.stalled():
-                    return "stalled"
+        while True:
+            if self.stalled():
+                return "stalled"
+            with self._cond:
+                if token.done:
+                    return "done"
                 step = _POLL
                 if deadline is not None:
                     left = deadline - time.monotonic()
@@ -210,41 +322,90 @@ class _ExporterWorker:
                         return "timeout"
                     step = min(step, left)
                 self._cond.wait(step)
-        return "done"
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def counts(self) -> tuple[int, int, int, int, dict[str, int], int]:
+        """exported, failed, errors, pending, drop reasons, dropped: one consistent snapshot."""
+        with self._cond:
+            reasons = dict(self.drop_reasons)
+            return (self.exported, self.failed, self.errors, self.pending, reasons,
+                    sum(reasons.values()))
 
     # -- the worker thread -------------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> bool:
-        self._busy_in = what
-        self._busy_since = time.monotonic()
+        with self._cond:
+            self._busy_in = what
+            self._busy_since = time.monotonic()
         try:
             fn(*args)
             return True
         except BaseException:  # an exporter must never take its worker down with it
-            self.errors += 1
+            with self._cond:
+                self.errors += 1
             if not self._logged_error:
                 self._logged_error = True
                 logger.exception(
-                    "sowtel exporter %s raised in %s(); it keeps receiving records, and its "
-                    "errors are counted in status()['errors'] and not logged again",
-                    self.label, what,
+                    "sowtel exporter %s raised in %s(); it keeps receiving records, and the "
+                    "records it lost are counted in status()['failed'] (failed calls in "
+                    "status()['errors']); not logged again", self.label, what,
                 )
             return False
         finally:
-            self._busy_since = None
-            if self._logged_stall:
-                self._logged_stall = False
-                logger.warning("sowtel exporter %s returned from %s() and resumes", self.label,
-                               what)
+            with self._cond:
+                self._busy_since = None
+                if self._abandoned and not self._given_up:
+                    self._abandoned = False
+                    self._logged_stall = False
+                    logger.warning("sowtel exporter %s returned from %s() and resumes",
+                                   self.label, what)
+
+    def _write_limit(self) -> int:
+        per_record = self._seconds_per_record
+        if per_record is None:
+            return _FIRST_WRITE
+        if per_record <= 0:
+            return WRITE_RECORDS
+        return max(1, min(WRITE_RECORDS, int(self._timeout * _WRITE_SHARE / per_record)))
 
     def _take(self) -> Sequence[Record] | _Token:
-        first = self._queue.popleft()
-        if isinstance(first, _Token) or not self._queue or isinstance(self._queue[0], _Token):
+        """The next token, or the next records to write, within the write bounds (lock held)."""
+        first = self._queue[0]
+        if isinstance(first, _Token):
+            self._queue.popleft()
             return first
-        merged = list(first)
-        while self._queue and not isinstance(self._queue[0], _Token) and len(merged) < _MAX_WRITE:
-            merged.extend(self._queue.popleft())  # type: ignore[arg-type]
-        return merged
+        limit = self._write_limit()
+        chunk: list[Record] = []
+        nbytes = 0
+        while self._queue and len(chunk) < limit:
+            entry = self._queue[0]
+            if isinstance(entry, _Token):
+                break
+            records = entry.records
+            room = limit - len(chunk)
+            if entry.nbytes == 0:
+                k = min(room, len(records))
+            else:
+                k = 0
+                while k < min(room, len(records)):
+                    b = _record_nbytes(records[k])
+                    if (chunk or k) and nbytes + b > WRITE_BYTES:
+                        room = k  # the byte bound ends this write here
+                        break
+                    nbytes += b
+                    k += 1
+            if k == len(records):
+                self._queue.popleft()
+                chunk.extend(records)
+            else:
+                chunk.extend(records[:k])
+                rest = records[k:]
+                entry.records = rest
+                entry.nbytes = sum(_record_nbytes(r) for r in rest) if entry.nbytes else 0
+                break
+        return chunk
 
     def _run(self) -> None:
         last_flush = time.monotonic()
@@ -252,7 +413,7 @@ class _ExporterWorker:
         while True:
             with self._cond:
                 entry: Sequence[Record] | _Token | None = None
-                while not self._queue:
+                while not self._queue and not self._given_up:
                     wait: float | None = None
                     if dirty:
                         # Written records reach the sink's storage within about one interval.
@@ -260,8 +421,12 @@ class _ExporterWorker:
                         if wait <= 0:
                             break
                     self._cond.wait(wait)
-                if self._queue:
+                if self._given_up:
+                    entry = _Token("close")
+                elif self._queue:
                     entry = self._take()
+                    if not isinstance(entry, _Token):
+                        self._writing = entry
             if entry is None or isinstance(entry, _Token):
                 kind = "flush" if entry is None else entry.kind
                 if kind == "flush":
@@ -275,19 +440,38 @@ class _ExporterWorker:
                         entry.done = True
                     if kind == "close":
                         self._finished = True
+                        for late in self._queue:  # requests made after the close: answered
+                            if isinstance(late, _Token):
+                                late.done = True
+                        self._queue.clear()
                     self._cond.notify_all()
                 if kind == "close":
                     return
                 continue
+            t0 = time.monotonic()
             ok = self._call("write", self.exporter.write, entry)
-            nbytes = sum(_record_nbytes(r) for r in entry if r.value is not None)
+            took = time.monotonic() - t0
+            counted = False
             with self._cond:
-                self.pending -= len(entry)
-                self._pending_bytes -= nbytes
-                if ok:
-                    self.exported += len(entry)
+                if self._writing is entry:  # else it was given up on and already counted
+                    self._writing = None
+                    counted = True
+                    self.pending -= len(entry)
+                    if ok:
+                        self.exported += len(entry)
+                    else:
+                        self.failed += len(entry)
+                # A slow-down shows at once; a speed-up is believed half at a time.
+                per_record = took / max(1, len(entry))
+                old = self._seconds_per_record
+                self._seconds_per_record = (
+                    per_record if old is None or per_record > old else (old + per_record) / 2)
                 self._cond.notify_all()
+            if counted:
+                self._release(entry)
             dirty = True
+            if self._given_up:
+                continue  # only close() is called now
             if time.monotonic() - last_flush >= self._flush_interval:
                 # Under a steady stream the backlog never empties; flush on schedule anyway.
                 self._call("flush", self.exporter.flush)
@@ -319,17 +503,22 @@ class Dispatcher:
         logged once.
       queue_size: the most items waiting in the queue; also the backlog bound of each exporter,
         in records.
-      max_bytes: the most bytes (the ``nbytes`` given to :meth:`put`) waiting in the queue; also
-        each exporter's backlog bound in bytes of full values. An item larger than this is
-        still accepted into an empty queue.
+      max_bytes: the most bytes of full values (the ``nbytes`` given to :meth:`put`, then the
+        records' own) held anywhere from :meth:`put` until the last exporter is done with them:
+        queued, being converted, in backlogs, being written. An item is accepted only if it
+        fits, or if nothing else is held, so at most ``max_bytes`` plus one item is held.
       on_full: ``"drop"`` counts and refuses items when the queue is full; ``"block"`` makes
         :meth:`put` wait for room, so nothing is lost, at the price of back-pressure on
         training when an exporter is slow.
       flush_interval: seconds between drains of the queue when it is filling slowly, and
         between periodic ``flush()`` calls of an exporter that has written something.
-      exporter_timeout: an exporter inside one call for longer than this is *stalled*: it is
-        reported in ``status()["stalled"]`` and skipped (records for it are dropped and
-        counted, and :meth:`flush` and :meth:`close` stop waiting for it) until the call returns.
+      exporter_timeout: an exporter inside one call for longer than this is *stalled* and
+        given up on: it is reported in ``status()["stalled"]``, its backlog and the records of
+        that call are counted as dropped, records for it are dropped and counted, and
+        :meth:`flush` and :meth:`close` stop waiting for it, until the call returns. Writes
+        are bounded (:data:`WRITE_RECORDS` records, :data:`WRITE_BYTES` bytes) and sized to
+        last about a twentieth of this at the exporter's measured pace, so an exporter that
+        keeps making progress is not taken for a hung one.
 
     Example:
         >>> from sowtel.exporters.memory import MemoryExporter
@@ -381,14 +570,17 @@ class Dispatcher:
 
         # One RLock under every condition: the SIGTERM handler runs on the main thread, which may
         # be interrupted while it holds the lock (put_records, flush), and must not deadlock.
+        # Lock order: this lock, then a worker's; a worker never takes this lock holding its own.
         self._lock = threading.RLock()
         self._wake_cond = threading.Condition(self._lock)
         self._space_cond = threading.Condition(self._lock)
         self._progress_cond = threading.Condition(self._lock)
         self._items: list[Any] = []
-        self._nbytes = 0
+        self._multi: dict[int, int] = {}  # position in _items -> records, where not 1
+        self._nbytes = 0  # bytes given to put() for the items in _items
+        # In records, as put() declared them: accepted, taken off the queue, and dealt with.
         self._accepted = 0
-        self._dropped = 0
+        self._taken = 0
         self._dispatched = 0
         self._urgent = False
         self._space_waiters = 0
@@ -398,16 +590,26 @@ class Dispatcher:
         self._logged_full = False
         self._logged_closed = False
 
-        self._records = 0
+        # The accounting, in records: every record received ends in exactly one place.
+        self._queue_drops: dict[str, int] = {}  # refused by put(), or given up on by close()
+        self._extra = 0  # records convert made beyond those declared (a received item counts
+        # as the records it became)
+        self._records = 0  # made by convert (or given to put_records), handed to the workers
         self._convert_errors = 0
-        self._unconverted = 0
+        self._unconverted = 0  # items
+        self._unconverted_records = 0
         self._logged_convert = False
         self._first_nonfinite: tuple[int, str, str] | None = None
+        # max_bytes bounds every byte of full values from put() until the last exporter is
+        # done with the record: queued, in the dispatcher's hands and in every backlog.
+        self._live_bytes = 0
+        self._held: dict[int, list[int]] = {}  # id(record) -> [workers not done, nbytes]
+        self._hand: list[Any] | None = None  # the batch being converted: [records, nbytes, lost]
 
         self._workers = [
             _ExporterWorker(
-                e, label, max_records=queue_size, max_bytes=max_bytes,
-                flush_interval=self._flush_interval, timeout=self._exporter_timeout,
+                e, label, max_records=queue_size, flush_interval=self._flush_interval,
+                timeout=self._exporter_timeout, release=self._release,
             )
             for e, label in zip(exporters, _labels(exporters), strict=True)
         ]
@@ -418,12 +620,15 @@ class Dispatcher:
 
     # -- the hot path ---------------------------------------------------------------------------
 
-    def put(self, item: Any, nbytes: int = 0) -> bool:
+    def put(self, item: Any, nbytes: int = 0, records: int = 1) -> bool:
         """Enqueues one raw item for ``convert``; safe from any thread. Returns True if accepted.
 
-        Only appends to the queue: no conversion, no I/O. When the queue is full (``queue_size``
-        items or ``max_bytes`` bytes), ``on_full="drop"`` counts a drop and returns False at once,
-        ``"block"`` waits for room. After :meth:`close`, returns False.
+        Only appends to the queue: no conversion, no I/O. ``nbytes`` is the size of the full
+        values the item holds, ``records`` how many records ``convert`` will make of it (for
+        the accounting of an item that is lost before it is converted). When the queue is full
+        (``queue_size`` items, or ``max_bytes`` bytes of full values held anywhere in the
+        dispatcher), ``on_full="drop"`` counts a drop and returns False at once, ``"block"``
+        waits for room. After :meth:`close`, returns False.
 
         Example:
             >>> d = Dispatcher([], convert=lambda items: [])
@@ -436,28 +641,36 @@ class Dispatcher:
         with self._lock:
             n = len(self._items)
             if (n < self._queue_size and not self._closed
-                    and (n == 0 or self._nbytes + nbytes <= self._max_bytes)):
+                    and (nbytes == 0 or self._live_bytes == 0
+                         or self._live_bytes + nbytes <= self._max_bytes)):
                 self._items.append(item)
-                self._nbytes += nbytes
-                self._accepted += 1
+                if records != 1:
+                    self._multi[n] = records
+                self._accepted += records
+                if nbytes:
+                    self._nbytes += nbytes
+                    self._live_bytes += nbytes
+                    if self._nbytes * 4 >= self._max_bytes:  # full values: move them early
+                        self._wake_cond.notify()
                 if n + 1 == self._wake_at:
                     self._wake_cond.notify()
                 return True
-        return self._put_full(item, nbytes)
+        return self._put_full(item, nbytes, records)
 
-    def _put_full(self, item: Any, nbytes: int) -> bool:
+    def _put_full(self, item: Any, nbytes: int, records: int) -> bool:
         with self._lock:
             if self._closed:
-                return self._refuse_closed()
+                return self._refuse("closed", records)
             if self._on_full == "block" and threading.get_ident() not in self._own_threads:
                 self._space_waiters += 1
                 try:
                     while True:
                         n = len(self._items)
                         if self._closed:
-                            return self._refuse_closed()
+                            return self._refuse("closed", records)
                         if n < self._queue_size and (
-                            n == 0 or self._nbytes + nbytes <= self._max_bytes
+                            nbytes == 0 or self._live_bytes == 0
+                            or self._live_bytes + nbytes <= self._max_bytes
                         ):
                             break
                         self._urgent = True
@@ -465,26 +678,31 @@ class Dispatcher:
                         self._space_cond.wait(_POLL)
                 finally:
                     self._space_waiters -= 1
+                if records != 1:
+                    self._multi[len(self._items)] = records
                 self._items.append(item)
                 self._nbytes += nbytes
-                self._accepted += 1
+                self._live_bytes += nbytes
+                self._accepted += records
                 return True
             # Also reached by a put from inside an exporter or convert in "block" mode, which
             # would otherwise wait for the very thread it runs on.
-            self._dropped += 1
+            self._refuse("queue_full", records)
+            self._urgent = True  # drain now rather than at the next interval
+            self._wake_cond.notify()
             if not self._logged_full:
                 self._logged_full = True
                 logger.warning(
-                    "sowtel queue is full (%d items, %d bytes): dropping records and counting "
-                    "them in status()['dropped']; raise queue_size / max_bytes, stream less "
-                    "(summary, every=) or use on_full='block' to lose nothing",
-                    len(self._items), self._nbytes,
+                    "sowtel queue is full (%d items, %d bytes of full values held): dropping "
+                    "records and counting them in status()['dropped']; raise queue_size / "
+                    "max_bytes, stream less (summary, every=) or use on_full='block' to lose "
+                    "nothing", len(self._items), self._live_bytes,
                 )
             return False
 
-    def _refuse_closed(self) -> bool:
-        self._dropped += 1
-        if not self._logged_closed:
+    def _refuse(self, reason: str, records: int) -> bool:
+        self._queue_drops[reason] = self._queue_drops.get(reason, 0) + records
+        if reason == "closed" and not self._logged_closed:
             self._logged_closed = True
             logger.warning("sowtel dispatcher is closed: dropping records that arrive after it")
         return False
@@ -513,6 +731,26 @@ class Dispatcher:
         for record in records:
             self.put(record, _record_nbytes(record))
 
+    def _release(self, records: Sequence[Record]) -> None:
+        """A worker is done with ``records``: frees the bytes of those no worker holds now."""
+        if not self._held:  # no full values anywhere: nothing to free
+            return
+        freed = 0
+        with self._lock:
+            held = self._held
+            for r in records:
+                if r.value is not None:
+                    entry = held.get(id(r))
+                    if entry is not None:
+                        entry[0] -= 1
+                        if entry[0] <= 0:
+                            del held[id(r)]
+                            freed += entry[1]
+            if freed:
+                self._live_bytes -= freed
+                if self._space_waiters:
+                    self._space_cond.notify_all()
+
     # -- the dispatcher thread ----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -522,44 +760,68 @@ class Dispatcher:
                     self._wake_cond.wait(self._flush_interval)
                 self._urgent = False
                 items, self._items = self._items, []
+                multi, self._multi = self._multi, {}
+                declared = len(items) + sum(multi.values()) - len(multi)
+                self._taken += declared
+                self._hand = [declared, self._nbytes, False] if items else None
                 self._nbytes = 0
                 stop = self._stop
                 if self._space_waiters:
                     self._space_cond.notify_all()
+            for worker in self._workers:
+                worker.stalled()  # gives up on a hung exporter even when nobody waits for it
             if items:
                 try:
-                    self._dispatch(items)
+                    self._dispatch(items, multi)
                 except BaseException:  # the dispatcher thread must outlive any bug below it
-                    self._convert_errors += 1
-                    self._unconverted += len(items)
+                    with self._lock:
+                        hand, self._hand = self._hand, None
+                        if hand is not None and not hand[2]:
+                            self._convert_errors += 1
+                            self._unconverted += len(items)
+                            self._unconverted_records += hand[0]
+                            self._live_bytes -= hand[1]
                     if not self._logged_convert:
                         self._logged_convert = True
                         logger.exception("sowtel dispatcher failed on a batch of %d items",
                                          len(items))
             with self._lock:
-                self._dispatched += len(items)
+                self._dispatched += declared
                 self._progress_cond.notify_all()
             if stop and not items:
                 return
 
-    def _to_records(self, items: list[Any]) -> list[Record]:
-        # Records from put_records pass through; runs of raw items between them are converted,
-        # so the order of everything accepted is kept.
-        out: list[Record] = []
-        raw: list[Any] = []
-        for item in items:
-            if isinstance(item, Record):
-                if raw:
-                    out.extend(self._convert_raw(raw))
-                    raw = []
-                out.append(item)
-            else:
-                raw.append(item)
-        if raw:
-            out.extend(self._convert_raw(raw))
-        return out
+    def _to_records(
+        self, items: list[Any], multi: dict[int, int],
+    ) -> tuple[list[Record], int, int, int]:
+        """The records of ``items``; how many more records than declared the converted items
+        made; and the items and declared records of runs that failed to convert.
 
-    def _convert_raw(self, raw: list[Any]) -> Sequence[Record]:
+        Records from put_records pass through; runs of raw items between them are converted,
+        so the order of everything accepted is kept.
+        """
+        out: list[Record] = []
+        extra = failed_items = failed_records = 0
+        start = 0
+        for i, item in enumerate([*items, None]):
+            if i < len(items) and not isinstance(item, Record):
+                continue
+            if start < i:
+                run = items[start:i]
+                declared = len(run) + sum(multi[k] - 1 for k in multi if start <= k < i)
+                made = self._convert_raw(run)
+                if made is not None:
+                    out.extend(made)
+                    extra += len(made) - declared
+                else:
+                    failed_items += len(run)
+                    failed_records += declared
+            if i < len(items):
+                out.append(item)
+            start = i + 1
+        return out, extra, failed_items, failed_records
+
+    def _convert_raw(self, raw: list[Any]) -> Sequence[Record] | None:
         try:
             records = list(self._convert(raw))
             for record in records:
@@ -568,22 +830,41 @@ class Dispatcher:
                                     "among its records; it must return sowtel Record objects")
             return records
         except Exception:
-            self._convert_errors += 1
-            self._unconverted += len(raw)
+            with self._lock:
+                self._convert_errors += 1
             if not self._logged_convert:
                 self._logged_convert = True
                 logger.exception(
                     "sowtel could not convert %d received items into records; they are lost, "
-                    "counted in status()['unconverted'], and further failures are not logged",
-                    len(raw),
+                    "counted in status()['failed'] (and ['unconverted']), and further failures "
+                    "are not logged", len(raw),
                 )
-            return ()
+            return None
 
-    def _dispatch(self, items: list[Any]) -> None:
-        records = tuple(self._to_records(items))
+    def _dispatch(self, items: list[Any], multi: dict[int, int]) -> None:
+        made, extra, failed_items, failed_records = self._to_records(items, multi)
+        records = tuple(made)
+        sizes = [(r, _record_nbytes(r)) for r in records if r.value is not None]
+        nbytes = sum(b for _, b in sizes)
+        with self._lock:
+            hand, self._hand = self._hand, None
+            if hand is None or hand[2]:
+                return  # close() gave up on this batch and counted it as dropped
+            declared_bytes = hand[1]
+            # Converted items count as the records they became; failed ones as declared.
+            self._extra += extra
+            if failed_items:
+                self._unconverted += failed_items
+                self._unconverted_records += failed_records
+            self._records += len(records)
+            self._live_bytes += nbytes - declared_bytes
+            if self._workers:
+                for r, b in sizes:
+                    self._held[id(r)] = [len(self._workers), b]
+            else:
+                self._live_bytes -= nbytes
         if not records:
             return
-        self._records += len(records)
         if self._first_nonfinite is None:
             for r in records:
                 if _is_nonfinite(r):
@@ -591,20 +872,21 @@ class Dispatcher:
                     logger.warning("sowtel: first non-finite value at step %s in %s (%s)",
                                    r.step, r.name, r.mode)
                     break
-        nbytes = sum(_record_nbytes(r) for r in records if r.value is not None)
         block = self._on_full == "block"
         for worker in self._workers:
-            worker.offer(records, nbytes, block)
+            if not worker.offer(records, nbytes, block):
+                self._release(records)
 
     # -- flush, close, status -------------------------------------------------------------------
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Blocks until everything accepted so far reached every exporter and was flushed.
 
-        Every item accepted before the call is converted and handed to every healthy exporter,
-        then each exporter's ``flush()`` runs. Stalled exporters (see ``exporter_timeout``) are
-        skipped. Returns False if that did not finish within ``timeout`` seconds (None: no limit)
-        or if called from inside an exporter or ``convert``.
+        Every item accepted before the call is converted and handed to every exporter, then
+        each exporter's ``flush()`` runs. An exporter given up on as stalled (see
+        ``exporter_timeout``) is not waited for: what it was given is counted as dropped.
+        Returns False if that did not finish within ``timeout`` seconds (None: no limit) or if
+        called from inside an exporter or ``convert``.
 
         Example:
             >>> from sowtel.exporters.memory import MemoryExporter
@@ -640,8 +922,11 @@ class Dispatcher:
     def close(self, timeout: float | None = 30.0) -> None:
         """Stops accepting items, flushes everything accepted, then closes every exporter.
 
-        Returns within about ``timeout`` seconds even if an exporter hangs. Idempotent: a second
-        call returns at once.
+        Returns within about ``timeout`` seconds even if an exporter hangs or has a long
+        backlog: when the time is up, what is still queued is counted as dropped (reason
+        ``"close_timeout"``), and so are the records of a write still in progress. That write
+        may still finish after close() returns; then the exporter's ``close()`` is called, and
+        nothing else. Idempotent: a second call returns at once.
 
         Example:
             >>> d = Dispatcher([], convert=list)
@@ -657,58 +942,114 @@ class Dispatcher:
             self._close_started = True
             self._closed = True
             self._space_cond.notify_all()
+        inside = threading.get_ident() in self._own_threads
         try:
             self.flush(timeout)
             with self._lock:
                 self._stop = True
                 self._wake_cond.notify()
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if threading.get_ident() not in self._own_threads:
+            if not inside:
                 self._thread.join(left)
             tokens = [(w, w.request("close")) for w in self._workers]
             for worker, token in tokens:
                 if worker.ident != threading.get_ident():  # an exporter closing its own session
                     worker.wait(token, deadline)
+            self._give_up()
+            if not inside:
+                # Given up on, the dispatcher thread has nothing left to wait for.
+                self._thread.join(_POLL * 4)
+                for worker in self._workers:
+                    worker.join(_POLL)
         finally:
             _unregister(self)
 
-    def status(self) -> dict[str, Any]:
-        """Counters for ``sowtel.status()``.
+    def _give_up(self) -> None:
+        """Counts whatever close() could not deliver in time as dropped (``close_timeout``)."""
+        with self._lock:
+            queued = self._accepted - self._taken
+            self._taken += queued
+            self._dispatched += queued  # nothing more will come of them: flush() must not wait
+            n = queued
+            if self._hand is not None:
+                n += self._hand[0]
+                self._hand[2] = True  # the dispatcher thread will not deliver it
+                self._live_bytes -= self._hand[1]
+                self._hand = None
+            self._live_bytes -= self._nbytes
+            self._items, self._multi, self._nbytes = [], {}, 0
+            if n:
+                self._queue_drops["close_timeout"] = self._queue_drops.get("close_timeout", 0) + n
+        for worker in self._workers:
+            # An exporter closing its own session from inside write() is not given up on: its
+            # worker writes what it still has, then closes it, once that call returns.
+            if worker.ident != threading.get_ident():
+                worker.give_up()
 
-        Keys: ``received`` (items offered to put/put_records), ``dropped`` (refused: queue
-        full or closed), ``queued`` (waiting now), ``records`` (made by convert or given to
-        put_records), ``convert_errors`` and ``unconverted`` (failed convert calls, items they
-        lost), per exporter label: ``exported`` (records written), ``errors`` (calls that raised),
-        ``exporter_dropped`` (records not handed to it), ``pending`` (its backlog); ``stalled``
+    def status(self, late: int = 0) -> dict[str, Any]:
+        """Counters for ``sowtel.status()``, in records.
+
+        Keys: ``received`` (records of the items offered to put/put_records), ``dropped``
+        (refused: queue full or closed, or given up on at close), ``queued`` (items waiting
+        now), ``records`` (made by convert or given to put_records), ``convert_errors`` and
+        ``unconverted`` (failed convert calls, items they lost), ``late`` (records whose
+        callback came after the session ended: given by the session); per exporter label:
+        ``exported`` (records written), ``failed`` (records of writes that raised),
+        ``errors`` (calls that raised), ``exporter_dropped`` (records not written for a
+        reason of that exporter's own), ``drop_reasons`` (every dropped record on that
+        exporter's way, by reason), ``pending`` (its backlog); ``accounts`` (per label and
+        ``"total"``: ``received == exported + dropped + failed + late + pending``), ``stalled``
         (labels), ``first_nonfinite`` (``(step, name, mode)`` or None), ``closed``.
 
         Example:
-            >>> d = Dispatcher([], convert=list)
-            >>> sorted(d.status())[:3]
-            ['closed', 'convert_errors', 'dropped']
+            >>> from sowtel.exporters.memory import MemoryExporter
+            >>> d = Dispatcher([MemoryExporter()], convert=list)
+            >>> d.put_records([Record(name="w", mode="primal", tag="intermediates", step=0,
+            ...                       index=None, wall_time=0.0, summary="shape", shape=(),
+            ...                       dtype="float32")])
             >>> d.close()
+            >>> d.status()["accounts"]["memory"]
+            {'received': 1, 'exported': 1, 'dropped': 0, 'failed': 0, 'late': 0, 'pending': 0}
         """
-        with self._lock:
-            received = self._accepted + self._dropped
-            dropped = self._dropped
-            queued = len(self._items)
-            closed = self._closed
         workers = self._workers
-        return {
+        stalled = [w.label for w in workers if w.stalled()]
+        with self._lock:
+            queue_drops = dict(self._queue_drops)
+            refused = queue_drops.get("queue_full", 0) + queue_drops.get("closed", 0)
+            received = self._accepted + refused + self._extra
+            queued = len(self._items)
+            hand = self._hand
+            queued_records = self._accepted - self._taken + (hand[0] if hand is not None else 0)
+            records = self._records
+            unconverted_records = self._unconverted_records
+            closed = self._closed
+            held_bytes = self._live_bytes
+        counts = {w.label: w.counts() for w in workers}
+        status: dict[str, Any] = {
             "received": received,
-            "dropped": dropped,
+            "dropped": sum(queue_drops.values()),
             "queued": queued,
-            "records": self._records,
+            "records": records,
             "convert_errors": self._convert_errors,
             "unconverted": self._unconverted,
-            "exported": {w.label: w.exported for w in workers},
-            "errors": {w.label: w.errors for w in workers},
-            "exporter_dropped": {w.label: w.dropped for w in workers},
-            "pending": {w.label: w.pending for w in workers},
-            "stalled": [w.label for w in workers if w.stalled()],
+            "late": late,
+            "exported": {k: c[0] for k, c in counts.items()},
+            "failed": {k: c[1] + unconverted_records for k, c in counts.items()},
+            "errors": {k: c[2] for k, c in counts.items()},
+            "exporter_dropped": {k: c[5] for k, c in counts.items()},
+            "drop_reasons": {k: _merge(queue_drops, c[4]) for k, c in counts.items()},
+            # Everything on its way to each exporter: queued, being converted, in its backlog.
+            "pending": {k: records - (c[0] + c[1] + c[5]) + queued_records
+                        for k, c in counts.items()},
+            "backlog": {k: c[3] for k, c in counts.items()},
+            "held_bytes": held_bytes,
+            "stalled": stalled,
             "first_nonfinite": self._first_nonfinite,
             "closed": closed,
         }
+        status["accounts"] = accounts(status)
+        return status
+
 
     @property
     def exporters(self) -> list[Any]:
@@ -726,33 +1067,109 @@ class Dispatcher:
         self._closed = self._stop = self._close_started = True
 
 
+def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return {k: v for k, v in out.items() if v}
+
+
+def accounts(status: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Where every record received went, per exporter label and in ``"total"`` (the sums).
+
+    For each label, ``received == exported + dropped + failed + late + pending``, and
+    ``pending`` is 0 once :meth:`Dispatcher.flush` returned True or the dispatcher is closed.
+    ``received`` counts every record once per exporter (``status["received"]`` plus the
+    session's ``late``).
+
+    Example:
+        >>> d = Dispatcher([], convert=list)
+        >>> d.close()
+        >>> accounts(d.status())["total"]
+        {'received': 0, 'exported': 0, 'dropped': 0, 'failed': 0, 'late': 0, 'pending': 0}
+    """
+    late = int(status.get("late", 0))
+    per: dict[str, dict[str, int]] = {}
+    for label, exported in status["exported"].items():
+        per[label] = {
+            "received": status["received"] + late,
+            "exported": exported,
+            "dropped": sum(status["drop_reasons"][label].values()),
+            "failed": status["failed"][label],
+            "late": late,
+            "pending": status["pending"][label],
+        }
+    keys = ("received", "exported", "dropped", "failed", "late", "pending")
+    per["total"] = {k: sum(a[k] for a in per.values()) for k in keys}
+    return per
+
+
 # -- process exit ---------------------------------------------------------------------------------
 
 _live: dict[int, Dispatcher] = {}
 _hooks_lock = threading.RLock()
 _atexit_installed = False
-_sigterm_installed = False
 _previous_sigterm: Any = None
+_warned_sigterm = False
 
 
 def _register(dispatcher: Dispatcher) -> None:
-    global _atexit_installed, _sigterm_installed, _previous_sigterm
+    global _atexit_installed
     with _hooks_lock:
         _live[id(dispatcher)] = dispatcher
         if not _atexit_installed:
             atexit.register(close_all)
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _atexit_installed = True
-        # Signal handlers can only be installed from the main thread; a dispatcher made
-        # elsewhere leaves it to the next one made on the main thread.
-        if not _sigterm_installed and threading.current_thread() is threading.main_thread():
-            try:
-                previous = signal.getsignal(signal.SIGTERM)
-                signal.signal(signal.SIGTERM, _on_sigterm)
-            except (ValueError, OSError):
+    _install_sigterm()
+
+
+def _install_sigterm() -> None:
+    """Puts the SIGTERM handler in place, chaining whatever handler is there now.
+
+    Signal handlers can only be set from the main thread: this runs when sowtel is imported
+    there and again whenever a dispatcher is made there (in case a handler was set since), so
+    a session enabled later in any thread is flushed on SIGTERM.
+    """
+    global _previous_sigterm
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with _hooks_lock:
+        try:
+            current = signal.getsignal(signal.SIGTERM)
+            if current is _on_sigterm:
                 return
-            _previous_sigterm = previous
-            _sigterm_installed = True
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        except (ValueError, OSError):
+            return
+        _previous_sigterm = current
+
+
+def sigterm_unhandled() -> str | None:
+    """Once per process, when SIGTERM would not flush sessions: why, and what to do instead.
+
+    That is the case when sowtel was first imported outside the main thread and no dispatcher
+    was made on it since, or when a SIGTERM handler set later replaced sowtel's.
+
+    Example:
+        >>> sigterm_unhandled() is None  # imported on the main thread
+        True
+    """
+    global _warned_sigterm
+    try:
+        ours = signal.getsignal(signal.SIGTERM) is _on_sigterm
+    except (ValueError, OSError):
+        ours = False
+    with _hooks_lock:
+        if ours or _warned_sigterm:
+            return None
+        _warned_sigterm = True
+    return ("sowtel cannot flush this session on SIGTERM: its handler could not be installed "
+            "(signal handlers can only be set from the main thread, and sowtel was imported "
+            "elsewhere, or a handler set since replaced it). Import sowtel on the main thread "
+            "before starting threads, or call sowtel.disable() (or "
+            "sowtel.dispatcher.close_all()) from your own handler; normal exit and Ctrl-C "
+            "still flush")
 
 
 def _unregister(dispatcher: Dispatcher) -> None:
@@ -799,3 +1216,6 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(1.0)
     os._exit(128 + signal.SIGTERM)
+
+
+_install_sigterm()

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import itertools
 import threading
 from collections.abc import Callable
@@ -61,9 +60,6 @@ from sowtel.primitive import (
 from sowtel.summaries import DEFAULT_BINS, device_summary
 
 __all__ = ["jit", "Jitted", "CompiledSummaries"]
-
-_STEP_KW = "_sowtel_step"
-
 
 class _NewStride(Exception):
     """A site's ``every=`` was not known when the step's due strides were chosen: trace again."""
@@ -160,6 +156,9 @@ class Jitted:
         self._programs: dict[Any, Any] = {}
         self._strides: dict[StreamConfig, set[int]] = {}
         self._steps: tuple[int, itertools.count[int]] | None = None  # (session id, counter)
+        # Per stream setting: whether the function has sites in while_loop bodies, which keep
+        # their host callbacks (and take the call's step from the host).
+        self._callbacks: dict[StreamConfig, bool] = {}
         self._lock = threading.Lock()
         functools.update_wrapper(self, fun)
         self.__wrapped__ = fun
@@ -193,7 +192,7 @@ class Jitted:
         if session is None:
             raise RuntimeError("lower_logging needs an active session: call sowtel.enable()")
         program = self._logging_program(session.config, step, args, kwargs)
-        return program.lower(*args, **{_STEP_KW: np.int32(step)}, **kwargs)
+        return program.lower(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"sowtel.jit({getattr(self._fun, '__qualname__', self._fun)!r})"
@@ -219,9 +218,10 @@ class Jitted:
         if session is None:
             with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                 return self._plain(*args, **kwargs)
+        calls = self._next_step(session.id)  # calls since enable(), at_step or not
         step = host_step()
         if step is None:
-            step = self._next_step(session.id)
+            step = calls
         config = ctx.stream
         gather = multihost.replicated_sharding((args, kwargs))
         if config not in self._strides:
@@ -232,8 +232,12 @@ class Jitted:
                 with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                     return self._plain(*args, **kwargs)
             try:
-                out, summaries = self._program(config, due, gather)(
-                    *args, **{_STEP_KW: np.int32(step)}, **kwargs)
+                if self._callbacks.get(config):
+                    # Its while-body sites call back later: they read this step on the host.
+                    with session.host_step_block(step):
+                        out, summaries = self._program(config, due, gather)(*args, **kwargs)
+                else:
+                    out, summaries = self._program(config, due, gather)(*args, **kwargs)
             except _NewStride as new:  # raised while tracing: nothing ran
                 self._strides[config].add(new.every)
                 continue
@@ -250,10 +254,12 @@ class Jitted:
         return frozenset(e for e in self._strides[config] if step % e == 0)
 
     def _discover(self, config: StreamConfig, args: Any, kwargs: Any) -> None:
-        # One trace (no compilation) to learn the every= of the function's sites.
+        # One trace (no compilation) to learn the every= of the function's sites, and whether
+        # some are in while_loop bodies.
         self._strides.setdefault(config, {config.every})
+        self._callbacks[config] = False
         with CONTEXT(Context(stream=config)):
-            self._program(config, None).trace(*args, **{_STEP_KW: np.int32(0)}, **kwargs)
+            self._program(config, None).trace(*args, **kwargs)
 
     def _logging_program(self, config: StreamConfig, step: int, args: Any,
                          kwargs: Any) -> Any:
@@ -263,7 +269,7 @@ class Jitted:
         while True:
             program = self._program(config, self._due(config, step), gather)
             try:
-                program.trace(*args, **{_STEP_KW: np.int32(step)}, **kwargs)
+                program.trace(*args, **kwargs)
             except _NewStride as new:
                 self._strides[config].add(new.every)
                 continue
@@ -308,7 +314,6 @@ class Jitted:
             return info, [*arrays, jnp.ones((), jnp.int32)]
 
         def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:
-            step = kwargs.pop(_STEP_KW)
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
             dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
             out_tree: list[Any] = []
@@ -326,8 +331,10 @@ class Jitted:
             with jax.disable_jit(False):
                 closed = jax.make_jaxpr(flat_fun)(*dyn)
             jaxpr, consts = jc.jaxpr_and_consts(closed)
-            outs, caps = capture.eval_summaries(
-                jaxpr, consts, dyn, capture.SummaryPass(reduce=reduce, step=step))
+            summary_pass = capture.SummaryPass(reduce=reduce)
+            outs, caps = capture.eval_summaries(jaxpr, consts, dyn, summary_pass)
+            if summary_pass.callbacks:
+                self._callbacks[config] = True
             if in_blocks:
                 caps = multihost.combine_partials(caps, in_blocks, gather)
             names = _numbered(caps)
@@ -350,7 +357,7 @@ class Jitted:
             buffers, layout = CompiledSummaries.pack(arrays)
             return result, CompiledSummaries(buffers, tuple(sites), layout)
 
-        _sign(logging_step, fun)
+        functools.update_wrapper(logging_step, fun)  # static_argnames read its signature
         options = dict(self._options)
         if "out_shardings" in options:
             options["out_shardings"] = (options["out_shardings"], None)
@@ -366,24 +373,6 @@ class _nothing:
 
     def __exit__(self, *exc: Any) -> None:
         return None
-
-
-def _sign(wrapper: Callable[..., Any], fun: Callable[..., Any]) -> None:
-    # jax.jit reads the signature for static_argnames / donate_argnames: the user's, plus the
-    # keyword-only step.
-    try:
-        signature = inspect.signature(fun)
-    except (TypeError, ValueError):
-        return
-    params = list(signature.parameters.values())
-    step = inspect.Parameter(_STEP_KW, inspect.Parameter.KEYWORD_ONLY)
-    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD),
-              len(params))
-    params.insert(at, step)
-    try:
-        wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-    except ValueError:
-        return
 
 
 def jit(fun: Callable[..., Any] | None = None, /, **jax_jit_options: Any) -> Any:

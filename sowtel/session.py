@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -40,8 +41,8 @@ import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel import multihost
-from sowtel.build import compiled_records, summary_records
-from sowtel.dispatcher import Dispatcher
+from sowtel.build import compiled_records, records_from_intermediates, summary_records
+from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
 from sowtel.primitive import (
@@ -72,6 +73,23 @@ class _Compiled(NamedTuple):
     summaries: Any
     step: int
     wall_time: float
+
+
+_most: dict[int, tuple[Any, int]] = {}  # id(sites) -> (sites, records)
+
+
+def _most_records(sites: Any) -> int:
+    """The records a ``sowtel.jit`` step's summaries make when every site ran everywhere.
+
+    A step lost before it is converted is counted as that many (one that is converted counts
+    as the records it made). ``sites`` is fixed per compiled program: computed once each.
+    """
+    known = _most.get(id(sites))
+    if known is not None and known[0] is sites:
+        return known[1]
+    n = sum(len(e.site.leaf_names) * math.prod(size for _, size in e.stacked) for e in sites)
+    _most[id(sites)] = (sites, n)
+    return n
 
 
 def _check_patterns(value: Any, what: str) -> Callable[[str], bool] | None:
@@ -189,6 +207,20 @@ class Session:
             self._host_steps.pop()
             self._host_lock.release()
 
+    @contextlib.contextmanager
+    def host_step_block(self, step: int) -> Iterator[None]:
+        """Host callbacks of programs run inside carry ``step``: held until they have run."""
+        self._host_lock.acquire()
+        self._host_steps.append(step)
+        try:
+            yield
+        finally:
+            try:
+                self._effects_barrier()
+            finally:
+                self._host_steps.pop()
+                self._host_lock.release()
+
     def count_late(self, site: StreamSite) -> None:
         """A host callback of ``site`` ran after this session ended: counted, not exported."""
         with self._late_lock:
@@ -222,7 +254,7 @@ class Session:
                 arrays = tuple(np.array(a, copy=True) for a in arrays)
             self.dispatcher.put(
                 (site, arrays, occurrence, host_step, next(self._seq), time.time()),
-                site.full_nbytes)
+                site.full_nbytes, len(site.leaf_names))
         except Exception:  # noqa: BLE001 - a callback must never raise into XLA
             logger.exception("sowtel: dropping a record of %r that could not be received",
                              site.name)
@@ -234,7 +266,8 @@ class Session:
         """
         if not summaries.sites:
             return
-        self.dispatcher.put(_Compiled(summaries, step, time.time()), summaries.nbytes)
+        self.dispatcher.put(_Compiled(summaries, step, time.time()), summaries.nbytes,
+                            _most_records(summaries.sites))
 
     # -- the dispatcher thread ---------------------------------------------------------------
 
@@ -303,12 +336,14 @@ class Session:
         # within its own bound, such as the memory exporter's max_records.
         s["evicted"] = {label: _evicted(e) for label, e in
                         zip(_exporter_labels(self.exporters), self.exporters, strict=True)}
+        s["accounts"] = accounts(s)  # with the session's own count of late records in
         return s
 
     def close(self, timeout: float | None = 30.0) -> dict[str, Any]:
         """Flushes and closes this session (and resumes the one enabled before it).
 
-        Returns the final counters (as :meth:`status`); closing again returns them again.
+        Returns the final counters (as :meth:`status`; received == exported + dropped +
+        failed + late for every exporter); closing again returns them again.
         """
         timeout = _check_timeout(timeout, "disable")
         with _lock:
@@ -427,6 +462,9 @@ def enable(
             f"sowtel.enable(): {below!r} is still active, so the new session stacks on it and it "
             "resumes when the new one is disabled; call sowtel.disable() first to replace it, "
             "or use `with sowtel.enable(...):` for a temporary one", RuntimeWarning, stacklevel=2)
+    unhandled = sigterm_unhandled()
+    if unhandled is not None:
+        warnings.warn(unhandled, RuntimeWarning, stacklevel=2)
     specs = list(exporter) if isinstance(exporter, (list, tuple)) else [exporter]
     _announce([e for e, spec in zip(exporters, specs, strict=True) if isinstance(spec, str)])
     return session
@@ -455,14 +493,19 @@ def disable(timeout: float | None = 30.0) -> dict[str, Any]:
 
     Returns the closed session's final counters (as :func:`status`; ``enabled=False`` and zero
     counts when nothing was enabled). :func:`status` keeps showing them until the next
-    ``enable()``.
+    ``enable()``. When an exporter cannot finish within ``timeout`` seconds, what it still had
+    is counted as dropped (reason ``close_timeout``).
 
     Example:
         >>> import sowtel
         >>> _ = sowtel.enable(exporter="memory")
+        >>> sowtel.log({"loss": 0.5}, step=0)
+        1
         >>> final = sowtel.disable()
-        >>> final["enabled"], final["received"], sowtel.status()["enabled"]
-        (False, 0, False)
+        >>> final["enabled"], final["received"], final["accounts"]["memory"]["exported"]
+        (False, 1, 1)
+        >>> sowtel.status()["enabled"]
+        False
     """
     timeout = _check_timeout(timeout, "disable")
     session = active_session()
@@ -506,9 +549,13 @@ def status() -> dict[str, Any]:
         closed = RECEIVERS.closed
         if isinstance(closed, Session):  # the last session's final counters
             return closed.status()
-        return {"enabled": False, "received": 0, "dropped": 0, "queued": 0, "exported": {},
-                "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0,
-                "late": 0, "evicted": {}}
+        empty: dict[str, Any] = {
+            "enabled": False, "received": 0, "dropped": 0, "queued": 0, "exported": {},
+            "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0,
+            "late": 0, "evicted": {}, "failed": {}, "drop_reasons": {}, "pending": {},
+            "backlog": {}, "held_bytes": 0}
+        empty["accounts"] = accounts(empty)
+        return empty
     return session.status()
 
 
@@ -525,8 +572,6 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
         ...     sowtel.export({"h": {"primal": jnp.ones(3)}}, step=7)
         1
     """
-    from sowtel.dumps import records_from_intermediates
-
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise ValueError(f"export step must be an int, got {step!r}")
     session = active_session()

@@ -197,17 +197,6 @@ def _moments(xf: Any, mask: Any, form: str) -> tuple[Any, ...]:
         s1, s2 = jnp.sum(d), jnp.sum(d * d)
         mn, mx = jnp.min(low), jnp.max(high)
         a, z = jnp.sum(absx), jnp.sum(is_zero, dtype=ctype)
-
-        def about_the_mean() -> tuple[Any, Any, Any]:
-            # The sampled shift was far from the mean (outliers where it sampled): the sums
-            # again about the mean itself, so std keeps its precision. Rare by construction.
-            mean = shift + s1 / jnp.maximum(n, 1)
-            d2 = xf - mean if mask is None else jnp.where(mask, xf - mean, 0)
-            return mean, jnp.sum(d2), jnp.sum(d2 * d2)
-
-        m1 = s1 / jnp.maximum(n, 1)
-        far = m1 * m1 * jnp.maximum(n, 1) > 16 * s2
-        shift, s1, s2 = jax.lax.cond(far, about_the_mean, lambda: (shift, s1, s2))
     return n, shift, s1, s2, mn, mx, a, z
 
 
@@ -281,14 +270,24 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
         return floats, jnp.concatenate([counts, z.astype(cdtype)[None]])
 
     first = _moments(xf, None, form)
-    if is_float:
-        no_counts = jnp.zeros((3,), cdtype) + (first[3] != first[3]).astype(cdtype) * 0
-        floats, counts = jax.lax.cond(
-            jnp.isfinite(first[3]) & jnp.isfinite(first[2]),
-            lambda: pack(first, no_counts),
-            lambda: pack(_moments(xf, jnp.isfinite(xf), form), nonfinite_counts()))
-    else:
-        floats, counts = pack(first, jnp.zeros((3,), cdtype))
+
+    def careful() -> tuple[Any, Any]:
+        # Non-finite elements (masked out and counted), or a sampled shift far from the mean
+        # (outliers where it sampled): the sums again about the mean itself. Rare by design.
+        mask = jnp.isfinite(xf) if is_float else jnp.ones(xf.shape, bool)
+        n = jnp.sum(mask, dtype=ftype)
+        mean = jnp.sum(jnp.where(mask, xf, 0)) / jnp.maximum(n, 1)
+        d = jnp.where(mask, xf - mean, 0)
+        _, _, _, _, mn, mx, a, z = _moments(xf, mask, form)
+        counts = nonfinite_counts() if is_float else jnp.zeros((3,), cdtype)
+        return pack((n, mean, jnp.sum(d), jnp.sum(d * d), mn, mx, a, z), counts)
+
+    n, shift, s1, s2 = first[:4]
+    m1 = s1 / n
+    # The shift is good when the mean of d is small against its spread (or all is finite).
+    fine = jnp.isfinite(s1) & jnp.isfinite(s2) & (m1 * m1 * n <= 16 * s2)
+    no_counts = jnp.zeros((3,), cdtype) + (s2 != s2).astype(cdtype) * 0
+    floats, counts = jax.lax.cond(fine, lambda: pack(first, no_counts), careful)
     out = [floats, counts]
     if summary == "histogram":
         mn, mx = floats[2], floats[3]

@@ -125,7 +125,7 @@ def stream(k: int, out: Path) -> dict[str, Any]:
             for name, text in hlo.items()}
     result["jit_loss"] = float(value)
     result["jit_status"] = {k: v for k, v in sowtel.status().items()
-                            if k in ("received", "exported", "dropped", "errors")}
+                            if k in ("received", "exported", "dropped", "errors", "accounts")}
     # summary="full": whole values, a global one gathered to process 0 by both transports.
     for transport, fn in (("jit", sowtel.jit(loss)), ("callback", jax.jit(loss))):
         with sowtel.enable(exporter="memory", summary="full", modes=("primal",)) as session:

@@ -243,7 +243,7 @@ def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made):
         while not done.is_set():
             s = d.status()
             most_queued[0] = max(most_queued[0], s["queued"])
-            most_pending[0] = max(most_pending[0], *s["pending"].values())
+            most_pending[0] = max(most_pending[0], *s["backlog"].values())
             time.sleep(0.0005)
 
     per_thread, threads = 1_000, 4

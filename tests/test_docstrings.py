@@ -11,7 +11,7 @@ MODULES = [
     "sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.summaries",
     "sowtel.records", "sowtel.dispatcher", "sowtel.dumps", "sowtel.postmortem",
     "sowtel.exporters", "sowtel.exporters.memory", "sowtel.exporters.console",
-    "sowtel.exporters.jsonl", "sowtel._jax_compat",
+    "sowtel.exporters.jsonl", "sowtel._jax_compat", "sowtel.jit", "sowtel.build",
 ]
 
 
@@ -20,5 +20,6 @@ def test_docstring_examples(name: str) -> None:
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} failing example(s) in {name}"
-    if name in ("sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session"):
+    if name in ("sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.jit",
+                "sowtel.build"):
         assert result.attempted > 0

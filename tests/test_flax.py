@@ -162,11 +162,12 @@ def test_linen_reused_block_named_by_module_path(loss) -> None:
         np.testing.assert_allclose(inter[name]["primal"], h, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grads["Dense_0"]["kernel"],
                                jax.grad(_linen_loss)(params)["Dense_0"]["kernel"], rtol=1e-5)
-    # Streamed through host callbacks: the same names, the same values.
-    with sowtel.enable(exporter="memory") as session:
-        jax.jit(jax.grad(loss))(params)
-        assert sowtel.flush()
-    _check_against_stream(inter, session.exporters[0].records, LINEN_NAMES)
+    # Streamed through host callbacks and through sowtel.jit: the same names, the same values.
+    for jit in (jax.jit, sowtel.jit):
+        with sowtel.enable(exporter="memory") as session:
+            jit(jax.grad(loss))(params)
+            assert sowtel.flush()
+        _check_against_stream(inter, session.exporters[0].records, LINEN_NAMES)
 
 
 def test_flax_sow_needs_a_bound_linen_module() -> None:
@@ -217,10 +218,11 @@ def test_nnx_reused_block_named_by_scope() -> None:
     for block, name in zip(model.blocks, NNX_NAMES, strict=True):
         h = np.tanh(h @ np.asarray(block.linear.kernel[...]) + np.asarray(block.linear.bias[...]))
         np.testing.assert_allclose(inter[name]["primal"], h, rtol=1e-5, atol=1e-6)
-    with sowtel.enable(exporter="memory") as session:
-        jax.jit(jax.grad(loss))(state)
-        assert sowtel.flush()
-    _check_against_stream(inter, session.exporters[0].records, NNX_NAMES)
+    for jit in (jax.jit, sowtel.jit):
+        with sowtel.enable(exporter="memory") as session:
+            jit(jax.grad(loss))(state)
+            assert sowtel.flush()
+        _check_against_stream(inter, session.exporters[0].records, NNX_NAMES)
 
 
 def test_reused_block_without_names_streams_numbered_like_capture() -> None:
@@ -235,6 +237,11 @@ def test_reused_block_without_names_streams_numbered_like_capture() -> None:
         with pytest.warns(UserWarning, match="'unnamed/act' is used more than once"):
             with sowtel.scope("unnamed"):
                 jax.jit(jax.grad(loss))(params)
+        assert sowtel.flush()
+    _check_against_stream(inter, session.exporters[0].records, names)
+    with sowtel.enable(exporter="memory") as session:  # sowtel.jit numbers them the same way
+        with sowtel.scope("unnamed"):
+            sowtel.jit(jax.grad(loss))(params)
         assert sowtel.flush()
     _check_against_stream(inter, session.exporters[0].records, names)
 

@@ -372,3 +372,38 @@ def test_sharded_input_reduces_globally() -> None:
     expected = host_summary(np.arange(64.0).reshape(16, 4) * 0.5, "stats")["stats"]
     for k, v in expected.items():
         np.testing.assert_allclose(r.stats[k], v, rtol=1e-5, err_msg=k)
+
+
+def test_shardings_as_in_jax_jit() -> None:
+    mesh = jax.make_mesh((8,), ("i",))
+    sharding = NamedSharding(mesh, P("i"))
+    step = sowtel.jit(lambda x, scale: sow(x * scale, "h") + 1.0,
+                      in_shardings=(sharding,), out_shardings=sharding, static_argnums=1)
+    x = jax.device_put(jnp.arange(16.0), sharding)
+    with sowtel.enable(exporter="memory", summary="full") as session:
+        y = step(x, 2.0)
+        sowtel.flush()
+    assert y.sharding == sharding
+    np.testing.assert_allclose(y, np.arange(16.0) * 2 + 1)
+    [r] = session.exporters[0].records
+    np.testing.assert_allclose(r.value, np.arange(16.0) * 2)
+
+
+def test_while_body_sites_carry_the_calls_step() -> None:
+    def f(x):
+        def body(state):
+            k, v = state
+            return k + 1, sow(v * 1.5, "w")
+
+        return jax.lax.while_loop(lambda s: s[0] < 2, body, (0, sow(x, "before")))[1]
+
+    step = sowtel.jit(f)
+    with sowtel.enable(exporter="memory", summary="full") as session:
+        for k in (5, 6):
+            with sowtel.at_step(k):
+                step(X)
+        step(X)  # no at_step: the call count since enable() (the third call)
+        sowtel.flush()
+    got = sorted((r.step, r.name) for r in session.exporters[0].records)
+    assert got == sorted([(5, "before"), (5, "w"), (5, "w"), (6, "before"), (6, "w"), (6, "w"),
+                          (2, "before"), (2, "w"), (2, "w")])

@@ -161,6 +161,9 @@ def test_both_transports_give_one_coherent_set_of_records_across_two_processes(t
         assert r["jit_status"]["exported"] == {
             "memory": n, "jsonl": n, "tensorboard": n, "otel": n}, r["jit_status"]
         assert r["resource"] == [["process.count", "2"], ["process.index", str(k)]]
+        for label in ("memory", "jsonl", "tensorboard", "otel"):
+            account = r["jit_status"]["accounts"][label]
+            assert account["received"] == account["exported"] == n, account
     assert [len(r["jit"]) for r in results] == [2 * (2 + 6 + 8), 2 * 8]
 
     # sowtel.jit's summaries of the global sites (h, and s in every iteration of its scan)
