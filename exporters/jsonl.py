@@ -65,6 +65,16 @@ _DIR_FD = os.open in os.supports_dir_fd
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
+def _default_filename() -> str:
+    try:
+        import jax
+
+        index, count = int(jax.process_index()), int(jax.process_count())
+    except Exception:  # noqa: BLE001 - no usable JAX backend: a job of one process
+        return "records.jsonl"
+    return "records.jsonl" if count <= 1 else f"records_process_{index}.jsonl"
+
+
 def _float(x: Any) -> float | str:
     x = float(x)
     if math.isfinite(x):
@@ -128,7 +138,10 @@ class JsonlExporter:
     Args:
       logdir: the folder to write into; created if missing. A path that is a file, or that
         cannot be created or written, raises ``ValueError`` here rather than losing records later.
-      filename: the JSON-lines file's name inside ``logdir`` (a bare name, no folders).
+      filename: the JSON-lines file's name inside ``logdir`` (a bare name, no folders). By
+        default ``records.jsonl``; in a job of several JAX processes (``jax.distributed``)
+        ``records_process_<k>.jsonl``, one file per process, so processes sharing a ``logdir``
+        never write to one file.
 
     Example:
         >>> import sowtel  # doctest: +SKIP
@@ -138,7 +151,9 @@ class JsonlExporter:
     label = "jsonl"
 
     def __init__(self, logdir: str | os.PathLike[str] = "runs",
-                 filename: str = "records.jsonl") -> None:
+                 filename: str | None = None) -> None:
+        if filename is None:
+            filename = _default_filename()
         if not isinstance(filename, str) or not filename or filename in (".", "..") or any(
             sep and sep in filename for sep in ("/", "\\", os.sep, os.altsep)
         ):

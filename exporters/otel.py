@@ -538,8 +538,9 @@ class OTelExporter:
         same way.
       service_name: ``service.name`` of the providers the exporter creates (default:
         ``$OTEL_SERVICE_NAME``, else ``"sowtel"``). Their resource also carries
-        ``sowtel.process_index`` and ``sowtel.process_count`` (JAX's process index and count)
-        and whatever ``$OTEL_RESOURCE_ATTRIBUTES`` adds.
+        ``process.index`` and ``process.count`` (JAX's process index and count, also as
+        ``sowtel.process_index`` and ``sowtel.process_count``) and whatever
+        ``$OTEL_RESOURCE_ATTRIBUTES`` adds.
       otlp_endpoint: base URL of an OTLP receiver (``http://127.0.0.1:4317`` for gRPC,
         ``http://127.0.0.1:4318`` for HTTP); spans and metrics are sent there.
       otlp_protocol: ``"grpc"`` or ``"http/protobuf"``.
@@ -669,6 +670,9 @@ class OTelExporter:
                 "service.name": self._service_name,
                 "sowtel.process_index": self._process_index,
                 "sowtel.process_count": process_count,
+                # The same under the names a collector merging several processes groups by.
+                "process.index": self._process_index,
+                "process.count": process_count,
             })
         if own_tracer:
             tracer_provider = TracerProvider(resource=resource)

@@ -19,6 +19,9 @@ when that is gone.
   alias of ``Jaxpr``, its ``.jaxpr`` a legacy accessor returning itself); 0.12 removed the alias.
 - ``scan_split_counts``: how many of a ``scan`` equation's inputs are constants and carries
   (``num_consts`` / ``num_carry`` up to 0.10, the flat trees ``ft_in`` / ``ft_out`` since 0.11).
+- ``distributed_client``: the ``jax.distributed`` coordinator's client
+  (``jax._src.distributed.global_state.client``), whose key-value store lets processes check
+  that they agree; ``None`` when it is gone (then nothing is checked).
 - ``effects_barrier``: ``jax.effects_barrier`` that returns, rather than raises, the error of an
   earlier failed computation (JAX re-raises it there: 0.12 once, 0.10 and 0.11 at every later
   barrier and at exit, as they keep the failed token).
@@ -56,9 +59,9 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
-    "as_jaxpr", "branch_path", "effects_barrier", "is_tracing", "jaxpr_and_consts",
-    "manual_axes", "module_state", "register_uncached_lowering", "scan_split_counts",
-    "traced_for",
+    "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
+    "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
+    "scan_split_counts", "traced_for",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2", "0.11.2", "0.12.0.1")
@@ -332,3 +335,14 @@ def branch_path(ctx: Any) -> tuple[tuple[int, int], ...]:
         except (ValueError, AttributeError):  # a detached op: no enclosing block
             break
     return tuple(reversed(path))
+
+
+def distributed_client() -> Any:
+    """The ``jax.distributed`` client (key-value store, barriers), or None if unavailable."""
+    try:
+        from jax._src import distributed as _distributed
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return None
+    client = getattr(getattr(_distributed, "global_state", None), "client", None)
+    needed = ("key_value_set", "blocking_key_value_get")
+    return client if all(hasattr(client, n) for n in needed) else None

@@ -66,7 +66,8 @@ def summary_records(site: StreamSite, arrays: Sequence[np.ndarray], *, step: int
 
 
 def compiled_records(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step: int,
-                     seqs: Iterator[int], wall_time: float, process_index: int) -> list[Record]:
+                     seqs: Iterator[int], wall_time: float, process_index: int,
+                     lowest: Sequence[np.ndarray] | None = None) -> list[Record]:
     """Records of a ``sowtel.jit`` logging step from its summary outputs, now on the host.
 
     ``sites`` are the program's ``SiteSummary`` entries, ``arrays`` its outputs in their order.
@@ -74,11 +75,17 @@ def compiled_records(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step
     first); its last array says, per position, whether the site ran there (0 in the branches
     of a cond that were not taken: no record). Indices list shard axes first, then scan axes,
     as the callback transport gives them.
+
+    ``lowest`` (several processes, see :func:`sowtel.multihost.fetch`): per array, the lowest
+    process holding each element; this process builds only the records it owns there.
     """
+    from sowtel.multihost import owns
+
     records: list[Record] = []
     at = 0
     for entry in sites:
         mine = arrays[at:at + entry.n_arrays]
+        held = lowest[at:at + entry.n_arrays] if lowest is not None else None
         at += entry.n_arrays
         ran = np.asarray(mine[-1])
         kinds = [kind for kind, _ in entry.stacked]
@@ -90,6 +97,8 @@ def compiled_records(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step
         for step_pos in np.ndindex(ran.shape):
             pos = tuple(n - 1 - p if b else p
                         for p, n, b in zip(step_pos, ran.shape, backward, strict=True))
+            if held is not None and not owns(held, pos, process_index):
+                continue
             if not ran[pos]:
                 continue
             records.extend(summary_records(

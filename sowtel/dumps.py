@@ -257,6 +257,14 @@ class _Encoder:
             kind = "list" if type(x) is list else "tuple"
             return {kind: [self.node(v, site, mode, (*leaf, i)) for i, v in enumerate(x)]}
         if _is_leaf(x) and not isinstance(x, (str, bytes)):
+            if getattr(x, "is_fully_addressable", True) is False:
+                raise ValueError(
+                    f"{where} is a jax.Array of global shape {tuple(x.shape)} that spans "
+                    "devices of other processes (jax.distributed), which this process cannot "
+                    "read: a dump holds what one process has. Gather it first, in every "
+                    "process: jax.experimental.multihost_utils.process_allgather(x, "
+                    "tiled=True), then dump from one process"
+                )
             # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
             arr = np.asarray(x)
             if not arr.flags.c_contiguous:

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sowtel import _jax_compat as jc
-from sowtel import capture, naming
+from sowtel import capture, multihost, naming
 from sowtel.primitive import (
     CONTEXT,
     Context,
@@ -83,10 +83,10 @@ class CompiledSummaries:
     per dtype (one transfer each), and (static) what they are and where each one lies."""
 
     def __init__(self, buffers: list[Any], sites: tuple[SiteSummary, ...],
-                 layout: tuple[tuple[int, int, tuple[int, ...]], ...]) -> None:
+                 layout: tuple[tuple[int, int, tuple[int, ...]], ...] | None) -> None:
         self.buffers = buffers
         self.sites = sites
-        self.layout = layout  # per array: (buffer, offset, shape)
+        self.layout = layout  # per array: (buffer, offset, shape); None: one buffer per array
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +109,8 @@ class CompiledSummaries:
 
     def unpack(self, host_buffers: list[np.ndarray]) -> list[np.ndarray]:
         """The arrays again, as views of the fetched ``host_buffers``."""
+        if self.layout is None:
+            return list(host_buffers)
         out = []
         for b, offset, shape in self.layout:
             n = int(np.prod(shape, dtype=np.int64))
@@ -221,6 +223,7 @@ class Jitted:
         if step is None:
             step = calls
         config = ctx.stream
+        gather = multihost.replicated_sharding((args, kwargs))
         if config not in self._strides:
             self._discover(config, args, kwargs)
         while True:
@@ -232,9 +235,9 @@ class Jitted:
                 if self._callbacks.get(config):
                     # Its while-body sites call back later: they read this step on the host.
                     with session.host_step_block(step):
-                        out, summaries = self._program(config, due)(*args, **kwargs)
+                        out, summaries = self._program(config, due, gather)(*args, **kwargs)
                 else:
-                    out, summaries = self._program(config, due)(*args, **kwargs)
+                    out, summaries = self._program(config, due, gather)(*args, **kwargs)
             except _NewStride as new:  # raised while tracing: nothing ran
                 self._strides[config].add(new.every)
                 continue
@@ -262,8 +265,9 @@ class Jitted:
                          kwargs: Any) -> Any:
         if config not in self._strides:
             self._discover(config, args, kwargs)
+        gather = multihost.replicated_sharding((args, kwargs))
         while True:
-            program = self._program(config, self._due(config, step))
+            program = self._program(config, self._due(config, step), gather)
             try:
                 program.trace(*args, **kwargs)
             except _NewStride as new:
@@ -271,16 +275,19 @@ class Jitted:
                 continue
             return program
 
-    def _program(self, config: StreamConfig, due: frozenset[int] | None) -> Any:
-        key = (config, due)
+    def _program(self, config: StreamConfig, due: frozenset[int] | None,
+                 gather: Any = None) -> Any:
+        key = (config, due, gather)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs.setdefault(key, self._build(config, due))
+            program = self._programs.setdefault(key, self._build(config, due, gather))
         return program
 
-    def _build(self, config: StreamConfig, due: frozenset[int] | None) -> Any:
+    def _build(self, config: StreamConfig, due: frozenset[int] | None,
+               gather: Any = None) -> Any:
         fun = self._fun
         strides = self._strides.setdefault(config, {config.every})
+        in_blocks: set[int] = set()  # sites whose stats are summarised per device (multihost)
 
         def reduce(params: dict[str, Any], leaves: list[Any]) -> tuple[Any, list[Any]] | None:
             every = int(params["every"])
@@ -299,7 +306,11 @@ class Jitted:
                 dtypes=tuple(str(v.dtype) for v in leaves), summary=summary, every=every,
                 bins=DEFAULT_BINS, loops=site.loops, extras=(), order=next(_order),
             )
-            arrays = [a for v in leaves for a in device_summary(v, summary, info.bins)]
+            arrays = multihost.partial_summaries(leaves, summary, info.bins, gather)
+            if arrays is not None:  # finished in logging_step, with every site's
+                in_blocks.add(info.order)
+            else:
+                arrays = [a for v in leaves for a in device_summary(v, summary, info.bins)]
             return info, [*arrays, jnp.ones((), jnp.int32)]
 
         def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:
@@ -324,6 +335,8 @@ class Jitted:
             outs, caps = capture.eval_summaries(jaxpr, consts, dyn, summary_pass)
             if summary_pass.callbacks:
                 self._callbacks[config] = True
+            if in_blocks:
+                caps = multihost.combine_partials(caps, in_blocks, gather)
             names = _numbered(caps)
             sites = []
             arrays: list[Any] = []
@@ -335,6 +348,12 @@ class Jitted:
                 sites.append(SiteSummary(site, c.stacked, len(c.leaves)))
                 arrays.extend(c.leaves)
             result = jax.tree_util.tree_unflatten(out_tree[-1], outs)
+            if multihost.spans_processes():
+                # Unpacked, so each keeps its sharding: a shard_map site's per-shard summaries
+                # stay with the process that ran the shard (see sowtel.multihost); a global
+                # site's full value is gathered (replicated), as the callback transport does.
+                arrays = multihost.gather_full_values(sites, arrays, gather)
+                return result, CompiledSummaries(arrays, tuple(sites), None)
             buffers, layout = CompiledSummaries.pack(arrays)
             return result, CompiledSummaries(buffers, tuple(sites), layout)
 

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from sowtel import _jax_compat as jc
+from sowtel import multihost
 from sowtel.build import compiled_records, records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
@@ -275,10 +276,11 @@ class Session:
         for item in items:
             if isinstance(item, _Compiled):
                 # Waits for the device, here: one transfer a buffer.
-                host = item.summaries.unpack(jax.device_get(item.summaries.buffers))
+                fetched, lowest = multihost.fetch(item.summaries.buffers)
+                host = item.summaries.unpack(fetched)
                 records.extend(compiled_records(
                     item.summaries.sites, host, step=item.step, seqs=self._seq,
-                    wall_time=item.wall_time, process_index=self.process_index))
+                    wall_time=item.wall_time, process_index=self.process_index, lowest=lowest))
             else:
                 records.extend(self._records_of(*item))
         return records
@@ -443,6 +445,8 @@ def enable(
         raise ValueError(f"on_full={on_full!r} is not a policy: use 'drop' or 'block'")
     include_fn = _check_patterns(include, "include")
     exclude_fn = _check_patterns(exclude, "exclude")
+    multihost.agree(dict(summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
+                         exclude=exclude_fn, every=every), what="enable")
     exporters = resolve(exporter, **exporter_options)
     session = Session(
         exporters, summary=summary, tags=tags_t, modes=modes_t, include=include_fn,

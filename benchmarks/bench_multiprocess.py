@@ -1,0 +1,147 @@
+"""The two-process training step: ``sowtel.jit`` streaming ``stats`` every step vs the plain step.
+
+Starts two processes joined by ``jax.distributed`` on loopback (4 CPU devices each, a global
+mesh of 8), which run the small-MLP workload data-parallel: the batch sharded over the 8
+devices, the parameters replicated, gradients reduced across the processes by the compiled
+program. Both processes time, interleaved in rounds, the plain step (``jax.jit``, no sows) and
+the same step with sows through ``sowtel.jit`` with a session streaming ``stats`` every step
+(each site's statistics reduced over the global activations on the devices; process 0 exports
+the records), the same session through ``jax.jit`` (the callback transport), and ``sowtel.jit``
+with ``every=10``. Process 0 reports the medians and their ratio, and the records per step it
+exported, so a variant that streamed nothing cannot pass for a fast one.
+
+Run: ``python -m benchmarks.bench_multiprocess [--quick]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+TIMEOUT_S = 600.0
+
+
+def _worker(k: int, port: int, out: Path, quick: bool) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import sowtel
+    from benchmarks.workloads import make_train_step, mlp, no_tap
+    from sowtel import multihost
+    from sowtel.exporters.memory import MemoryExporter
+
+    multihost.initialize(f"127.0.0.1:{port}", 2, k)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    work = mlp()
+    params, opt_state, batch = work.init()
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    def put(tree: Any, sharding: Any) -> Any:
+        def one(a: Any) -> Any:
+            host = np.asarray(a)
+            return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+        return jax.tree.map(one, tree)
+
+    params, opt_state, batch = put(params, replicated), put(opt_state, replicated), put(
+        batch, rows)
+    step = jax.numpy.int32(0)
+    plain = jax.jit(make_train_step(work, no_tap))
+    rounds, n = (3, 5) if quick else (7, 20)
+    times: dict[str, list[float]] = {}
+    result: dict[str, Any] = {"process": k, "description": work.description}
+    for every in (1, 10):
+        memory = MemoryExporter(max_records=100_000)
+        name = "sowtel.jit" if every == 1 else f"sowtel.jit every={every}"
+        with sowtel.enable(exporter=memory, every=every):
+            logged = sowtel.jit(make_train_step(work, sowtel.sow))
+            variants = [(f"plain ({name})", plain), (name, logged)]
+            if every == 1:
+                variants.append(("callback", jax.jit(make_train_step(work, sowtel.sow))))
+            for _, fn in variants:  # compile, warm up
+                for _ in range(2):
+                    jax.block_until_ready(fn(params, opt_state, batch, step))
+            sowtel.flush()
+            before = sowtel.status()["exported"]["memory"]
+            for _ in range(rounds):
+                for variant, fn in variants:
+                    start = time.perf_counter()
+                    for _ in range(n):
+                        results = fn(params, opt_state, batch, step)
+                    jax.block_until_ready(results)
+                    times.setdefault(variant, []).append((time.perf_counter() - start) / n)
+            sowtel.flush()
+            exported = sowtel.status()["exported"]["memory"] - before
+        result[f"records_per_step ({name})"] = exported / (rounds * n * (len(variants) - 1))
+    result["median_s"] = {variant: float(np.median(t)) for variant, t in times.items()}
+    (out / f"bench_{k}.json").write_text(json.dumps(result))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_pair(quick: bool) -> dict[str, Any]:
+    """Runs the two processes; returns process 0's result."""
+    port = _free_port()
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_multiprocess", "--worker", str(k),
+             str(port), tmp, *(["--quick"] if quick else [])], env=env, cwd=root)
+            for k in (0, 1)]
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            for p in procs:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"a benchmark process failed: {[p.returncode for p in procs]}")
+        return json.loads((Path(tmp) / "bench_0.json").read_text())  # type: ignore[no-any-return]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    quick = "--quick" in args
+    if args and args[0] == "--worker":
+        _worker(int(args[1]), int(args[2]), Path(args[3]), quick)
+        return 0
+    result = run_pair(quick)
+    median = result["median_s"]
+    print(f"two processes x 4 CPU devices, {result['description']}")
+    for name in ("sowtel.jit", "sowtel.jit every=10"):
+        plain, logged = median[f"plain ({name})"], median[name]
+        print(f"  plain step (jax.jit, no sows)  {plain * 1e3:8.2f} ms")
+        print(f"  {name:<29}  {logged * 1e3:8.2f} ms   {logged / plain:.2f}x   "
+              f"({result[f'records_per_step ({name})']:.1f} records/step, process 0)")
+        if name == "sowtel.jit":
+            callback = median["callback"]
+            print(f"  {'callback (enable + jax.jit)':<29}  {callback * 1e3:8.2f} ms   "
+                  f"{callback / plain:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
