@@ -424,6 +424,11 @@ def fetch(arrays: Sequence[Any]) -> tuple[list[np.ndarray], list[np.ndarray] | N
     return [_local_value(a) for a in arrays], [_lowest_holder(a) for a in arrays]
 
 
+#: Summaries of sowtel.jit steps that no single process held whole, so none exported them:
+#: counted (``status()["split_unexported"]``, process-wide), never dropped silently.
+SPLIT_UNEXPORTED = [0]
+
+
 def owns(lowest: Sequence[np.ndarray], pos: tuple[int, ...], process_index: int) -> bool:
     """Whether ``process_index`` exports the records at ``pos`` of one site's summary arrays.
 
@@ -434,6 +439,8 @@ def owns(lowest: Sequence[np.ndarray], pos: tuple[int, ...], process_index: int)
     global _warned_unowned
     owners = {int(v) for low in lowest for v in np.ravel(low[pos])}
     if len(owners) != 1:  # split across processes: no process holds the whole summary
+        if process_index == min(owners):  # counted once in the job, by its lowest holder
+            SPLIT_UNEXPORTED[0] += 1
         if not _warned_unowned:
             _warned_unowned = True
             logger.warning("sowtel: a summary of a sowtel.jit step is split across processes "

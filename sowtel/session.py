@@ -331,7 +331,7 @@ class Session:
         """This session's counters (see :func:`sowtel.status`)."""
         s = dict(self.dispatcher.status())
         s.update(enabled=not self._closed, session=self.id, effect_errors=self._effect_errors,
-                 late=self._late)
+                 late=self._late, split_unexported=multihost.SPLIT_UNEXPORTED[0])
         # Records an exporter was handed (so counted as exported) and later let go of to stay
         # within its own bound, such as the memory exporter's max_records.
         s["evicted"] = {label: _evicted(e) for label, e in
