@@ -46,7 +46,7 @@ def _worker(k: int, port: int, out: Path, quick: bool) -> None:
 
     multihost.initialize(f"127.0.0.1:{port}", 2, k)
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    work = mlp()
+    work = mlp(batch=32, width=64) if quick else mlp()  # quick: a smoke run, small and short
     params, opt_state, batch = work.init()
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
@@ -61,7 +61,7 @@ def _worker(k: int, port: int, out: Path, quick: bool) -> None:
         batch, rows)
     step = jax.numpy.int32(0)
     plain = jax.jit(make_train_step(work, no_tap))
-    rounds, n = (3, 5) if quick else (7, 20)
+    rounds, n = (1, 3) if quick else (7, 20)
     times: dict[str, list[float]] = {}
     result: dict[str, Any] = {"process": k, "description": work.description}
     for every in (1, 10):

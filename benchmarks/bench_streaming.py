@@ -280,7 +280,7 @@ def training_tables(quick: bool = False) -> Iterator[Table]:
     )
     # --quick is a smoke run of every code path: the transformer block exercises the same ones
     # as the MLP, at four times its compile time.
-    for work in (mlp(),) if quick else (mlp(), transformer_block()):
+    for work in (mlp(batch=64, width=128),) if quick else (mlp(), transformer_block()):
         with ExitStack() as stack:
             variants, texts = workload_variants(work, stack)
             rounds, steps = _rounds(work, quick)
