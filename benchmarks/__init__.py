@@ -33,11 +33,12 @@ import platform
 import re
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["Timing", "Table", "interleave", "normalized_hlo", "machine", "fmt_time",
-           "fmt_ratio", "add_common_arguments", "write_markdown", "hlo_structure", "calibration"]
+           "fmt_ratio", "add_common_arguments", "write_markdown", "hlo_structure", "calibration",
+           "module_main"]
 
 
 @dataclasses.dataclass
@@ -413,6 +414,33 @@ def add_common_arguments(parser: Any) -> None:
                         help="fewer rounds: a smoke run, not a measurement")
     parser.add_argument("--markdown", metavar="FILE", default=None,
                         help="also write the result tables as markdown to FILE")
+
+
+def module_main(argv: Sequence[str] | None, module: str, doc: str | None,
+                tables: Callable[[Any], Iterable[Any]],
+                arguments: Callable[[Any], None] | None = None) -> int:
+    """The ``main`` of a benchmark module: ``--quick``, ``--markdown FILE`` (and the module's
+    own ``arguments``), the machine line, then each table of ``tables(args)`` as it finishes.
+
+    Example:
+        >>> module_main(["--quick"], "bench_none", "Nothing.", lambda args: [])  # doctest: +SKIP
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}",
+                                     description=(doc or "").split("\n\n")[0])
+    add_common_arguments(parser)
+    if arguments is not None:
+        arguments(parser)
+    args = parser.parse_args(argv)
+    print(machine(), flush=True)
+    done = []
+    for table in tables(args):
+        print("\n" + table.text(), flush=True)
+        done.append(table)
+    if args.markdown:
+        write_markdown(args.markdown, done, header=f"Machine: {machine()}")
+    return 0
 
 
 def write_markdown(path: str, tables: Sequence[Table], *, header: str = "") -> None:

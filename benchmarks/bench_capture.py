@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,13 +33,11 @@ import numpy as np
 import sowtel
 from benchmarks import (
     Table,
-    add_common_arguments,
     fmt_ratio,
     fmt_time,
     hlo_structure,
     interleave,
-    machine,
-    write_markdown,
+    module_main,
 )
 from benchmarks.workloads import Workload, make_returning_value_and_grad, mlp, no_tap
 
@@ -162,17 +159,7 @@ def run(quick: bool = False) -> list[Table]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m benchmarks.bench_capture [--quick] [--markdown FILE]``."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_capture",
-                                     description=__doc__.split("\n\n")[0])
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    print(machine(), flush=True)
-    tables = run(args.quick)
-    for table in tables:
-        print("\n" + table.text(), flush=True)
-    if args.markdown:
-        write_markdown(args.markdown, tables, header=f"Machine: {machine()}")
-    return 0
+    return module_main(argv, "bench_capture", __doc__, lambda args: run(args.quick))
 
 
 if __name__ == "__main__":

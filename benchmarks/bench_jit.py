@@ -34,12 +34,10 @@ import jax
 import sowtel
 from benchmarks import (
     Table,
-    add_common_arguments,
     fmt_ratio,
     fmt_time,
     interleave,
-    machine,
-    write_markdown,
+    module_main,
 )
 from benchmarks.workloads import (
     Workload,
@@ -181,19 +179,16 @@ def tables(quick: bool = False) -> Iterator[Table]:
     yield from run(quick)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_arguments(parser)
+def _gpt_full_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-full", action="store_true",
                         help="the GPT workload at full size (d_model 768, seq 512, batch 16)")
-    args = parser.parse_args(argv)
-    print(machine())
-    results = run(quick=args.quick, gpt_full=args.gpt_full)
-    for t in results:
-        print("\n" + t.text(), flush=True)
-    if args.markdown:
-        write_markdown(args.markdown, results, header=machine())
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.bench_jit [--quick] [--gpt-full] [--markdown FILE]``."""
+    return module_main(argv, "bench_jit", __doc__,
+                       lambda args: run(quick=args.quick, gpt_full=args.gpt_full),
+                       arguments=_gpt_full_argument)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -38,11 +37,9 @@ import numpy as np
 
 from benchmarks import (
     Table,
-    add_common_arguments,
     fmt_ratio,
     fmt_time,
-    machine,
-    write_markdown,
+    module_main,
 )
 from benchmarks.workloads import exporter_training_table
 from sowtel.exporters.memory import MemoryExporter
@@ -253,18 +250,7 @@ def run(quick: bool = False) -> list[Table]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m benchmarks.bench_otel [--quick] [--markdown FILE]``."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_otel",
-                                     description=(__doc__ or "").split("\n\n")[0])
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    print(machine(), flush=True)
-    done = []
-    for table in tables(args.quick):
-        print("\n" + table.text(), flush=True)
-        done.append(table)
-    if args.markdown:
-        write_markdown(args.markdown, done, header=f"Machine: {machine()}")
-    return 0
+    return module_main(argv, "bench_otel", __doc__, lambda args: tables(args.quick))
 
 
 if __name__ == "__main__":

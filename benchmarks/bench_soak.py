@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from collections.abc import Sequence
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks import Table, add_common_arguments, machine, write_markdown  # noqa: E402
+from benchmarks import Table, module_main  # noqa: E402
 
 __all__ = ["run", "main", "soak"]
 
@@ -125,17 +124,7 @@ def run(quick: bool = False) -> list[Table]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m benchmarks.bench_soak [--quick] [--markdown FILE]``."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_soak",
-                                     description=(__doc__ or "").split("\n\n")[0])
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    print(machine(), flush=True)
-    tables = run(args.quick)
-    for table in tables:
-        print("\n" + table.text(), flush=True)
-    if args.markdown:
-        write_markdown(args.markdown, tables, header=f"Machine: {machine()}")
-    return 0
+    return module_main(argv, "bench_soak", __doc__, lambda args: run(args.quick))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
@@ -39,11 +38,9 @@ import numpy as np
 
 from benchmarks import (
     Table,
-    add_common_arguments,
     fmt_ratio,
     fmt_time,
-    machine,
-    write_markdown,
+    module_main,
 )
 from benchmarks.workloads import exporter_training_table
 from sowtel.exporters.tensorboard import TensorBoardExporter, series_tag
@@ -190,18 +187,7 @@ def run(quick: bool = False) -> list[Table]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m benchmarks.bench_tensorboard [--quick] [--markdown FILE]``."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_tensorboard",
-                                     description=(__doc__ or "").split("\n\n")[0])
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    print(machine(), flush=True)
-    done = []
-    for table in tables(args.quick):
-        print("\n" + table.text(), flush=True)
-        done.append(table)
-    if args.markdown:
-        write_markdown(args.markdown, done, header=f"Machine: {machine()}")
-    return 0
+    return module_main(argv, "bench_tensorboard", __doc__, lambda args: tables(args.quick))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from sowtel import _jax_compat as jc
 from sowtel import naming
 from sowtel.primitive import CONTEXT, Context, check_tag, current_context, sow_p
 
-__all__ = ["Intermediates", "save_intermediates"]
+__all__ = ["Intermediates", "save_intermediates", "trace_flat"]
 
 
 #: How a value was stacked: ``(("scan", length) | ("shard", count), ...)``, outermost first.
@@ -584,6 +584,30 @@ class _StaticKey:
             return all(a is b for a, b in zip(self.items, other.items, strict=True))
 
 
+def trace_flat(fn: Callable[..., Any], dyn: Any) -> tuple[Any, list[Any], Any]:
+    """Traces ``fn(*dyn)`` to ``(jaxpr, consts, out_tree)``: a jaxpr on flat outputs, for the
+    capture pass (``save_intermediates``) and the summary pass (``sowtel.jit``) to evaluate.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> jaxpr, consts, tree = trace_flat(lambda x: {"y": x + 1}, [jnp.ones(2)])
+        >>> [e.primitive.name for e in jaxpr.eqns], tree
+        (['add'], PyTreeDef({'y': *}))
+    """
+    out_tree: list[Any] = []
+
+    def flat_fn(*d: Any) -> list[Any]:
+        leaves, tree = jax.tree_util.tree_flatten(fn(*d))
+        out_tree.append(tree)
+        return leaves
+
+    # Under disable_jit, lax.scan would unroll while tracing: one site per iteration.
+    with jax.disable_jit(False):
+        closed = jax.make_jaxpr(flat_fn)(*dyn)
+    jaxpr, consts = jc.jaxpr_and_consts(closed)
+    return jaxpr, consts, out_tree[-1]
+
+
 def save_intermediates(
     fn: Callable[..., Any], *, tag: str = "intermediates", duplicates: str = "error"
 ) -> Callable[..., tuple[Any, dict[str, dict[str, Any]]]]:
@@ -643,20 +667,10 @@ def save_intermediates(
 
         def run(*dyn: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
             ctx = current_context() or Context()
-            out_store: list[Any] = []
-
-            def flat_fn(*d: Any) -> list[Any]:
-                out = merged(list(d))
-                leaves, out_tree = jax.tree_util.tree_flatten(out)
-                out_store.append(out_tree)
-                return leaves
-
-            # Under disable_jit, lax.scan would unroll while tracing: one site per iteration.
-            with CONTEXT(Context(stream=ctx.stream, capture=tag)), jax.disable_jit(False):
-                closed = jax.make_jaxpr(flat_fn)(*dyn)
-            outs, caps = _eval(*jc.jaxpr_and_consts(closed), list(dyn))
-            result = jax.tree_util.tree_unflatten(out_store[-1], outs)
-            return result, _assemble(caps, duplicates)
+            with CONTEXT(Context(stream=ctx.stream, capture=tag)):
+                jaxpr, consts, out_tree = trace_flat(lambda *d: merged(list(d)), dyn)
+            outs, caps = _eval(jaxpr, consts, list(dyn))
+            return jax.tree_util.tree_unflatten(out_tree, outs), _assemble(caps, duplicates)
 
         return jax.jit(run)
 

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -60,6 +61,7 @@ from sowtel.primitive import (
 from sowtel.summaries import DEFAULT_BINS, device_summary
 
 __all__ = ["jit", "Jitted", "CompiledSummaries"]
+
 
 class _NewStride(Exception):
     """A site's ``every=`` was not known when the step's due strides were chosen: trace again."""
@@ -125,10 +127,6 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _is_dynamic(leaf: Any) -> bool:
-    return isinstance(leaf, jc.core.Tracer)
-
-
 def _numbered(caps: list[Any]) -> list[str]:
     """Final names of the captured sites, numbered as the callback transport numbers them: per
     (name, mode), occurrences in trace order (backward modes in reverse), when there are several."""
@@ -160,14 +158,14 @@ class Jitted:
         # their host callbacks (and take the call's step from the host).
         self._callbacks: dict[StreamConfig, bool] = {}
         self._lock = threading.Lock()
-        functools.update_wrapper(self, fun)
-        self.__wrapped__ = fun
+        functools.update_wrapper(self, fun)  # __wrapped__, __name__, __doc__ as jax.jit's
 
     # -- what jax.jit functions have -------------------------------------------------------------
 
     def _quiet(self) -> Any:
         ctx = current_context()
-        return CONTEXT(dataclasses.replace(ctx, quiet=True)) if ctx is not None else _nothing()
+        return (CONTEXT(dataclasses.replace(ctx, quiet=True)) if ctx is not None
+                else contextlib.nullcontext())
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """``jax.jit(fun).lower(...)``: the program of a step that logs nothing."""
@@ -204,13 +202,10 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ctx = current_context()
-        if ctx is None or ctx.stream is None:
+        if ctx is None or ctx.stream is None or ctx.quiet or ctx.capture is not None:
             return self._plain(*args, **kwargs)
-        if jc.is_tracing() or any(
-                isinstance(x, jc.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+        if jc.is_tracing():
             # Called inside another traced function: its sows belong to that program.
-            return self._plain(*args, **kwargs)
-        if ctx.quiet or ctx.capture is not None:
             return self._plain(*args, **kwargs)
         from sowtel.session import active_session
 
@@ -223,7 +218,6 @@ class Jitted:
         if step is None:
             step = calls
         config = ctx.stream
-        gather = multihost.replicated_sharding((args, kwargs))
         if config not in self._strides:
             self._discover(config, args, kwargs)
         while True:
@@ -231,6 +225,7 @@ class Jitted:
             if not due:
                 with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                     return self._plain(*args, **kwargs)
+            gather = multihost.replicated_sharding((args, kwargs))  # several processes only
             try:
                 if self._callbacks.get(config):
                     # Its while-body sites call back later: they read this step on the host.
@@ -315,22 +310,17 @@ class Jitted:
 
         def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-            dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-            out_tree: list[Any] = []
+            dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jc.core.Tracer)]
 
-            def flat_fun(*dyn: Any) -> list[Any]:
+            def call(*dyn: Any) -> Any:  # fun, with the traced arguments in their places
                 full = list(leaves)
                 for i, x in zip(dynamic, dyn, strict=True):
                     full[i] = x
                 a, k = jax.tree_util.tree_unflatten(treedef, full)
-                out_leaves, tree = jax.tree_util.tree_flatten(fun(*a, **k))
-                out_tree.append(tree)
-                return out_leaves
+                return fun(*a, **k)
 
             dyn = [leaves[i] for i in dynamic]
-            with jax.disable_jit(False):
-                closed = jax.make_jaxpr(flat_fun)(*dyn)
-            jaxpr, consts = jc.jaxpr_and_consts(closed)
+            jaxpr, consts, out_tree = capture.trace_flat(call, dyn)
             summary_pass = capture.SummaryPass(reduce=reduce)
             outs, caps = capture.eval_summaries(jaxpr, consts, dyn, summary_pass)
             if summary_pass.callbacks:
@@ -347,7 +337,7 @@ class Jitted:
                         name + leaf[len(site.name):] for leaf in site.leaf_names))
                 sites.append(SiteSummary(site, c.stacked, len(c.leaves)))
                 arrays.extend(c.leaves)
-            result = jax.tree_util.tree_unflatten(out_tree[-1], outs)
+            result = jax.tree_util.tree_unflatten(out_tree, outs)
             if multihost.spans_processes():
                 # Unpacked, so each keeps its sharding: a shard_map site's per-shard summaries
                 # stay with the process that ran the shard (see sowtel.multihost); a global
@@ -365,14 +355,6 @@ class Jitted:
 
 
 _order = itertools.count()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def jit(fun: Callable[..., Any] | None = None, /, **jax_jit_options: Any) -> Any:

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import fnmatch
@@ -130,9 +131,9 @@ class StreamPolicy(Protocol):
 
     def count_late(self, site: StreamSite) -> None: ...
 
-    def enter_host_step(self, step: int) -> bool: ...
+    def logs_at(self, step: int) -> bool: ...
 
-    def exit_host_step(self, logged: bool) -> None: ...
+    def host_step_block(self, step: int) -> contextlib.AbstractContextManager[None]: ...
 
 
 class _Receivers:
@@ -318,12 +319,10 @@ def _host_step(step: int) -> Iterator[None]:
         if ctx is None or ctx.stream is None or policy is None:
             yield
             return
-        logs = policy.enter_host_step(step)
-        try:
-            with CONTEXT(dataclasses.replace(ctx, quiet=not logs)):
-                yield
-        finally:
-            policy.exit_host_step(logs)
+        logs = policy.logs_at(step)
+        with (policy.host_step_block(step) if logs else contextlib.nullcontext()), \
+                CONTEXT(dataclasses.replace(ctx, quiet=not logs)):
+            yield
     finally:
         HOST_STEP.reset(token)
 

@@ -172,7 +172,7 @@ class Session:
         )
         self._counters: dict[Any, Iterable[int]] = {}
         self._views: dict[Any, bool] = {}
-        # Host-side at_step blocks that log, one at a time (see enter_host_step).
+        # Host-side at_step blocks that log, one at a time (see host_step_block).
         self._host_lock = threading.RLock()
         self._host_steps: list[int] = []
         self._late = 0
@@ -185,31 +185,19 @@ class Session:
 
     # -- host-side steps ------------------------------------------------------------------------
 
-    def enter_host_step(self, step: int) -> bool:
-        """A host-side ``at_step(step)`` begins; returns whether any site may log at it.
-
-        A step that logs holds the session's host-step lock until :meth:`exit_host_step` has
-        waited for its host callbacks, so each callback reads the step of the call that sent it
-        (one logging block at a time, across threads; steps that log nothing never wait).
-        """
-        logs = any(step % e == 0 for e in self.config.strides())
-        if logs:
-            self._host_lock.acquire()
-            self._host_steps.append(step)
-        return logs
-
-    def exit_host_step(self, logged: bool) -> None:
-        if not logged:
-            return
-        try:
-            self._effects_barrier()  # the block's callbacks have run: they kept its step
-        finally:
-            self._host_steps.pop()
-            self._host_lock.release()
+    def logs_at(self, step: int) -> bool:
+        """Whether any site may log at a host-side ``at_step(step)`` (else it runs quiet)."""
+        return any(step % e == 0 for e in self.config.strides())
 
     @contextlib.contextmanager
     def host_step_block(self, step: int) -> Iterator[None]:
-        """Host callbacks of programs run inside carry ``step``: held until they have run."""
+        """Host callbacks of programs run inside carry ``step``.
+
+        Holds the session's host-step lock until those callbacks have run (however late they
+        arrive), so each reads the step of the call that sent it: one such block at a time,
+        across threads. Used by a host-side ``at_step`` at a logging step, and by ``sowtel.jit``
+        calls of functions with while-body sites; steps that log nothing never enter it.
+        """
         self._host_lock.acquire()
         self._host_steps.append(step)
         try:
