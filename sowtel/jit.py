@@ -183,7 +183,16 @@ class Jitted:
             return self._plain.eval_shape(*args, **kwargs)
 
     def lower_logging(self, *args: Any, step: int = 0, **kwargs: Any) -> Any:
-        """Lowers the program a logging step at ``step`` runs under the active session."""
+        """Lowers the program a logging step at ``step`` runs under the active session.
+
+        Example:
+            >>> import jax.numpy as jnp, sowtel
+            >>> f = sowtel.jit(lambda x: sowtel.sow(x + 1, "y").sum())
+            >>> with sowtel.enable(exporter="memory"):
+            ...     text = f.lower_logging(jnp.ones(3)).as_text()
+            >>> "callback" in text, "callback" in f.lower(jnp.ones(3)).as_text()
+            (False, False)
+        """
         from sowtel.session import active_session
 
         session = active_session()
@@ -373,6 +382,18 @@ def jit(fun: Callable[..., Any] | None = None, /, **jax_jit_options: Any) -> Any
 
     Raises:
       TypeError: ``fun`` is not callable, or an option ``jax.jit`` does not take.
+
+    Example:
+        >>> import jax.numpy as jnp, sowtel
+        >>> @sowtel.jit(static_argnums=1)
+        ... def scaled(x, k):
+        ...     return sowtel.sow(x * k, "scaled").sum()
+        >>> with sowtel.enable(exporter="memory", every=2) as session:
+        ...     for step in range(4):
+        ...         _ = scaled(jnp.arange(3.0), 2)
+        ...     _ = sowtel.flush()
+        >>> [(r.step, r.stats["max"]) for r in session.exporters[0].records]
+        [(0, 4.0), (2, 4.0)]
     """
     if fun is None:
         return lambda f: jit(f, **jax_jit_options)

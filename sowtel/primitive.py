@@ -77,6 +77,13 @@ class StreamConfig:
     It, not the session, keys the jit cache: a new session with the same settings reuses every
     program compiled for the previous one, and the programs deliver to whichever session is
     active when their callbacks run.
+
+    Example:
+        >>> config = StreamConfig(tags=("intermediates",), include=Globs(("block*",)))
+        >>> config.selects("block0/act", "intermediates"), config.selects("head", "intermediates")
+        (True, False)
+        >>> config == StreamConfig(tags=("intermediates",), include=Globs(("block*",)))
+        True
     """
 
     tags: tuple[str, ...] = ("intermediates",)
@@ -306,7 +313,14 @@ HOST_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 
 def host_step() -> int | None:
-    """The step of the host-side :func:`at_step` around this call, in this thread; or None."""
+    """The step of the host-side :func:`at_step` around this call, in this thread; or None.
+
+    Example:
+        >>> with at_step(7):
+        ...     inside = host_step()
+        >>> inside, host_step()
+        (7, None)
+    """
     return HOST_STEP.get()
 
 

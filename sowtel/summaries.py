@@ -121,7 +121,13 @@ _SHIFT_SAMPLES = 64
 
 def summary_form() -> str:
     """The reduction form :func:`device_summary` uses on the default backend (see
-    ``SUMMARY_FORMS``); the environment variable ``SOWTEL_SUMMARY_FORM`` overrides it."""
+    ``SUMMARY_FORMS``); the environment variable ``SOWTEL_SUMMARY_FORM`` overrides it.
+
+    Example:
+        >>> import jax
+        >>> summary_form() == ("separate" if jax.default_backend() == "cpu" else "variadic")
+        True
+    """
     import os
 
     import jax
