@@ -259,6 +259,16 @@ def _process_index() -> int:
         return 0
 
 
+def _host_value(x: Any, site: str, mode: str, leaf: tuple[Any, ...]) -> np.ndarray:
+    if getattr(x, "is_fully_addressable", True) is False:
+        raise ValueError(
+            f"intermediates[{site!r}][{mode!r}]{''.join(f'[{p!r}]' for p in leaf)} is a "
+            f"jax.Array of global shape {tuple(x.shape)} spanning the devices of several "
+            "processes, which no host holds whole: stream it (sowtel.jit, or enable() with "
+            "jax.jit), or sowtel.dump it in every process and sowtel.load the parts in one")
+    return np.asarray(x)
+
+
 def records_from_intermediates(
     intermediates: Mapping[str, Mapping[str, Any]],
     *,
@@ -301,7 +311,7 @@ def records_from_intermediates(
     values.sort(key=lambda v: v[0])
     records: list[Record] = []
     for _, site, mode, value, axes in values:
-        leaves = [(leaf, np.asarray(x)) for leaf, x in _site_leaves(value)]
+        leaves = [(leaf, _host_value(x, site, mode, leaf)) for leaf, x in _site_leaves(value)]
         stacks = [_stack_indices(axes, arr.shape) for _, arr in leaves]
         # One record per leaf and element of the stack, a stack's leaves together (as streaming
         # sends them); leaves that are not stacked as their site says come whole, after them.

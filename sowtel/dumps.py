@@ -26,6 +26,13 @@ fields and of every tensor, so truncation and corruption are caught on load).
 
 A folder of dumps, one per step, is a supported layout: ``dump(x, "dumps/", step=k)`` writes
 ``dumps/step_<k>.safetensors`` and ``load("dumps")`` returns ``{step: intermediates}``.
+
+In a multi-process program (``jax.distributed``), values sharded across processes are dumped
+per process: every process calls ``dump`` and writes ``step_<k>.process_<p>.safetensors``
+holding the shards its devices hold (each shard once), with the value's global shape and each
+shard's index in the header. No process waits for another. :func:`load`, ``sowtel inspect``
+and ``sowtel diff`` take any part (its siblings are found by name), the folder, or the list of
+parts, check that the parts tile every value exactly, and give the global values.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import stat
 import time
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -65,6 +72,7 @@ __all__ = [
     "load",
     "info",
     "find_dumps",
+    "part_name",
     "records_from_intermediates",
     "leaf_name",
     "program_order",
@@ -77,6 +85,13 @@ FORMAT_VERSION = 1
 STACKING_KINDS = ("scan", "shard")
 SUFFIX = ".safetensors"
 _STEP_FILE = re.compile(r"^step_(\d+)\.safetensors$")
+# One process's part of a multi-process dump: <name>.process_<p>.safetensors.
+_PART_FILE = re.compile(r"^(.*)\.process_(\d+)\.safetensors$", re.DOTALL)
+_STEP_PART = re.compile(r"^step_(\d+)\.process_(\d+)\.safetensors$")
+# How many processes a per-process dump may claim (the parts are looked for one by one).
+MAX_PROCESSES = 1 << 16
+# How many axes a global value in a per-process dump may have (numpy's own limit).
+_MAX_RANK = 64
 
 # safetensors dtype codes and the numpy dtypes they hold. The writer takes the numpy name
 # (``bfloat16``), the file stores the code (``BF16``), the reader maps the code back.
@@ -98,7 +113,8 @@ _CODE_TO_DTYPE: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "C64": np.dtype(np.complex64),
 }
-_SUPPORTED_NAMES = {dt.name for dt in _CODE_TO_DTYPE.values()}
+_NAME_TO_DTYPE = {dt.name: dt for dt in _CODE_TO_DTYPE.values()}
+_SUPPORTED_NAMES = set(_NAME_TO_DTYPE)
 
 #: How deeply a dump's pytrees and metadata may nest (containers above a leaf). dump() refuses
 #: deeper values and load() deeper files, so no reader ever recurses without bound.
@@ -131,6 +147,10 @@ class DumpEntry:
       stacked: the leading axes a scan or shard_map added (``(("scan", 4),)``; see
         :attr:`sowtel.Intermediates.stacked`), ``()`` when none or when the shape does not
         start with them.
+      shards: for a value of a multi-process dump (see :func:`dump`), whose ``shape`` is the
+        global shape and ``key`` is ``""``: ``(process, key, ((start, stop) per axis))`` for
+        each shard the file (or, after :func:`load` combined the parts, the job) holds;
+        ``()`` for an ordinary array.
 
     Example:
       >>> DumpEntry("pair/0", "pair", "primal", (0,), (2,), "float32", "pair::primal::0").leaf
@@ -145,6 +165,7 @@ class DumpEntry:
     dtype: str
     key: str
     stacked: tuple[tuple[str, int], ...] = ()
+    shards: tuple[tuple[int, str, tuple[tuple[int, int], ...]], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +181,10 @@ class DumpInfo:
       sites: site names in program order.
       entries: every array leaf, sites in program order, then modes and leaves in stored order.
       nbytes: total bytes of array data.
+      process: ``(index, count)`` for one process's part of a multi-process dump, else
+        ``None``.
+      parts: the files of a multi-process dump, by process, once :func:`load` (or ``sowtel
+        inspect``) has combined them; ``()`` for a single file.
 
     Example:
       >>> import tempfile, numpy as np
@@ -177,6 +202,8 @@ class DumpInfo:
     sites: tuple[str, ...]
     entries: tuple[DumpEntry, ...]
     nbytes: int
+    process: tuple[int, int] | None = None
+    parts: tuple[Path, ...] = ()
 
     def modes(self, site: str) -> tuple[str, ...]:
         """The modes stored for ``site``, in stored order."""
@@ -225,10 +252,14 @@ class _Encoder:
 
     def __init__(self) -> None:
         self.tensors: dict[str, np.ndarray] = {}
+        # Where the first value spanning processes, and the first that does not, were met.
+        self.first_global: str | None = None
+        self.first_local: str | None = None
 
-    def _key(self, site: str, mode: str, leaf: tuple[Any, ...]) -> str:
+    def _key(self, site: str, mode: str, leaf: tuple[Any, ...], shard: str = "") -> str:
         # Readable keys for other safetensors tools; the JSON structure is what load() trusts.
         base = "::".join([site, mode, *(["/".join(str(p) for p in leaf)] if leaf else [])])
+        base += shard
         key, n = base, 1
         while key in self.tensors:
             key, n = f"{base}#{n}", n + 1
@@ -258,25 +289,11 @@ class _Encoder:
             return {kind: [self.node(v, site, mode, (*leaf, i)) for i, v in enumerate(x)]}
         if _is_leaf(x) and not isinstance(x, (str, bytes)):
             if getattr(x, "is_fully_addressable", True) is False:
-                raise ValueError(
-                    f"{where} is a jax.Array of global shape {tuple(x.shape)} that spans "
-                    "devices of other processes (jax.distributed), which this process cannot "
-                    "read: a dump holds what one process has. Gather it first, in every "
-                    "process: jax.experimental.multihost_utils.process_allgather(x, "
-                    "tiled=True), then dump from one process"
-                )
-            # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
-            arr = np.asarray(x)
-            if not arr.flags.c_contiguous:
-                arr = arr.copy(order="C")
-            if arr.dtype.name not in _SUPPORTED_NAMES:
-                raise ValueError(
-                    f"{where} has dtype {arr.dtype.name}, which a dump cannot hold: supported "
-                    f"dtypes are {', '.join(sorted(_SUPPORTED_NAMES))}; cast it first "
-                    "(for example x.astype(np.float32))"
-                )
+                self.first_global = self.first_global or where
+                return self._global(x, where, site, mode, leaf)
+            self.first_local = self.first_local or where
             key = self._key(site, mode, leaf)
-            self.tensors[key] = arr
+            self.tensors[key] = _host_array(x, where)
             return {"leaf": key}
         raise TypeError(
             f"{where} is a {type(x).__module__}.{type(x).__qualname__}: a dump stores pytrees "
@@ -284,6 +301,67 @@ class _Encoder:
             "code; convert it first (a namedtuple with ._asdict(), a flax FrozenDict with "
             "flax.core.unfreeze, a dataclass with dataclasses.asdict)"
         )
+
+
+    def _global(self, x: Any, where: str, site: str, mode: str, leaf: tuple[Any, ...]) -> Any:
+        """A jax.Array spanning processes: the shards this process holds, each stored once.
+
+        Of the copies of a shard (a replicated axis), only the one with ``replica_id`` 0 is
+        stored, in whichever process holds it, so the parts of all processes tile the global
+        value exactly once.
+        """
+        shape = tuple(int(n) for n in x.shape)
+        dtype = np.dtype(x.dtype).name
+        _check_dtype(dtype, where)
+        shards, seen = [], set()
+        for shard in x.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            box = tuple(_span(i, n) for i, n in zip(shard.index, shape, strict=True))
+            if box in seen:
+                continue
+            seen.add(box)
+            key = self._key(site, mode, leaf, "@" + ",".join(f"{b}:{e}" for b, e in box))
+            self.tensors[key] = _host_array(shard.data, where)
+            shards.append([key, [list(b) for b in box]])
+        return {"global": {"shape": list(shape), "dtype": dtype, "shards": shards}}
+
+
+def _span(index: Any, n: int) -> tuple[int, int]:
+    start, stop, stride = index.indices(n)
+    if stride != 1:  # jax shards are contiguous blocks
+        raise ValueError(f"a shard index {index!r} with a stride {stride} is not a block")
+    return start, max(start, stop)
+
+
+def _check_dtype(name: str, where: str) -> None:
+    if name not in _SUPPORTED_NAMES:
+        raise ValueError(
+            f"{where} has dtype {name}, which a dump cannot hold: supported "
+            f"dtypes are {', '.join(sorted(_SUPPORTED_NAMES))}; cast it first "
+            "(for example x.astype(np.float32))"
+        )
+
+
+def _host_array(x: Any, where: str) -> np.ndarray:
+    # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
+    arr = np.asarray(x)
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")
+    _check_dtype(arr.dtype.name, where)
+    return arr
+
+
+def part_name(path: str | os.PathLike[str], process_index: int) -> Path:
+    """The file one process writes for a dump to ``path`` of values that span processes.
+
+    Example:
+      >>> part_name("dumps/step_3.safetensors", 1).as_posix()
+      'dumps/step_3.process_1.safetensors'
+    """
+    p = Path(_fspath(path))
+    stem = p.name[:-len(SUFFIX)] if p.name.endswith(SUFFIX) else p.name
+    return p.with_name(f"{stem}.process_{process_index}{SUFFIX}")
 
 
 def _crc(buf: Any) -> int:
@@ -347,6 +425,14 @@ def dump(
     in the header. The file is written to a temporary name and renamed, so a reader never sees
     half a dump.
 
+    In a multi-process program, when the values are jax.Arrays spanning the devices of several
+    processes (what ``save_intermediates`` of a sharded ``jit`` returns there), every process
+    calls ``dump`` with the same arguments and writes its own part, ``step_<step>.process_<p>
+    .safetensors`` (see :func:`part_name`): the shards its devices hold, each shard once over
+    the job, with the global shape and each shard's index. Nothing is gathered and no process
+    waits for another. A dump mixing such values with process-local ones is refused (each
+    process's local values would differ); :func:`load` of any part gives the global values.
+
     Example:
       >>> import tempfile, numpy as np
       >>> with tempfile.TemporaryDirectory() as d:
@@ -378,6 +464,14 @@ def dump(
         name: {mode: [list(axis) for axis in axes] for mode, axes in _stacking(modes).items()}
         for name, modes in intermediates.items() if _stacking(modes)
     }
+    if encoder.first_global is not None and encoder.first_local is not None:
+        raise ValueError(
+            f"{encoder.first_local} is a value of this process alone, and {encoder.first_global} "
+            "a jax.Array spanning the devices of several processes: a dump of values that span "
+            "processes is written in parts, one per process, which hold global values only. "
+            "Dump the process-local values separately (in one process, or to a name per "
+            "process), or make them global (jax.make_array_from_process_local_data)"
+        )
     fields = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
@@ -389,10 +483,16 @@ def dump(
     }
     if stacked:  # absent from dumps with nothing stacked, and from those older versions wrote
         fields["stacked"] = json.dumps(stacked)
+    target = _target(path, step)
+    if encoder.first_global is not None:
+        import jax
+
+        process = {"index": int(jax.process_index()), "count": int(jax.process_count())}
+        fields["process"] = json.dumps(process)
+        target = part_name(target, process["index"])
     table = {k: (a.dtype.name, list(a.shape)) for k, a in encoder.tensors.items()}
     checksums = {"header": _header_crc(fields, table),
                  "tensors": {k: _array_crc(a) for k, a in encoder.tensors.items()}}
-    target = _target(path, step)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
@@ -699,6 +799,16 @@ class _DumpFile:
             self.created = math.nan
         if not (math.isfinite(self.created) and self.created >= 0):
             raise self._bad(f"its header field created is {fields['created']!r}, not a Unix time")
+        self.process: tuple[int, int] | None = None
+        if "process" in fields:
+            proc = self._json(fields["process"], "header field process")
+            if not (isinstance(proc, dict) and set(proc) == {"index", "count"}
+                    and all(type(v) is int for v in proc.values())
+                    and 0 <= proc["index"] < proc["count"] <= MAX_PROCESSES):
+                raise self._bad(
+                    f"its header field process is {fields['process']!r}: it is "
+                    f'{{"index": p, "count": n}} with 0 <= p < n <= {MAX_PROCESSES}')
+            self.process = (proc["index"], proc["count"])
         self.sites = self._json(fields["sites"], "header field sites")
         self.stacked = self._check_stacked(
             self._json(fields.get("stacked", "{}"), "header field stacked"))
@@ -715,7 +825,7 @@ class _DumpFile:
             if not isinstance(node, dict) or len(node) != 1:
                 raise self._bad(f"{where} has a malformed node")
             ((kind, body),) = node.items()
-            if kind != "leaf" and len(leaf) >= MAX_DEPTH:
+            if kind not in ("leaf", "global") and len(leaf) >= MAX_DEPTH:
                 raise self._bad(f"{where} is nested deeper than {MAX_DEPTH} levels, which "
                                 "sowtel.dump never writes")
             if kind == "leaf":
@@ -728,6 +838,8 @@ class _DumpFile:
                     axes = ()
                 out.append(DumpEntry(leaf_name(site, leaf), site, mode, leaf, shape,
                                      dtype.name, body, axes))
+            elif kind == "global":
+                out.append(self._global_entry(body, site, mode, leaf, used))
             elif kind in ("list", "tuple") and isinstance(body, list):
                 for i, child in enumerate(body):
                     walk(child, site, mode, (*leaf, i))
@@ -773,6 +885,47 @@ class _DumpFile:
             raise self._bad(f"tensors {sorted(set(self.spans) - used)} belong to no site")
         return tuple(out)
 
+    def _global_entry(self, body: Any, site: str, mode: str, leaf: tuple[Any, ...],
+                      used: set[str]) -> DumpEntry:
+        """The entry of a value spanning processes: its global shape and this file's shards."""
+        where = f"the global value {leaf_name(site, leaf)!r} ({mode})"
+        if self.process is None:
+            raise self._bad(f"{where} is in a dump that is not one process's part")
+        if not (isinstance(body, dict) and set(body) == {"shape", "dtype", "shards"}):
+            raise self._bad(f"{where} is malformed")
+        shape, dtype, shards = body["shape"], body["dtype"], body["shards"]
+        if not (isinstance(shape, list) and len(shape) <= _MAX_RANK
+                and all(type(n) is int and n >= 0 for n in shape)):
+            raise self._bad(f"{where} has the shape {shape!r}")
+        if not (isinstance(dtype, str) and dtype in _SUPPORTED_NAMES):
+            raise self._bad(f"{where} has the dtype {dtype!r}")
+        if not isinstance(shards, list):
+            raise self._bad(f"{where} has a malformed shard list")
+        held = []
+        for item in shards:
+            ok = (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                  and isinstance(item[1], list) and len(item[1]) == len(shape))
+            box = item[1] if ok else []
+            ok = ok and all(isinstance(b, list) and len(b) == 2 and type(b[0]) is type(b[1]) is int
+                            and 0 <= b[0] <= b[1] <= n for b, n in zip(box, shape, strict=True))
+            if not ok:
+                raise self._bad(f"{where} has a malformed shard")
+            key = item[0]
+            if key not in self.spans or key in used:
+                raise self._bad(f"{where} names the tensor {key!r}, absent or used twice")
+            used.add(key)
+            _, _, tensor_dtype, tensor_shape = self.spans[key]
+            span = tuple((b, e) for b, e in box)
+            if tensor_dtype.name != dtype or tensor_shape != tuple(e - b for b, e in span):
+                raise self._bad(f"{where} has a shard at {span} whose tensor {key!r} is "
+                                f"{tensor_dtype.name}{list(tensor_shape)}")
+            held.append((self.process[0], key, span))
+        axes = self.stacked.get(site, {}).get(mode, ())
+        if tuple(shape[:len(axes)]) != tuple(n for _, n in axes):
+            axes = ()
+        return DumpEntry(leaf_name(site, leaf), site, mode, leaf, tuple(shape), dtype, "",
+                         axes, tuple(held))
+
     def _check_stacked(self, stacked: Any) -> dict[str, dict[str, tuple[tuple[str, int], ...]]]:
         out: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {}
         if not isinstance(stacked, dict):
@@ -793,7 +946,7 @@ class _DumpFile:
             path=self.path, step=self.step, metadata=self.metadata,
             sowtel_version=self.sowtel_version, created=self.created,
             sites=tuple(s[0] for s in self.sites), entries=self.entries,
-            nbytes=self.size - self.data_start,
+            nbytes=self.size - self.data_start, process=self.process,
         )
 
     def verify(self) -> None:
@@ -847,36 +1000,189 @@ class _DumpFile:
         begin, end, dtype, shape = self.spans[key]
         return buf[self.data_start + begin: self.data_start + end].view(dtype).reshape(shape)
 
-    def tree(self, lazy: bool) -> Any:
-        """The intermediates; with ``lazy=False`` checked against their checksums first."""
-        if not lazy:
-            self.verify()
+    def reader(self, lazy: bool) -> Any:
+        """A function from an entry of :attr:`entries` to its array (see :meth:`buffer`)."""
         buf = self.buffer(lazy)
 
-        def build(node: Any) -> Any:
-            if node is None:
-                return None
-            ((kind, body),) = node.items()
-            if kind == "leaf":
-                return self.array(buf, body)
-            if kind == "list":
-                return [build(c) for c in body]
-            if kind == "tuple":
-                return tuple(build(c) for c in body)
-            return {k: build(c) for k, c in body}
+        def read(entry: DumpEntry) -> np.ndarray:
+            if entry.shards or not entry.key:
+                raise ValueError(
+                    f"{str(self.path)!r} is one process's part of a multi-process dump: "
+                    f"{entry.name!r} is a global value; read it with all the parts")
+            return self.array(buf, entry.key)
 
-        # The same container save_intermediates returns, so the site order survives jit too.
-        from sowtel.capture import Intermediates
+        return read
 
-        out = Intermediates()
-        for name, modes in self.sites:
-            site = out[name] = Intermediates((mode, build(node)) for mode, node in modes)
-            site.stacked = dict(self.stacked.get(name, {}))
-        return out
+    def tree(self, lazy: bool) -> Any:
+        """The intermediates; with ``lazy=False`` checked against their checksums first."""
+        return _tree(self, lazy)
+
+
+def _tree(f: _DumpFile | _DumpSet, lazy: bool) -> Any:
+    """The intermediates of a dump or of the parts of one; checksums first unless ``lazy``."""
+    if not lazy:
+        f.verify()
+    read = f.reader(lazy)
+    entries = {(e.site, e.mode, e.leaf): e for e in f.entries}
+
+    def build(node: Any, site: str, mode: str, leaf: tuple[Any, ...]) -> Any:
+        if node is None:
+            return None
+        ((kind, body),) = node.items()
+        if kind in ("leaf", "global"):
+            return read(entries[(site, mode, leaf)])
+        if kind == "list":
+            return [build(c, site, mode, (*leaf, i)) for i, c in enumerate(body)]
+        if kind == "tuple":
+            return tuple(build(c, site, mode, (*leaf, i)) for i, c in enumerate(body))
+        return {k: build(c, site, mode, (*leaf, k)) for k, c in body}
+
+    # The same container save_intermediates returns, so the site order survives jit too.
+    from sowtel.capture import Intermediates
+
+    out = Intermediates()
+    for name, modes in f.sites:
+        site = out[name] = Intermediates(
+            (mode, build(node, name, mode, ())) for mode, node in modes)
+        site.stacked = dict(f.stacked.get(name, {}))
+    return out
+
+
+def _skeleton(node: Any) -> Any:
+    """A structure node without tensor keys and shards: what every part of a dump shares."""
+    if node is None:
+        return None
+    ((kind, body),) = node.items()
+    if kind == "leaf":
+        return kind
+    if kind == "global":
+        return (kind, tuple(body["shape"]), body["dtype"])
+    if kind == "dict":
+        return (kind, tuple((k, _skeleton(c)) for k, c in body))
+    return (kind, tuple(_skeleton(c) for c in body))
+
+
+def _check_tiling(where: str, shape: tuple[int, ...],
+                  boxes: Sequence[tuple[tuple[int, int], ...]]) -> None:
+    """Raises unless ``boxes`` cover ``shape`` exactly once, as the blocks of a grid.
+
+    JAX shards an array along each axis into blocks, so the shards of a value are the products
+    of per-axis blocks. Per axis the distinct blocks must tile ``[0, n)``, and the shards must be
+    every product of them, each once: then every element is held exactly once.
+    """
+    if math.prod(shape) == 0:
+        return  # nothing to assemble
+    per_axis = []
+    for axis, n in enumerate(shape):
+        blocks = sorted({box[axis] for box in boxes})
+        at = 0
+        for b, e in blocks:
+            if b != at or e <= b:
+                raise ValueError(
+                    f"{where}: the parts' shards {'overlap' if b < at else 'leave a gap'} "
+                    f"along axis {axis} at {at}, so they are not the shards of one value")
+            at = e
+        if at != n:
+            raise ValueError(f"{where}: no part holds elements {at}..{n - 1} along axis {axis}")
+        per_axis.append(len(blocks))
+    if len(boxes) != math.prod(per_axis) or len(set(boxes)) != len(boxes):
+        raise ValueError(
+            f"{where}: the parts hold {len(boxes)} shards where {math.prod(per_axis)} distinct "
+            "blocks tile the value: a shard is missing or held twice")
+
+
+class _DumpSet:
+    """The per-process parts of one multi-process dump, read as one dump of global values.
+
+    Checked from the headers alone before any data is read: one part per process, all of one
+    step and one structure, and shards that tile every global value exactly once.
+    """
+
+    def __init__(self, parts: Sequence[_DumpFile]) -> None:
+        for f in parts:
+            if f.process is None:
+                raise ValueError(
+                    f"{str(f.path)!r} is a whole dump, not one process's part: a list of paths "
+                    "names the parts of one multi-process dump (step_<k>.process_<p>"
+                    ".safetensors)")
+        by_index: dict[int, _DumpFile] = {}
+        count = parts[0].process[1]  # type: ignore[index]
+        for f in parts:
+            index, n = f.process  # type: ignore[misc]
+            if n != count:
+                raise ValueError(
+                    f"{str(f.path)!r} is a part of a {n}-process dump and {str(parts[0].path)!r} "
+                    f"of a {count}-process one: they are not parts of one dump")
+            if index in by_index:
+                raise ValueError(
+                    f"{str(by_index[index].path)!r} and {str(f.path)!r} are both process "
+                    f"{index}'s part: give each process's part once")
+            by_index[index] = f
+        missing = [k for k in range(count) if k not in by_index]
+        if missing:
+            raise ValueError(
+                f"the part{'s' if len(missing) > 1 else ''} of process"
+                f"{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing[:8]))}"
+                f"{' ...' if len(missing) > 8 else ''} of this {count}-process dump "
+                f"{'are' if len(missing) > 1 else 'is'} missing: give all {count} parts")
+        self.parts = [by_index[k] for k in range(count)]
+        first = self.parts[0]
+        shape = [[name, [[m, _skeleton(n)] for m, n in modes]] for name, modes in first.sites]
+        for f in self.parts[1:]:
+            if f.step != first.step:
+                raise ValueError(f"{str(f.path)!r} is of step {f.step} and {str(first.path)!r} "
+                                 f"of step {first.step}: they are not parts of one dump")
+            if [[name, [[m, _skeleton(n)] for m, n in modes]] for name, modes in f.sites] != shape \
+                    or f.stacked != first.stacked:
+                raise ValueError(
+                    f"{str(f.path)!r} and {str(first.path)!r} hold different sites, modes or "
+                    "structures: they are not parts of one dump")
+        self.path, self.step, self.sites, self.stacked = first.path, first.step, first.sites, \
+            first.stacked
+        held: dict[tuple[Any, ...], list[Any]] = {}
+        for f in self.parts:
+            for e in f.entries:
+                held.setdefault((e.site, e.mode, e.leaf), []).extend(e.shards)
+        entries = []
+        for e in first.entries:
+            shards = tuple(held[(e.site, e.mode, e.leaf)])
+            _check_tiling(f"{e.name!r} ({e.mode}) of the dump {str(first.path)!r}", e.shape,
+                          [box for _, _, box in shards])
+            entries.append(dataclasses.replace(e, shards=shards))
+        self.entries = tuple(entries)
+
+    def info(self) -> DumpInfo:
+        first = self.parts[0].info()
+        return dataclasses.replace(
+            first, entries=self.entries, nbytes=sum(f.size - f.data_start for f in self.parts),
+            process=None, parts=tuple(f.path for f in self.parts))
+
+    def verify(self) -> None:
+        for f in self.parts:
+            f.verify()
+
+    def reader(self, lazy: bool) -> Any:
+        """A function from an entry to its global value, assembled from every part's shards."""
+        bufs = [f.buffer(lazy) for f in self.parts]
+
+        def read(entry: DumpEntry) -> np.ndarray:
+            out = np.empty(entry.shape, np.dtype(_NAME_TO_DTYPE[entry.dtype]))
+            for process, key, box in entry.shards:
+                f = self.parts[process]
+                out[tuple(slice(b, e) for b, e in box)] = f.array(bufs[process], key)
+            return out
+
+        return read
+
+    def tree(self, lazy: bool) -> Any:
+        return _tree(self, lazy)
 
 
 def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
     """The dumps of a folder of dumps, ``{step: path}`` in step order.
+
+    A step dumped in parts by several processes (``step_<k>.process_<p>.safetensors``) is
+    listed by the part of its lowest process; :func:`load` of that path reads every part.
 
     Example:
       >>> import tempfile, numpy as np
@@ -892,20 +1198,39 @@ def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
     if not p.is_dir():
         raise NotADirectoryError(f"{str(p)!r} is a file, not a folder of dumps")
     found: dict[int, Path] = {}
+    parts: dict[tuple[int, int], Path] = {}
+    lowest: dict[int, int] = {}  # per step dumped in parts: its lowest process
     for child in p.iterdir():
-        m = _STEP_FILE.match(child.name)
+        m = _STEP_FILE.match(child.name) or _STEP_PART.match(child.name)
         if m and child.exists() and not child.is_file() and not child.is_dir():
             # A FIFO or a device named like a dump: refused, as load() refuses it, rather than
             # silently leaving a step out.
             raise _not_regular(child, child.stat().st_mode)
-        if m and child.is_file():
-            step = int(m.group(1))
-            if step in found:
+        if not (m and child.is_file()):
+            continue
+        step = int(m.group(1))
+        if m.re is _STEP_PART:
+            index = int(m.group(2))
+            if (step, index) in parts:
                 raise ValueError(
-                    f"{str(p)!r} holds two dumps for step {step}: {found[step].name!r} and "
-                    f"{child.name!r}; remove one"
-                )
-            found[step] = child
+                    f"{str(p)!r} holds two parts of process {index} for step {step}: "
+                    f"{parts[(step, index)].name!r} and {child.name!r}; remove one")
+            parts[(step, index)] = child
+            if step in found and not _STEP_PART.match(found[step].name):
+                raise ValueError(
+                    f"{str(p)!r} holds a whole dump and per-process parts for step {step}: "
+                    f"{found[step].name!r} and {child.name!r}; remove one")
+            if step not in found or index < lowest[step]:
+                found[step], lowest[step] = child, index
+            continue
+        if step in found:
+            what = ("a whole dump and per-process parts" if _STEP_PART.match(found[step].name)
+                    else "two dumps")
+            raise ValueError(
+                f"{str(p)!r} holds {what} for step {step}: {found[step].name!r} and "
+                f"{child.name!r}; remove one"
+            )
+        found[step] = child
     if not found:
         raise ValueError(
             f"{str(p)!r} holds no dumps (files named step_<k>.safetensors): write them with "
@@ -914,8 +1239,42 @@ def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def _open_step(step: int, path: Path) -> _DumpFile:
-    f = _DumpFile(path)
+def _siblings(part: _DumpFile) -> list[Path]:
+    """The paths of the other processes' parts of the dump ``part`` belongs to, by name."""
+    index, count = part.process  # type: ignore[misc]
+    m = _PART_FILE.match(part.path.name)
+    if not m or int(m.group(2)) != index:
+        raise ValueError(
+            f"{str(part.path)!r} is process {index}'s part of a {count}-process dump, and its "
+            "name (not <name>.process_<p>.safetensors) does not say where the others are: "
+            f"give all {count} parts, sowtel.load([...]) or sowtel inspect PART PART ...")
+    return [part.path.with_name(f"{m.group(1)}.process_{k}{SUFFIX}")
+            for k in range(count) if k != index]
+
+
+def _open(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+          ) -> _DumpFile | _DumpSet:
+    """A dump: one file, or every part of a multi-process dump (from any part, or all)."""
+    if isinstance(path, (list, tuple)):
+        if not path:
+            raise ValueError("an empty list of paths: give the parts of a multi-process dump")
+        return _DumpSet([_DumpFile(p) for p in path])
+    f = _DumpFile(cast("str | os.PathLike[str]", path))
+    if f.process is None:
+        return f
+    others = _siblings(f)
+    absent = [q for q in others if not q.exists()]
+    if absent:
+        names = ", ".join(repr(q.name) for q in absent[:4]) + (" ..." if len(absent) > 4 else "")
+        raise ValueError(
+            f"{str(f.path)!r} is process {f.process[0]}'s part of a {f.process[1]}-process dump, "
+            f"and {len(absent)} of the other parts {'is' if len(absent) == 1 else 'are'} not "
+            f"beside it: {names}; copy every process's part into one folder")
+    return _DumpSet([f, *(_DumpFile(q) for q in others)])
+
+
+def _open_step(step: int, path: Path) -> _DumpFile | _DumpSet:
+    f = _open(path)
     if f.step is not None and f.step != step:
         raise ValueError(
             f"{str(path)!r} is named for step {step} but its header says step {f.step}: "
@@ -926,6 +1285,9 @@ def _open_step(step: int, path: Path) -> _DumpFile:
 
 def info(path: str | os.PathLike[str]) -> DumpInfo:
     """Reads a dump's header (step, metadata, sites, shapes, dtypes) without reading its data.
+
+    Of one process's part of a multi-process dump, this is that file's header: global shapes,
+    the shards it holds (:attr:`DumpEntry.shards`) and ``process=(index, count)``.
 
     Example:
       >>> import tempfile, numpy as np
@@ -939,7 +1301,8 @@ def info(path: str | os.PathLike[str]) -> DumpInfo:
     return _DumpFile(path).info()
 
 
-def load(path: str | os.PathLike[str], *, lazy: bool = False) -> dict[Any, Any]:
+def load(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+         lazy: bool = False) -> dict[Any, Any]:
     """Reads a dump back: ``{name: {mode: value}}`` exactly as it was dumped.
 
     The two outer levels are the ``Intermediates`` dicts :func:`sowtel.save_intermediates`
@@ -952,6 +1315,12 @@ def load(path: str | os.PathLike[str], *, lazy: bool = False) -> dict[Any, Any]:
     step order. Truncated, corrupted and foreign files raise ``ValueError`` naming the path;
     nothing is ever unpickled.
 
+    A multi-process dump (one part per process, see :func:`dump`) is read whole from any of its
+    parts (the others are found beside it by name), from a list of all its parts, or from its
+    folder: each value is the global array, assembled from the shards of every part once the
+    headers show that they tile it exactly. Such values are assembled in memory even with
+    ``lazy=True`` (the parts are memory-mapped, their checksums not checked).
+
     Example:
       >>> import tempfile, numpy as np
       >>> with tempfile.TemporaryDirectory() as d:
@@ -961,7 +1330,9 @@ def load(path: str | os.PathLike[str], *, lazy: bool = False) -> dict[Any, Any]:
       >>> {k: v["h"]["primal"].tolist() for k, v in by_step.items()}
       {0: [0, 1, 2], 1: [1, 2, 3]}
     """
+    if isinstance(path, (list, tuple)):
+        return _open(path).tree(lazy)
     p = Path(_fspath(path))
     if p.is_dir():
         return {step: _open_step(step, f).tree(lazy) for step, f in find_dumps(p).items()}
-    return _DumpFile(p).tree(lazy)
+    return _open(p).tree(lazy)

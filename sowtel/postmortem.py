@@ -34,7 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from sowtel.dumps import DumpEntry, DumpInfo, _DumpFile, _fspath, find_dumps, program_order
+from sowtel.dumps import (
+    DumpEntry,
+    DumpInfo,
+    _DumpFile,
+    _DumpSet,
+    _fspath,
+    _open,
+    find_dumps,
+    program_order,
+)
 from sowtel.records import STAT_KEYS
 from sowtel.summaries import host_summary
 
@@ -154,15 +163,16 @@ def _execution_keys(info: DumpInfo) -> dict[tuple[str, str], tuple[int, int, int
 
 
 def _iter_arrays(
-    f: _DumpFile, entries: Sequence[DumpEntry]
+    f: _DumpFile | _DumpSet, entries: Sequence[DumpEntry]
 ) -> Iterator[tuple[DumpEntry, np.ndarray]]:
     # Checksums are checked first, streaming through the file, so a corrupted dump is refused
     # before anything is summarised; then the arrays are memory-mapped, so a dump larger than
-    # memory is summarised one array at a time.
+    # memory is summarised one array at a time (a global value of a multi-process dump is
+    # assembled from its parts' shards, one value at a time).
     f.verify()
-    buf = f.buffer(lazy=True)
+    read = f.reader(lazy=True)
     for e in entries:
-        yield e, f.array(buf, e.key)
+        yield e, read(e)
 
 
 def _first_nonfinite(info: DumpInfo, rows: Sequence[EntryStats]) -> EntryStats | None:
@@ -171,12 +181,15 @@ def _first_nonfinite(info: DumpInfo, rows: Sequence[EntryStats]) -> EntryStats |
     return min(bad, key=lambda b: (b[0], b[1]))[2] if bad else None
 
 
-def inspect_dump(path: str | os.PathLike[str]) -> InspectReport:
+def inspect_dump(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+                 ) -> InspectReport:
     """Summarises every array of a dump and finds the first non-finite one in program order.
 
     The statistics are those of the ``"stats"`` summary (:data:`sowtel.records.STAT_KEYS`),
     computed by :func:`sowtel.summaries.host_summary`. Raises ``ValueError`` naming the path if
-    the file is truncated, corrupted (checksums are checked) or not a sowtel dump.
+    the file is truncated, corrupted (checksums are checked) or not a sowtel dump. A
+    multi-process dump (any of its parts, or the list of them) is summarised whole: the
+    statistics are those of the global values.
 
     Example:
       >>> import tempfile, numpy as np
@@ -186,7 +199,7 @@ def inspect_dump(path: str | os.PathLike[str]) -> InspectReport:
       >>> r.rows[0].stats["l2"], r.rows[0].stats["zeros"]
       (5.0, 0.0)
     """
-    f = _DumpFile(path)
+    f = _open(path)
     info = f.info()
     rows = []
     for e, arr in _iter_arrays(f, info.entries):
@@ -265,6 +278,8 @@ def format_report(report: InspectReport) -> str:
     """
     i = report.info
     head = f"dump {i.path}  step={i.step}  sowtel {i.sowtel_version}  {len(report.rows)} arrays"
+    if i.parts:
+        head += f"  (global values of {len(i.parts)} processes' parts)"
     lines = [head]
     if i.metadata:
         lines.append(f"metadata {json.dumps(i.metadata, sort_keys=True)}")
@@ -295,7 +310,8 @@ def format_report(report: InspectReport) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
-def plot_histograms(path: str | os.PathLike[str], out: str | os.PathLike[str],
+def plot_histograms(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                    out: str | os.PathLike[str],
                     *, bins: int = 30) -> list[str]:
     """Draws one histogram panel per (site, mode) of a dump into a PNG; returns the titles.
 
@@ -318,7 +334,7 @@ def plot_histograms(path: str | os.PathLike[str], out: str | os.PathLike[str],
         raise ImportError(f"--plot needs matplotlib: pip install 'sowtel[dumps]' ({e})") from e
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins={bins!r} must be a positive number of histogram buckets")
-    f = _DumpFile(path)
+    f = _open(path)
     info = f.info()
     panels: dict[tuple[str, str], list[np.ndarray]] = {}
     for entry, arr in _iter_arrays(f, info.entries):
@@ -383,8 +399,10 @@ def _select_steps(path: Path, step: str | None) -> list[Path]:
 
 def configure_inspect(parser: argparse.ArgumentParser) -> None:
     """Adds ``sowtel inspect``'s arguments to ``parser``."""
-    parser.add_argument("path", metavar="PATH",
-                        help="a dump file, or a folder of step_<k>.safetensors dumps")
+    parser.add_argument("path", metavar="PATH", nargs="+",
+                        help="a dump file, or a folder of step_<k>.safetensors dumps; several "
+                             "files are the per-process parts of one multi-process dump (one "
+                             "part is enough when the others lie beside it)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="also draw one histogram panel per (site, mode) into this PNG")
@@ -396,7 +414,13 @@ def configure_inspect(parser: argparse.ArgumentParser) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     """Runs ``sowtel inspect``: 0 when it could read the dump(s), 2 when not."""
     try:
-        paths = _select_steps(Path(args.path), args.step)
+        if len(args.path) > 1:
+            if args.step is not None:
+                raise ValueError(f"--step {args.step} applies to a folder of dumps, not to the "
+                                 "parts of one dump")
+            paths: list[Any] = [[Path(p) for p in args.path]]
+        else:
+            paths = _select_steps(Path(args.path[0]), args.step)
         reports = [inspect_dump(p) for p in paths]
         plotted = None
         if args.plot:
@@ -507,14 +531,14 @@ class DiffReport:
                 "entries": [e.to_json() for e in self.entries]}
 
 
-def _signature(f: _DumpFile, site: str, mode: str) -> str:
+def _signature(f: _DumpFile | _DumpSet, site: str, mode: str) -> str:
     node = next(n for s, modes in f.sites if s == site for m, n in modes if m == mode)
 
     def render(n: Any) -> str:
         if n is None:
             return "None"
         ((kind, body),) = n.items()
-        if kind == "leaf":
+        if kind in ("leaf", "global"):
             return "*"
         if kind == "list":
             return "[" + ", ".join(render(c) for c in body) + "]"
@@ -543,7 +567,7 @@ def _compare_values(a: np.ndarray, b: np.ndarray, rtol: float, atol: float
 
 def _diff_files(pa: Path, pb: Path, rtol: float, atol: float, step: int | None,
                 structural: list[str], entries: list[EntryDiff]) -> None:
-    fa, fb = _DumpFile(pa), _DumpFile(pb)
+    fa, fb = _open(pa), _open(pb)
     ia, ib = fa.info(), fb.info()
     at = f"step {step}: " if step is not None else ""
     sites_b = set(ib.sites)
@@ -590,10 +614,9 @@ def _diff_files(pa: Path, pb: Path, rtol: float, atol: float, step: int | None,
             ]
     fa.verify()
     fb.verify()
-    buf_a, buf_b = fa.buffer(lazy=True), fb.buffer(lazy=True)
+    read_a, read_b = fa.reader(lazy=True), fb.reader(lazy=True)
     for ea, eb in pairs:
-        a = fa.array(buf_a, ea.key)
-        b = fb.array(buf_b, eb.key)
+        a, b = read_a(ea), read_b(eb)
         max_abs, max_rel, beyond, nonfinite = _compare_values(a, b, rtol, atol)
         entries.append(EntryDiff(ea.name, ea.mode, step, ea.shape, ea.dtype, eb.dtype,
                                  max_abs, max_rel, beyond, nonfinite))

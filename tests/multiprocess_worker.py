@@ -84,15 +84,23 @@ def stream(k: int, out: Path) -> dict[str, Any]:
     h = jax.jit(lambda w, x: jnp.tanh(x @ w))(w, x)
     result["h"] = np.asarray(multihost_utils.process_allgather(h, tiled=True)).tolist()
 
-    # save_intermediates gives global arrays, as JAX does; a dump of one is a clear error.
-    _, inter = jax.jit(sowtel.save_intermediates(loss))(w, x)
+    # save_intermediates gives global arrays, as JAX does; each process dumps its shards of
+    # them (and of the replicated w, which only process 0 holds a first copy of).
+    _, inter = jax.jit(sowtel.save_intermediates(jax.value_and_grad(loss)))(w, x)
     result["captured_h"] = np.asarray(multihost_utils.process_allgather(
         inter["h"]["primal"], tiled=True)).tolist()
     result["captured_m_shape"] = list(inter["m"]["primal"].shape)
-    try:
-        sowtel.dump(inter, out / f"dump_{k}", step=0)
+    result["dump"] = str(sowtel.dump({**inter, "w": {"primal": w}}, f"{out}/dumps/", step=0,
+                                     metadata={"written_by": k}))
+    try:  # a process-local value beside global ones: each process's would differ
+        sowtel.dump({**inter, "local": {"primal": np.full(2, k)}}, out / "mixed", step=0)
     except ValueError as e:
-        result["dump_error"] = str(e)
+        result["mixed_error"] = str(e)
+    with sowtel.enable(exporter="memory"):
+        try:  # records of a global value: no host holds it whole
+            sowtel.export(inter, step=0)
+        except ValueError as e:
+            result["export_error"] = str(e)
 
     # Callback transport: enable() + jax.jit, two host-side steps.
     step = jax.jit(jax.value_and_grad(loss))

@@ -87,6 +87,18 @@ def good(tmp_path) -> Path:
                 tmp_path / "good.safetensors", step=1, metadata={"run": "a"})
 
 
+def _global_sites(h_key: str, g_key: str, *, shape=(5,), dtype="float64", box=((0, 3),)):
+    """A structure holding the two tensors of ``good`` as shards of one global value."""
+    return [["h", [["primal", {"global": {
+        "shape": list(shape), "dtype": dtype,
+        "shards": [[h_key, [list(b) for b in box]], [g_key, [[3, 5]]]]}}]]]]
+
+
+def _part(good: Path, out: Path, h_key: str, g_key: str, **node) -> Path:
+    return forged(good, out, process='{"index": 0, "count": 2}',
+                  sites=json.dumps(_global_sites(h_key, g_key, **node)))
+
+
 def _nested(depth: int) -> str:
     return '{"list": [' * depth + "null" + "]}" * depth
 
@@ -135,6 +147,28 @@ def crafted(good: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
         "created_nan": (forged(good, tmp / "created_nan.safetensors", created="nan"), "created"),
         "version_escape": (forged(good, tmp / "version.safetensors",
                                   sowtel_version="1.0\x1b]0;pwned\x07"), "sowtel_version"),
+        # The parts of a multi-process dump: who wrote them, and where each shard lies.
+        "process_index_too_big": (forged(good, tmp / "proc_big.safetensors",
+                                         process='{"index": 2, "count": 2}'), "process"),
+        "process_not_object": (forged(good, tmp / "proc_str.safetensors", process='"0 of 2"'),
+                               "process"),
+        "process_bool": (forged(good, tmp / "proc_bool.safetensors",
+                                process='{"index": false, "count": 2}'), "process"),
+        "global_outside_part": (forged(good, tmp / "global_whole.safetensors",
+                                       sites=json.dumps(_global_sites(h_key, g_key))),
+                                "not one process's part"),
+        "global_bad_shape": (_part(good, tmp / "g_shape.safetensors", h_key, g_key,
+                                   shape=[-3]), "shape"),
+        "global_bad_dtype": (_part(good, tmp / "g_dtype.safetensors", h_key, g_key,
+                                   dtype="object"), "dtype"),
+        "global_box_outside": (_part(good, tmp / "g_box.safetensors", h_key, g_key,
+                                     box=[[3, 8]]), "malformed shard"),
+        "global_box_rank": (_part(good, tmp / "g_rank.safetensors", h_key, g_key,
+                                  box=[[0, 3], [0, 1]]), "malformed shard"),
+        "global_box_size": (_part(good, tmp / "g_size.safetensors", h_key, g_key,
+                                  box=[[0, 2]]), "whose tensor"),
+        "global_absent_tensor": (_part(good, tmp / "g_absent.safetensors", "nope", g_key),
+                                 "absent or used twice"),
         # Python keeps the last of two equal keys, other readers may keep the first: a second,
         # validly signed header that says step 99 must not silently win.
         "duplicate_json_key": (_write(
@@ -147,7 +181,10 @@ def crafted(good: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
 CASES = ["deep_header", "deep_sites", "deep_metadata", "medium_deep_sites", "list_key",
          "bool_key", "same_dict_key", "duplicate_site", "duplicate_mode", "escape_mode",
          "step_string", "step_bool", "step_float", "metadata_list", "metadata_nan",
-         "created_nan", "version_escape", "duplicate_json_key"]
+         "created_nan", "version_escape", "duplicate_json_key", "process_index_too_big",
+         "process_not_object", "process_bool", "global_outside_part", "global_bad_shape",
+         "global_bad_dtype", "global_box_outside", "global_box_rank", "global_box_size",
+         "global_absent_tensor"]
 
 
 @pytest.mark.parametrize("case", CASES)
