@@ -135,7 +135,8 @@ class InspectReport:
     def to_json(self) -> dict[str, Any]:
         i = self.info
         return {
-            "path": str(i.path), "step": i.step, "metadata": i.metadata,
+            "path": str(i.path), "parts": [str(part) for part in i.parts],
+            "step": i.step, "metadata": i.metadata,
             "sowtel_version": i.sowtel_version, "created": i.created, "sites": list(i.sites),
             "entries": [r.to_json() for r in self.rows],
             "nonfinite": [_ref(r) for r in self.nonfinite],

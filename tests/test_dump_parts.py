@@ -94,8 +94,9 @@ def test_inspect_and_diff_report_the_global_value(tmp_path, capsys):
         out = capsys.readouterr().out
         assert "global values of 2 processes' parts" in out and "(6, 4)" in out
     assert main(["inspect", "--json", str(p1)]) == 0
-    rows = json.loads(capsys.readouterr().out)["dumps"][0]["entries"]
-    assert rows[0]["stats"]["max"] == pytest.approx(float(VALUE.max()))
+    report = json.loads(capsys.readouterr().out)["dumps"][0]
+    assert report["parts"] == [str(p0), str(p1)] and report["path"] == str(p0)
+    assert report["entries"][0]["stats"]["max"] == pytest.approx(float(VALUE.max()))
 
 
 def test_a_process_holding_no_shard_still_writes_its_part(tmp_path):
