@@ -59,6 +59,7 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
+    "requires_devices",
     "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
     "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
     "scan_split_counts", "traced_for",
@@ -89,11 +90,24 @@ def allow_effect(effect_type: type) -> None:
         effect_set.add_type(effect_type)
 
 
-def _callback_sharding(ctx: Any) -> tuple[Any, bool]:
+def requires_devices(primitive: Any) -> None:
+    """Programs holding ``primitive`` are lowered knowing their devices, as JAX's own callbacks
+    are, so that a host callback can be placed on a chosen process's device."""
+    dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+
+def _first_device_of(ctx: Any, process: int) -> int:
+    """The program's logical id of the first device of ``process`` (0 when it has none)."""
+    devices = getattr(ctx.module_context.axis_context, "device_assignment", None) or ()
+    return next((i for i, d in enumerate(devices) if d.process_index == process), 0)
+
+
+def _callback_sharding(ctx: Any, process: int = 0) -> tuple[Any, bool]:
     """The sharding a host callback needs here, and whether to use the fallback instead.
 
-    Under automatic SPMD partitioning the callback runs once, on device 0 (its operands, already
-    reduced on device, are gathered there); inside a fully manual shard_map it runs per device.
+    Under automatic SPMD partitioning the callback runs once, on the first device of
+    ``process`` (its operands, already reduced on device, are gathered there); inside a fully
+    manual shard_map it runs per device.
     """
     axis_context = ctx.module_context.axis_context
     if isinstance(axis_context, _sharding_impls.SPMDAxisContext):
@@ -106,27 +120,32 @@ def _callback_sharding(ctx: Any) -> tuple[Any, bool]:
         return op, False
     if isinstance(axis_context, _sharding_impls.ShardingContext):
         if _config.use_shardy_partitioner.value:
-            arr = _sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,))
+            device = _first_device_of(ctx, process)
+            arr = _sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(),
+                                           logical_device_ids=(device,))
             return _sharding_impls.SdyArrayList((arr,)), False
         op = _xc.OpSharding()
         op.type = _xc.OpSharding.Type.MAXIMAL
         op.tile_assignment_dimensions = [1]
-        op.tile_assignment_devices = [0]
+        op.tile_assignment_devices = [_first_device_of(ctx, process)]
         return op, False
     return None, False
 
 
 def emit_host_callback(
-    ctx: Any, callback: Callable[..., None], operands: Sequence[Any], avals: Sequence[Any]
+    ctx: Any, callback: Callable[..., None], operands: Sequence[Any], avals: Sequence[Any],
+    *, process: int = 0,
 ) -> None:
     """Emits, inside a lowering rule, a call of ``callback(*numpy_arrays)`` with no results.
 
     The callback receives host numpy arrays. It must not raise (sowtel's receiver never does).
+    Under automatic partitioning it runs in ``process`` (on its first device of the program);
+    the ``jax.debug.callback`` fallback runs it where JAX puts it (device 0).
     """
     use_fallback = callback_path() == "debug"
     sharding = None
     if not use_fallback:
-        sharding, use_fallback = _callback_sharding(ctx)
+        sharding, use_fallback = _callback_sharding(ctx, process)
     if use_fallback:
         def via_debug_callback(*args: Any) -> list[Any]:
             jax.debug.callback(callback, *args)

@@ -52,14 +52,17 @@ from sowtel import _jax_compat as jc
 
 __all__ = ["initialize", "agree", "peer_timeout", "fetch", "owns", "spans_processes",
            "replicated_sharding", "gather_full_values", "partial_summaries",
-           "combine_partials",
-           "PEER_TIMEOUT_ENV", "DEFAULT_PEER_TIMEOUT"]
+           "combine_partials", "check_export_process",
+           "PEER_TIMEOUT_ENV", "DEFAULT_PEER_TIMEOUT", "EXPORT_PROCESS_ENV"]
 
 logger = logging.getLogger("sowtel")
 
 #: Seconds a process waits for the others at :func:`agree` (and :func:`initialize`).
 PEER_TIMEOUT_ENV = "SOWTEL_PEER_TIMEOUT"
 DEFAULT_PEER_TIMEOUT = 60.0
+
+#: The process that exports records of values spanning processes, when enable() names none.
+EXPORT_PROCESS_ENV = "SOWTEL_EXPORT_PROCESS"
 
 _ENV_ADDRESS = "SOWTEL_COORDINATOR_ADDRESS"
 _ENV_COUNT = "SOWTEL_NUM_PROCESSES"
@@ -200,6 +203,40 @@ def _describe(value: Any) -> Any:
         return {"callable": f"{getattr(value, '__module__', '?')}."
                             f"{getattr(value, '__qualname__', type(value).__name__)}"}
     return repr(value)
+
+
+def check_export_process(value: Any) -> int:
+    """``enable(export_process=)``: ``value``, else ``$SOWTEL_EXPORT_PROCESS``, else 0, checked
+    to be a process of this job.
+
+    Example:
+        >>> check_export_process(None)
+        0
+        >>> try:
+        ...     check_export_process(3)
+        ... except ValueError as e:
+        ...     print(e)
+        export_process=3 must be a process of this job: 0 <= export_process < 1
+    """
+    where = "export_process"
+    if value is None:
+        env = os.environ.get(EXPORT_PROCESS_ENV, "").strip()
+        if not env:
+            return 0
+        where = f"${EXPORT_PROCESS_ENV}"
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"{where}={env!r} must be an int: the index of the process that "
+                             "exports global records") from None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{where}={value!r} must be an int: the index of the process that "
+                         "exports global records")
+    count = jax.process_count()
+    if not 0 <= int(value) < count:
+        raise ValueError(f"{where}={value!r} must be a process of this job: "
+                         f"0 <= export_process < {count}")
+    return int(value)
 
 
 def agree(settings: dict[str, Any], *, what: str) -> None:
@@ -379,18 +416,23 @@ def gather_full_values(sites: Sequence[Any], arrays: list[Any], replicated: Any)
 
 
 @functools.lru_cache(maxsize=4096)
-def _lowest_holder_of(sharding: Any, shape: tuple[int, ...]) -> np.ndarray:
+def _exporter_of(sharding: Any, shape: tuple[int, ...], prefer: int) -> np.ndarray:
     low = np.full(shape, np.iinfo(np.int32).max, np.int32)
+    held = np.zeros(shape, bool)
     for device, index in sharding.devices_indices_map(shape).items():
         low[index] = np.minimum(low[index], int(device.process_index))
-    low.flags.writeable = False
-    return low
+        if device.process_index == prefer:
+            held[index] = True
+    out = np.where(held, np.int32(prefer), low)
+    out.flags.writeable = False
+    return out
 
 
-def _lowest_holder(array: Any) -> np.ndarray:
-    """Per element of ``array``: the lowest process index holding it on one of its devices."""
+def _exporter(array: Any, prefer: int) -> np.ndarray:
+    """Per element of ``array``: ``prefer`` where one of its devices holds the element, else
+    the lowest process index holding it."""
     # The same few shardings every step: computed once each.
-    return _lowest_holder_of(array.sharding, tuple(array.shape))
+    return _exporter_of(array.sharding, tuple(array.shape), prefer)
 
 
 def _whole(index: tuple[Any, ...], shape: tuple[int, ...]) -> bool:
@@ -412,16 +454,20 @@ def _local_value(array: Any) -> np.ndarray:
     return out
 
 
-def fetch(arrays: Sequence[Any]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+def fetch(arrays: Sequence[Any], export_process: int = 0
+          ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """Host copies of a logging step's summary arrays, and per array who exports what.
 
     In a job of one process the second result is ``None``: everything is exported. Otherwise it
-    holds, per array, the lowest process index holding each element (see :func:`owns`); the
-    values of elements held only by other processes are zeros here.
+    holds, per array and element, the process that exports it (see :func:`owns`):
+    ``export_process`` where that process holds the element (every element of a replicated
+    global summary), else the lowest process holding it (a ``shard_map`` shard's summary,
+    held by the process that ran the shard). The values of elements held only by other
+    processes are zeros here.
     """
     if not spans_processes():
         return [np.asarray(a) for a in jax.device_get(list(arrays))], None
-    return [_local_value(a) for a in arrays], [_lowest_holder(a) for a in arrays]
+    return [_local_value(a) for a in arrays], [_exporter(a, export_process) for a in arrays]
 
 
 #: Summaries of sowtel.jit steps that no single process held whole, so none exported them:
@@ -432,9 +478,10 @@ SPLIT_UNEXPORTED = [0]
 def owns(lowest: Sequence[np.ndarray], pos: tuple[int, ...], process_index: int) -> bool:
     """Whether ``process_index`` exports the records at ``pos`` of one site's summary arrays.
 
-    A position is exported by the lowest process that holds every element of its summary on
-    its own devices: process 0 for a replicated global summary, the process whose device ran a
-    ``shard_map`` shard for that shard's summary.
+    ``lowest`` is :func:`fetch`'s second result. A position is exported by the process that
+    exports every element of its summary: the export process (0 by default) for a replicated
+    global summary, the process whose device ran a ``shard_map`` shard for that shard's
+    summary; by none when its elements are split between processes (counted).
     """
     global _warned_unowned
     owners = {int(v) for low in lowest for v in np.ravel(low[pos])}

@@ -92,6 +92,8 @@ class StreamConfig:
     exclude: Callable[[str], bool] | None = None
     summary: str = "stats"
     every: int = 1
+    #: The process that exports the records of sites whose values span processes.
+    export_process: int = 0
 
     def selects(self, name: str, tag: str) -> bool:
         if tag not in self.tags:
@@ -379,6 +381,8 @@ jc.allow_effect(SowEffect)
 
 sow_p = jc.core.Primitive("sow")
 sow_p.multiple_results = True
+# Its lowering may emit a host callback placed on the export process's device.
+jc.requires_devices(sow_p)
 
 def jvp_mode(mode: str) -> str:
     return "tangent" if mode == "primal" else mode + ".tangent"
@@ -700,7 +704,8 @@ sow_emit_p = jc.core.Primitive("sow_emit")
 sow_emit_p.multiple_results = True
 
 
-def _emit_abstract_eval(*avals: Any, site: StreamSite) -> tuple[list[Any], Any]:
+def _emit_abstract_eval(*avals: Any, site: StreamSite, export_process: int
+                        ) -> tuple[list[Any], Any]:
     return [], {sow_effect}
 
 
@@ -717,9 +722,10 @@ def _deliver(site: StreamSite, *arrays: np.ndarray) -> None:
         closed.count_late(site)
 
 
-def _emit_lowering(ctx: Any, *args: Any, site: StreamSite) -> list[Any]:
+def _emit_lowering(ctx: Any, *args: Any, site: StreamSite, export_process: int) -> list[Any]:
     named = naming.number_in_program(ctx, site)  # a name repeated in the program gets numbered
-    jc.emit_host_callback(ctx, lambda *a: _deliver(named(), *a), args, ctx.avals_in)
+    jc.emit_host_callback(ctx, lambda *a: _deliver(named(), *a), args, ctx.avals_in,
+                          process=export_process)
     return []
 
 
@@ -746,7 +752,8 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
 
         def emit() -> None:
             arrays = [a for v in values for a in device_summary(v, summary, info.bins)]
-            sow_emit_p.bind(*arrays, *extras, site=info)
+            sow_emit_p.bind(*arrays, *extras, site=info,
+                            export_process=stream.export_process)
 
         if every > 1 and "step" in site.extras:
             step = extras[site.extras.index("step")]

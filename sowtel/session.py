@@ -153,11 +153,12 @@ class Session:
         queue_size: int,
         on_full: str,
         max_bytes: int,
+        export_process: int = 0,
     ) -> None:
         self.id = next(_ids)
         # What shapes compiled programs, and keys their cache (never the session's identity).
         self.config = StreamConfig(tags=tags, modes=modes, include=include, exclude=exclude,
-                                   summary=summary, every=every)
+                                   summary=summary, every=every, export_process=export_process)
         self.summary = summary
         self.tags = tags
         self.modes = modes
@@ -264,7 +265,8 @@ class Session:
         for item in items:
             if isinstance(item, _Compiled):
                 # Waits for the device, here: one transfer a buffer.
-                fetched, lowest = multihost.fetch(item.summaries.buffers)
+                fetched, lowest = multihost.fetch(item.summaries.buffers,
+                                                  self.config.export_process)
                 host = item.summaries.unpack(fetched)
                 records.extend(compiled_records(
                     item.summaries.sites, host, step=item.step, seqs=self._seq,
@@ -384,6 +386,7 @@ def enable(
     queue_size: int = 10_000,
     on_full: str = "drop",
     max_bytes: int = 1 << 30,
+    export_process: int | None = None,
     **exporter_options: Any,
 ) -> Session:
     """Streams every selected sow, in every program traced from now on, to ``exporter``.
@@ -403,6 +406,9 @@ def enable(
       queue_size: records waiting for the exporters at most; beyond it ``on_full`` decides.
       on_full: ``"drop"`` (count and drop) or ``"block"`` (back-pressure; nothing is lost).
       max_bytes: bytes of full values waiting at most.
+      export_process: under ``jax.distributed``, the process that exports the records of sites
+        whose values span processes (default: ``$SOWTEL_EXPORT_PROCESS``, else 0); records
+        of ``shard_map`` shards stay with the process that ran them.
       **exporter_options: passed to exporters named by string (``logdir=...``).
 
     Returns:
@@ -433,13 +439,15 @@ def enable(
         raise ValueError(f"on_full={on_full!r} is not a policy: use 'drop' or 'block'")
     include_fn = _check_patterns(include, "include")
     exclude_fn = _check_patterns(exclude, "exclude")
+    export_process = multihost.check_export_process(export_process)
     multihost.agree(dict(summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
-                         exclude=exclude_fn, every=every), what="enable")
+                         exclude=exclude_fn, every=every, export_process=export_process),
+                    what="enable")
     exporters = resolve(exporter, **exporter_options)
     session = Session(
         exporters, summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
         exclude=exclude_fn, every=every, queue_size=queue_size, on_full=on_full,
-        max_bytes=max_bytes,
+        max_bytes=max_bytes, export_process=export_process,
     )
     with _lock:
         below = _stack[-1] if _stack else None

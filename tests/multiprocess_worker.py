@@ -148,6 +148,44 @@ def stream(k: int, out: Path) -> dict[str, Any]:
     return result
 
 
+def export_process(k: int, out: Path) -> dict[str, Any]:
+    # Process 1 exports the global records: by enable(export_process=1) with the callback
+    # transport, by $SOWTEL_EXPORT_PROCESS=1 with sowtel.jit.
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    xg, wg = inputs()
+    x = jax.make_array_from_callback(xg.shape, NamedSharding(mesh, P("d")), lambda i: xg[i])
+    w = jax.make_array_from_callback(wg.shape, NamedSharding(mesh, P()), lambda i: wg[i])
+    loss = make_loss(mesh)
+    result: dict[str, Any] = {}
+    step = jax.jit(jax.value_and_grad(loss))
+    with sowtel.enable(exporter="memory", export_process=1) as session:
+        for i in range(2):
+            with sowtel.at_step(i):
+                step(w, x)
+        sowtel.flush()
+        result["callback"] = [as_json(r) for r in session.exporters[0].records]
+    os.environ[multihost.EXPORT_PROCESS_ENV] = "1"
+    jstep = sowtel.jit(jax.value_and_grad(loss))
+    with sowtel.enable(exporter="memory") as session:
+        for _ in range(2):
+            jstep(w, x)
+        sowtel.flush()
+        result["jit"] = [as_json(r) for r in session.exporters[0].records]
+    del os.environ[multihost.EXPORT_PROCESS_ENV]
+    errors = []
+    for bad in (2, -1, True, "1"):
+        try:
+            sowtel.enable(exporter="memory", export_process=bad)
+        except ValueError as e:
+            errors.append(str(e))
+    result["bad"] = errors
+    try:  # each process names itself: the processes disagree
+        sowtel.enable(exporter="memory", export_process=k)
+    except ValueError as e:
+        result["disagree"] = str(e)
+    return result
+
+
 def mismatch(k: int, out: Path) -> dict[str, Any]:
     # Process 1 asks for another summary: both processes must refuse, neither may hang.
     try:
@@ -177,7 +215,8 @@ def one_sided(k: int, out: Path) -> dict[str, Any]:
     return result
 
 
-SCENARIOS = {"stream": stream, "mismatch": mismatch, "one_sided": one_sided}
+SCENARIOS = {"stream": stream, "mismatch": mismatch, "one_sided": one_sided,
+             "export_process": export_process}
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ the test (both are killed), it never hangs the suite.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -123,7 +124,7 @@ def owner(key: tuple[str, str, Any]) -> int:
 
 
 def check_records(per_process: list[list[dict[str, Any]]], steps: list[int],
-                  refs: dict[tuple[str, str, Any], np.ndarray]) -> None:
+                  refs: dict[tuple[str, str, Any], np.ndarray], owner=owner) -> None:
     seen: dict[tuple[Any, ...], int] = {}
     for k, records in enumerate(per_process):
         for r in records:
@@ -250,6 +251,29 @@ def test_both_transports_give_one_coherent_set_of_records_across_two_processes(t
                     {"m[4]", "m[5]", "m[6]", "m[7]"}]
 
 
+def test_another_process_can_export_the_global_records(tmp_path):
+    results = ok(run_job("export_process", tmp_path))
+    refs = references()
+
+    def owner_1(key: tuple[str, str, Any]) -> int:  # shard_map shards stay where they ran
+        name, _, index = key
+        return index // 4 if name == "m" else 1
+
+    for transport in ("callback", "jit"):
+        check_records([r[transport] for r in results], [0, 1], refs, owner_1)
+        # Process 0 keeps only the records of its own shards: 2 modes x 4 shards x 2 steps.
+        assert len(results[0][transport]) == 16
+    for r in results:
+        bad = r["bad"]
+        assert len(bad) == 4, bad
+        assert "export_process=2 must be a process of this job: 0 <= export_process < 2" in bad[0]
+        assert "export_process=-1 must be a process" in bad[1]
+        assert "export_process=True must be an int" in bad[2]
+        assert "export_process='1' must be an int" in bad[3]
+    for k, r in enumerate(results):
+        assert "export_process: " in r["disagree"] and f"process {1 - k}" in r["disagree"], r
+
+
 def test_settings_that_differ_between_processes_raise_in_both(tmp_path):
     results = ok(run_job("mismatch", tmp_path))
     for k, r in enumerate(results):
@@ -295,3 +319,31 @@ def test_an_unreachable_coordinator_is_a_clear_error_before_jax_waits(tmp_path):
 def test_launch_arguments_are_checked(args, match):
     with pytest.raises(ValueError, match=match):
         multihost.initialize(*args, timeout=1)
+
+
+@pytest.mark.parametrize("value, env, match", [
+    (1, None, "export_process=1 must be a process of this job: 0 <= export_process < 1"),
+    (1.0, None, "export_process=1.0 must be an int"),
+    (None, "one", r"\$SOWTEL_EXPORT_PROCESS='one' must be an int"),
+    (None, "3", r"\$SOWTEL_EXPORT_PROCESS=3 must be a process of this job"),
+])
+def test_a_bad_export_process_is_refused_before_anything_starts(monkeypatch, tmp_path, value,
+                                                                 env, match):
+    import sowtel
+
+    monkeypatch.chdir(tmp_path)
+    if env is not None:
+        monkeypatch.setenv(multihost.EXPORT_PROCESS_ENV, env)
+    with pytest.raises(ValueError, match=match):
+        sowtel.enable(exporter="jsonl", export_process=value)
+    assert list(tmp_path.iterdir()) == []  # no exporter was made
+    assert not sowtel.status()["enabled"]
+
+
+def test_the_export_process_keys_compiled_programs_apart():
+    import sowtel
+
+    with sowtel.enable(exporter="memory", export_process=0) as a:
+        pass
+    assert a.config.export_process == 0
+    assert a.config != dataclasses.replace(a.config, export_process=1)
