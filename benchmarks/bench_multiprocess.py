@@ -10,6 +10,11 @@ the records), the same session through ``jax.jit`` (the callback transport), and
 with ``every=10``. Process 0 reports the medians and their ratio, and the records per step it
 exported, so a variant that streamed nothing cannot pass for a fast one.
 
+Then the step's intermediates (``save_intermediates``: global arrays) are dumped, interleaved,
+as per-process parts (each process writes the shards it holds) and by gathering them to every
+process first (``process_allgather``) and dumping from process 0; process 0 then times loading
+the parts against loading the gathered file.
+
 Run: ``python -m benchmarks.bench_multiprocess [--quick]``.
 """
 
@@ -88,7 +93,47 @@ def _worker(k: int, port: int, out: Path, quick: bool) -> None:
             exported = sowtel.status()["exported"]["memory"] - before
         result[f"records_per_step ({name})"] = exported / (rounds * n * (len(variants) - 1))
     result["median_s"] = {variant: float(np.median(t)) for variant, t in times.items()}
+    result["dumps"] = _dumps(k, work, (params, batch), out, rounds=2 if quick else 5)
     (out / f"bench_{k}.json").write_text(json.dumps(result))
+
+
+def _dumps(k: int, work: Any, args: tuple[Any, Any], out: Path, rounds: int) -> dict[str, Any]:
+    """Dumping the step's intermediates (global arrays): per-process parts vs gathering them
+    to process 0 first; then reading the parts vs reading the gathered file, in process 0."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import sowtel
+
+    fn = jax.jit(sowtel.save_intermediates(
+        lambda p, b: jax.value_and_grad(lambda q: work.loss(q, b, sowtel.sow))(p)))
+    _, inter = fn(*args)
+    jax.block_until_ready(inter)
+    times: dict[str, list[float]] = {}
+    for i in range(rounds):
+        multihost_utils.sync_global_devices(f"dump parts {i}")
+        start = time.perf_counter()
+        part = sowtel.dump(inter, f"{out}/parts/", step=i)
+        multihost_utils.sync_global_devices(f"dumped parts {i}")  # the job waits for both
+        times.setdefault("dump parts", []).append(time.perf_counter() - start)
+        start = time.perf_counter()
+        gathered = jax.tree.map(lambda a: multihost_utils.process_allgather(a, tiled=True),
+                                inter)
+        if k == 0:
+            whole = sowtel.dump(gathered, f"{out}/gathered/", step=i)
+        multihost_utils.sync_global_devices(f"dumped gathered {i}")
+        times.setdefault("gather + dump in process 0", []).append(time.perf_counter() - start)
+    result: dict[str, Any] = {"nbytes": int(sum(np.asarray(a).nbytes for a in jax.tree.leaves(
+        gathered)))}
+    if k == 0:
+        for _ in range(rounds):  # interleaved
+            for name, path in (("load parts", part), ("load gathered", whole)):
+                start = time.perf_counter()
+                sowtel.load(path)
+                times.setdefault(name, []).append(time.perf_counter() - start)
+    result["median_s"] = {name: float(np.median(t)) for name, t in times.items()}
+    return result
 
 
 def _free_port() -> int:
@@ -140,6 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             callback = median["callback"]
             print(f"  {'callback (enable + jax.jit)':<29}  {callback * 1e3:8.2f} ms   "
                   f"{callback / plain:.2f}x")
+    dumps = result["dumps"]
+    times = dumps["median_s"]
+    print(f"dumps of the step's intermediates ({dumps['nbytes'] / 2**20:.1f} MiB, global arrays)")
+    for name, reference in (("dump parts", "gather + dump in process 0"),
+                            ("load parts", "load gathered")):
+        print(f"  {name:<29}  {times[name] * 1e3:8.2f} ms   {times[name] / times[reference]:.2f}x"
+              f" of {reference} ({times[reference] * 1e3:.2f} ms)")
     return 0
 
 
