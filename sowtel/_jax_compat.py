@@ -30,6 +30,7 @@ when that is gone.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -59,7 +60,7 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
-    "requires_devices",
+    "requires_devices", "global_devices",
     "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
     "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
     "scan_split_counts", "traced_for",
@@ -94,6 +95,16 @@ def requires_devices(primitive: Any) -> None:
     """Programs holding ``primitive`` are lowered knowing their devices, as JAX's own callbacks
     are, so that a host callback can be placed on a chosen process's device."""
     dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+
+def global_devices(ctx: Any) -> tuple[Any, ...] | None:
+    """Inside a lowering rule: the program's devices when it is automatically partitioned over
+    the devices of several processes (``None`` otherwise, and inside ``shard_map``)."""
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, _sharding_impls.ShardingContext):
+        return None
+    devices = axis_context.device_assignment or ()
+    return tuple(devices) if len({d.process_index for d in devices}) > 1 else None
 
 
 def _first_device_of(ctx: Any, process: int) -> int:
@@ -132,6 +143,18 @@ def _callback_sharding(ctx: Any, process: int = 0) -> tuple[Any, bool]:
     return None, False
 
 
+_warned_fallback_process = False
+
+
+def _warn_fallback_process(process: int) -> None:
+    global _warned_fallback_process
+    _warned_fallback_process = True
+    logging.getLogger("sowtel").warning(
+        "sowtel: the jax.debug.callback fallback (SOWTEL_CALLBACK=debug, or a partially manual "
+        "shard_map) places the host callback of a global site where JAX does, on device 0: "
+        "process 0 exports those records, not export_process=%d", process)
+
+
 def emit_host_callback(
     ctx: Any, callback: Callable[..., None], operands: Sequence[Any], avals: Sequence[Any],
     *, process: int = 0,
@@ -147,6 +170,9 @@ def emit_host_callback(
     if not use_fallback:
         sharding, use_fallback = _callback_sharding(ctx, process)
     if use_fallback:
+        if process != 0 and not _warned_fallback_process:
+            _warn_fallback_process(process)
+
         def via_debug_callback(*args: Any) -> list[Any]:
             jax.debug.callback(callback, *args)
             return []

@@ -6,10 +6,12 @@ program over a global mesh of devices. sowtel keeps the records of such a job co
 - A site whose value is sharded across processes (plain code or a ``scan`` under sharded
   ``jit``) gives **one global record** per occurrence, its statistics reduced on the devices
   over the whole global value (only the summary crosses to a host, never the value), exported
-  by process 0 alone. With ``enable()`` + ``jax.jit`` the host callback runs on global device 0
-  (process 0's); with :func:`sowtel.jit` each device summarises its block of the value, the
-  blocks of every such site are gathered in one transfer a step and combined on the devices,
-  and process 0 alone turns the (replicated) summaries into records.
+  by the export process alone (process 0 unless ``enable(export_process=k)`` or
+  ``$SOWTEL_EXPORT_PROCESS``). Each device summarises its block of the value and the blocks'
+  summaries are gathered and merged on the devices: with ``enable()`` + ``jax.jit`` one
+  all-gather a site, the host callback then running on the export process's first device;
+  with :func:`sowtel.jit` one all-gather a step for all such sites, the export process alone
+  turning the (replicated) summaries into records.
 - A site inside ``shard_map`` gives **one record per shard**, with the global shard index as
   ``Record.index``, exported by the process whose device ran the shard, and that process's
   ``Record.process_index``.
@@ -52,7 +54,7 @@ from sowtel import _jax_compat as jc
 
 __all__ = ["initialize", "agree", "peer_timeout", "fetch", "owns", "spans_processes",
            "replicated_sharding", "gather_full_values", "partial_summaries",
-           "combine_partials", "check_export_process",
+           "combine_partials", "merge_partials", "check_export_process",
            "PEER_TIMEOUT_ENV", "DEFAULT_PEER_TIMEOUT", "EXPORT_PROCESS_ENV"]
 
 logger = logging.getLogger("sowtel")
@@ -338,7 +340,7 @@ def partial_summaries(leaves: Sequence[Any], summary: str, bins: int,
     return out
 
 
-def _combine(partial: Any, per_row: int) -> tuple[Any, Any]:
+def merge_partials(partial: Any, per_row: int) -> tuple[Any, Any]:
     """The ``stats`` arrays ``[floats(6), counts(4)]`` of ``P`` block summaries ``(..., P, 10)``:
     counts add, extrema take the extremum, means and variances merge (Chan et al.)."""
     import jax.numpy as jnp
@@ -394,7 +396,7 @@ def combine_partials(caps: list[Any], orders: set[int], replicated: Any) -> list
             continue
         leaves: list[Any] = []
         for j in range(len(c.leaves) - 1):
-            leaves.extend(_combine(gathered[(i, j)], c.site.sizes[j] // parts))
+            leaves.extend(merge_partials(gathered[(i, j)], c.site.sizes[j] // parts))
         out[i] = c.with_leaves([*leaves, c.leaves[-1]])
     return out
 

@@ -381,8 +381,6 @@ jc.allow_effect(SowEffect)
 
 sow_p = jc.core.Primitive("sow")
 sow_p.multiple_results = True
-# Its lowering may emit a host callback placed on the export process's device.
-jc.requires_devices(sow_p)
 
 def jvp_mode(mode: str) -> str:
     return "tangent" if mode == "primal" else mode + ".tangent"
@@ -732,6 +730,32 @@ def _emit_lowering(ctx: Any, *args: Any, site: StreamSite, export_process: int) 
 jc.mlir.register_lowering(sow_emit_p, _emit_lowering)
 
 
+def _site_summary(ctx: Any, values: list[Any], summary: str, bins: int) -> list[Any]:
+    """The summary arrays of one occurrence of a site, computed in the program.
+
+    In a program partitioned over the devices of several processes, ``stats`` are computed in
+    two levels, as :func:`sowtel.jit` does: each device summarises a block of the value, the
+    blocks' summaries are gathered (one all-gather a site) and merged. XLA's CPU backend runs
+    each cross-process all-reduce on its own, and a direct summary holds about eight.
+    """
+    devices = jc.global_devices(ctx) if summary == "stats" else None
+    if devices is not None:
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        from sowtel import multihost
+
+        replicated = NamedSharding(Mesh(np.array(devices), ("sowtel_devices",)),
+                                   PartitionSpec())
+        partial = multihost.partial_summaries(values, summary, bins, replicated)
+        if partial is not None:
+            out: list[Any] = []
+            for v, part in zip(values, partial, strict=True):
+                gathered = jax.lax.with_sharding_constraint(part, replicated)
+                out.extend(multihost.merge_partials(gathered, math.prod(v.shape) // len(devices)))
+            return out
+    return [a for v in values for a in device_summary(v, summary, bins)]
+
+
 def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
                   stream: StreamConfig | None, summary: str, every: int,
                   recompute: bool) -> list[Any]:
@@ -751,7 +775,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         values, extras = _split(operands, site)
 
         def emit() -> None:
-            arrays = [a for v in values for a in device_summary(v, summary, info.bins)]
+            arrays = _site_summary(ctx, values, summary, info.bins)
             sow_emit_p.bind(*arrays, *extras, site=info,
                             export_process=stream.export_process)
 

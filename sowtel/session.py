@@ -53,6 +53,7 @@ from sowtel.primitive import (
     StreamConfig,
     StreamSite,
     check_positive_int,
+    sow_p,
 )
 from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record
 from sowtel.summaries import check_summary
@@ -440,6 +441,10 @@ def enable(
     include_fn = _check_patterns(include, "include")
     exclude_fn = _check_patterns(exclude, "exclude")
     export_process = multihost.check_export_process(export_process)
+    if multihost.spans_processes():
+        # Programs with sows are then lowered knowing their devices, so that the host callback
+        # of a global site can be placed on the export process's device.
+        jc.requires_devices(sow_p)
     multihost.agree(dict(summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
                          exclude=exclude_fn, every=every, export_process=export_process),
                     what="enable")

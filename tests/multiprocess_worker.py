@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
+if __name__ == "__main__":  # not when the test imports it: its JAX keeps its own devices
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -110,6 +111,7 @@ def stream(k: int, out: Path) -> dict[str, Any]:
                 value, _ = step(w, x)
         sowtel.flush()
         result["callback"] = [as_json(r) for r in session.exporters[0].records]
+        callback_hlo = step.lower(w, x).compile().as_text()
     result["loss"] = float(value)
 
     # sowtel.jit, two counted steps, to every kind of exporter.
@@ -127,7 +129,8 @@ def stream(k: int, out: Path) -> dict[str, Any]:
         result["jit"] = [as_json(r) for r in session.exporters[0].records]
         # The collectives of the logging program, against those of the plain one.
         hlo = {"plain": jstep.lower(w, x).compile().as_text(),
-               "logging": jstep.lower_logging(w, x, step=0).compile().as_text()}
+               "logging": jstep.lower_logging(w, x, step=0).compile().as_text(),
+               "callback": callback_hlo}
         result["collectives"] = {name: {op: text.count(f" {op}(") for op in (
             "all-reduce", "all-gather", "all-to-all", "collective-permute")}
             for name, text in hlo.items()}

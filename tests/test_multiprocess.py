@@ -224,6 +224,12 @@ def test_both_transports_give_one_coherent_set_of_records_across_two_processes(t
     for r in results:
         plain, logging = r["collectives"]["plain"], r["collectives"]["logging"]
         assert logging == {**plain, "all-gather": plain["all-gather"] + 1}, r["collectives"]
+        # The callback transport: an all-gather per global site in the program text (h and s,
+        # primal and cotangent: 4, or fewer where XLA merges them), no all-reduce beyond the
+        # step's own (a direct summary holds about eight a site).
+        callback = r["collectives"]["callback"]
+        assert callback["all-reduce"] == plain["all-reduce"], r["collectives"]
+        assert 1 <= callback["all-gather"] - plain["all-gather"] <= 4, r["collectives"]
 
     # summary="full": the whole value of each record, once, in the process that owns it.
     for transport in ("jit", "callback"):
@@ -347,3 +353,12 @@ def test_the_export_process_keys_compiled_programs_apart():
         pass
     assert a.config.export_process == 0
     assert a.config != dataclasses.replace(a.config, export_process=1)
+
+
+def test_the_keyword_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv(multihost.EXPORT_PROCESS_ENV, "7")  # not a process of this job
+    assert multihost.check_export_process(0) == 0
+    monkeypatch.setenv(multihost.EXPORT_PROCESS_ENV, " 0 ")
+    assert multihost.check_export_process(None) == 0
+    monkeypatch.setenv(multihost.EXPORT_PROCESS_ENV, "")
+    assert multihost.check_export_process(None) == 0
