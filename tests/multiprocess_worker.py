@@ -175,6 +175,15 @@ def export_process(k: int, out: Path) -> dict[str, Any]:
         sowtel.flush()
         result["jit"] = [as_json(r) for r in session.exporters[0].records]
     del os.environ[multihost.EXPORT_PROCESS_ENV]
+    # summary="full": the whole global value, gathered to the export process.
+    for transport, fn in (("jit", sowtel.jit(loss)), ("callback", jax.jit(loss))):
+        with sowtel.enable(exporter="memory", summary="full", modes=("primal",),
+                           export_process=1) as session:
+            fn(w, x)
+            sowtel.flush()
+            result[f"full_{transport}"] = [
+                {"name": r.name, "index": r.index, "process_index": r.process_index,
+                 "value": np.asarray(r.value).tolist()} for r in session.exporters[0].records]
     errors = []
     for bad in (2, -1, True, "1"):
         try:

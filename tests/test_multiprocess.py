@@ -269,6 +269,13 @@ def test_another_process_can_export_the_global_records(tmp_path):
         check_records([r[transport] for r in results], [0, 1], refs, owner_1)
         # Process 0 keeps only the records of its own shards: 2 modes x 4 shards x 2 steps.
         assert len(results[0][transport]) == 16
+        full = [(k, r) for k, result in enumerate(results) for r in result[f"full_{transport}"]]
+        assert sorted((r["name"], str(r["index"])) for _, r in full) == sorted(
+            (name, str(index)) for name, mode, index in refs if mode == "primal")
+        for k, r in full:
+            key = (r["name"], "primal", r["index"])
+            assert k == r["process_index"] == owner_1(key), (transport, key, k)
+            np.testing.assert_allclose(np.asarray(r["value"]), refs[key], rtol=1e-5, atol=1e-6)
     for r in results:
         bad = r["bad"]
         assert len(bad) == 4, bad
