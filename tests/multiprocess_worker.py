@@ -61,6 +61,29 @@ def make_loss(mesh: Mesh) -> Any:
     return loss
 
 
+def global_inputs() -> tuple[Mesh, Any, Any]:
+    """The mesh of every process's devices, w (replicated) and x (rows sharded over the 8)."""
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    xg, wg = inputs()
+    x = jax.make_array_from_callback(xg.shape, NamedSharding(mesh, P("d")), lambda i: xg[i])
+    w = jax.make_array_from_callback(wg.shape, NamedSharding(mesh, P()), lambda i: wg[i])
+    return mesh, w, x
+
+
+def full_records(loss: Any, w: Any, x: Any, **options: Any) -> dict[str, Any]:
+    """summary="full" of every primal, through both transports: what this process exported."""
+    out = {}
+    for transport, fn in (("jit", sowtel.jit(loss)), ("callback", jax.jit(loss))):
+        with sowtel.enable(exporter="memory", summary="full", modes=("primal",),
+                           **options) as session:
+            fn(w, x)
+            sowtel.flush()
+            out[f"full_{transport}"] = [
+                {"name": r.name, "index": r.index, "process_index": r.process_index,
+                 "value": np.asarray(r.value).tolist()} for r in session.exporters[0].records]
+    return out
+
+
 def as_json(r: sowtel.Record) -> dict[str, Any]:
     return {"name": r.name, "mode": r.mode, "step": r.step, "index": r.index,
             "process_index": r.process_index, "shape": list(r.shape), "stats": r.stats}
@@ -74,10 +97,7 @@ def stream(k: int, out: Path) -> dict[str, Any]:
     from sowtel.exporters.otel import OTelExporter
     from sowtel.exporters.tensorboard import TensorBoardExporter
 
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    xg, wg = inputs()
-    x = jax.make_array_from_callback(xg.shape, NamedSharding(mesh, P("d")), lambda i: xg[i])
-    w = jax.make_array_from_callback(wg.shape, NamedSharding(mesh, P()), lambda i: wg[i])
+    mesh, w, x = global_inputs()
     loss = make_loss(mesh)
     result: dict[str, Any] = {}
 
@@ -138,13 +158,7 @@ def stream(k: int, out: Path) -> dict[str, Any]:
     result["jit_status"] = {k: v for k, v in sowtel.status().items()
                             if k in ("received", "exported", "dropped", "errors", "accounts")}
     # summary="full": whole values, a global one gathered to process 0 by both transports.
-    for transport, fn in (("jit", sowtel.jit(loss)), ("callback", jax.jit(loss))):
-        with sowtel.enable(exporter="memory", summary="full", modes=("primal",)) as session:
-            fn(w, x)
-            sowtel.flush()
-            result[f"full_{transport}"] = [
-                {"name": r.name, "index": r.index, "process_index": r.process_index,
-                 "value": np.asarray(r.value).tolist()} for r in session.exporters[0].records]
+    result.update(full_records(loss, w, x))
     result["resource"] = sorted({
         (key, str(val)) for s in spans.get_finished_spans()
         for key, val in s.resource.attributes.items() if key.startswith("process.")})
@@ -154,10 +168,7 @@ def stream(k: int, out: Path) -> dict[str, Any]:
 def export_process(k: int, out: Path) -> dict[str, Any]:
     # Process 1 exports the global records: by enable(export_process=1) with the callback
     # transport, by $SOWTEL_EXPORT_PROCESS=1 with sowtel.jit.
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    xg, wg = inputs()
-    x = jax.make_array_from_callback(xg.shape, NamedSharding(mesh, P("d")), lambda i: xg[i])
-    w = jax.make_array_from_callback(wg.shape, NamedSharding(mesh, P()), lambda i: wg[i])
+    mesh, w, x = global_inputs()
     loss = make_loss(mesh)
     result: dict[str, Any] = {}
     step = jax.jit(jax.value_and_grad(loss))
@@ -176,14 +187,7 @@ def export_process(k: int, out: Path) -> dict[str, Any]:
         result["jit"] = [as_json(r) for r in session.exporters[0].records]
     del os.environ[multihost.EXPORT_PROCESS_ENV]
     # summary="full": the whole global value, gathered to the export process.
-    for transport, fn in (("jit", sowtel.jit(loss)), ("callback", jax.jit(loss))):
-        with sowtel.enable(exporter="memory", summary="full", modes=("primal",),
-                           export_process=1) as session:
-            fn(w, x)
-            sowtel.flush()
-            result[f"full_{transport}"] = [
-                {"name": r.name, "index": r.index, "process_index": r.process_index,
-                 "value": np.asarray(r.value).tolist()} for r in session.exporters[0].records]
+    result.update(full_records(loss, w, x, export_process=1))
     errors = []
     for bad in (2, -1, True, "1"):
         try:
@@ -219,10 +223,7 @@ def one_sided(k: int, out: Path) -> dict[str, Any]:
             result.update(error="RuntimeError", message=str(e))
         result["waited"] = time.monotonic() - start
     multihost_utils.sync_global_devices("after one-sided enable")
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    xg, wg = inputs()
-    x = jax.make_array_from_callback(xg.shape, NamedSharding(mesh, P("d")), lambda i: xg[i])
-    w = jax.make_array_from_callback(wg.shape, NamedSharding(mesh, P()), lambda i: wg[i])
+    mesh, w, x = global_inputs()
     result["loss"] = float(sowtel.jit(make_loss(mesh))(w, x))
     return result
 
