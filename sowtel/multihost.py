@@ -342,7 +342,17 @@ def partial_summaries(leaves: Sequence[Any], summary: str, bins: int,
 
 def merge_partials(partial: Any, per_row: int) -> tuple[Any, Any]:
     """The ``stats`` arrays ``[floats(6), counts(4)]`` of ``P`` block summaries ``(..., P, 10)``:
-    counts add, extrema take the extremum, means and variances merge (Chan et al.)."""
+    counts add, extrema take the extremum, means and variances merge (Chan et al.).
+
+    Example (the blocks [1, 3] and [5, 7] of [1, 3, 5, 7]):
+        >>> import jax, jax.numpy as jnp
+        >>> from sowtel.summaries import device_summary
+        >>> rows = jnp.array([[1.0, 3.0], [5.0, 7.0]])
+        >>> floats, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats", 8)))(rows)
+        >>> merged, _ = merge_partials(jnp.concatenate([floats, counts.astype(floats.dtype)], 1), 2)
+        >>> [round(float(v), 4) for v in merged[:4]]  # mean, std, min, max
+        [4.0, 2.2361, 1.0, 7.0]
+    """
     import jax.numpy as jnp
 
     ftype = partial.dtype

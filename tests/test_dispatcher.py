@@ -14,26 +14,16 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+from exporter_doubles import Hung, Raising, convert, make_record
 
 from sowtel.dispatcher import Dispatcher
 from sowtel.exporters.memory import MemoryExporter
 from sowtel.records import Record
-
-
-def make_record(step: int, name: str = "x", mode: str = "primal",
-                stats: dict[str, float] | None = None, value: np.ndarray | None = None) -> Record:
-    return Record(name=name, mode=mode, tag="intermediates", step=step, index=None,
-                  wall_time=0.0, summary="full" if value is not None else "stats", shape=(),
-                  dtype="float32", value=value, stats=stats or {"mean": float(step)})
-
-
-def convert(items: list[int]) -> list[Record]:
-    return [make_record(i) for i in items]
 
 
 class CallLog:
@@ -59,54 +49,6 @@ class CallLog:
     def close(self) -> None:
         self.threads.add(threading.get_ident())
         self.calls.append(("close", 0))
-
-
-class Raising:
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def write(self, records: Sequence[Record]) -> None:
-        self.calls += 1
-        raise RuntimeError("disk on fire")
-
-    def flush(self) -> None:
-        raise RuntimeError("flush on fire")
-
-    def close(self) -> None:
-        raise RuntimeError("close on fire")
-
-
-class Hung:
-    """Blocks inside write() until released (at the end of the test)."""
-
-    def __init__(self, release: threading.Event) -> None:
-        self.release = release
-        self.entered = threading.Event()
-
-    def write(self, records: Sequence[Record]) -> None:
-        self.entered.set()
-        self.release.wait()
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.fixture
-def release() -> Iterator[threading.Event]:
-    event = threading.Event()
-    yield event
-    event.set()  # lets hung exporter threads finish
-
-
-@pytest.fixture
-def made() -> Iterator[list[Dispatcher]]:
-    dispatchers: list[Dispatcher] = []
-    yield dispatchers
-    for d in dispatchers:
-        d.close(timeout=5.0)
 
 
 # -- ordering and counts ----------------------------------------------------------------------

@@ -16,26 +16,17 @@ import textwrap
 import threading
 import time
 import tracemalloc
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from exporter_doubles import Hung, Raising, convert, make_record
 
 from sowtel.dispatcher import Dispatcher
 from sowtel.exporters.memory import MemoryExporter
 from sowtel.records import Record
-
-
-def make_record(step: int, value: np.ndarray | None = None) -> Record:
-    return Record(name="x", mode="primal", tag="intermediates", step=step, index=None,
-                  wall_time=0.0, summary="full" if value is not None else "stats", shape=(),
-                  dtype="float32", value=value, stats={"mean": float(step)})
-
-
-def convert(items: list[int]) -> list[Record]:
-    return [make_record(i) for i in items]
 
 
 def assert_adds_up(status: dict[str, Any], received: int | None = None) -> None:
@@ -55,17 +46,6 @@ def assert_adds_up(status: dict[str, Any], received: int | None = None) -> None:
         assert accounts["total"][key] == sum(accounts[k][key] for k in labels)
     if received is not None:
         assert status["received"] == received
-
-
-class Raising:
-    def write(self, records: Sequence[Record]) -> None:
-        raise RuntimeError("disk on fire")
-
-    def flush(self) -> None:
-        raise RuntimeError("flush on fire")
-
-    def close(self) -> None:
-        pass
 
 
 class Slow:
@@ -89,43 +69,6 @@ class Slow:
 
     def close(self) -> None:
         self.closed_at = time.monotonic()
-
-
-class Hung:
-    """Blocks inside its first write() until released; remembers every call after that."""
-
-    def __init__(self, release: threading.Event) -> None:
-        self.release = release
-        self.entered = threading.Event()
-        self.calls: list[str] = []
-        self.closed = threading.Event()
-
-    def write(self, records: Sequence[Record]) -> None:
-        self.calls.append("write")
-        self.entered.set()
-        self.release.wait()
-
-    def flush(self) -> None:
-        self.calls.append("flush")
-
-    def close(self) -> None:
-        self.calls.append("close")
-        self.closed.set()
-
-
-@pytest.fixture
-def release() -> Iterator[threading.Event]:
-    event = threading.Event()
-    yield event
-    event.set()
-
-
-@pytest.fixture
-def made() -> Iterator[list[Dispatcher]]:
-    dispatchers: list[Dispatcher] = []
-    yield dispatchers
-    for d in dispatchers:
-        d.close(timeout=5.0)
 
 
 # -- 1. accounting ------------------------------------------------------------------------------
@@ -318,7 +261,7 @@ def test_max_bytes_bounds_every_full_value_held_by_the_pipeline(made, on_full):
         base, _ = tracemalloc.get_traced_memory()
         n = 150
         for i in range(n):
-            d.put_records([make_record(i, np.ones(mib // 8, np.float64))])
+            d.put_records([make_record(i, value=np.ones(mib // 8, np.float64))])
         assert d.flush(timeout=60.0)
         _, peak = tracemalloc.get_traced_memory()
     finally:
