@@ -395,8 +395,13 @@ def transpose_mode(mode: str) -> str:
     return mode + ".cotangent"
 
 
-def _bind(leaves: list[Any], extras: list[Any], site: SiteStatic, mode: str) -> list[Any]:
-    """Binds ``sow_p``, deciding from the current context whether it captures and/or streams."""
+def _bind(leaves: list[Any], extras: list[Any], site: SiteStatic, mode: str,
+          recompute: bool = False) -> list[Any]:
+    """Binds ``sow_p``, deciding from the current context whether it captures and/or streams.
+
+    ``recompute``: the derivative of a silent copy (``jax.checkpoint``'s rematerialisation) is
+    silent too, or a site differentiated through a checkpoint would report its tangent twice.
+    """
     ctx = current_context()
     capture = bool(ctx is not None and ctx.capture == site.tag)
     stream, summary, every = None, "stats", 1
@@ -407,7 +412,7 @@ def _bind(leaves: list[Any], extras: list[Any], site: SiteStatic, mode: str) -> 
         every = config.every_for(site.every)
     return sow_p.bind(
         *leaves, *extras, site=site, mode=mode, capture=capture, stream=stream,
-        summary=summary, every=every, recompute=False,
+        summary=summary, every=every, recompute=recompute,
     )
 
 
@@ -535,9 +540,9 @@ def _sow_abstract_eval(*avals: Any, site: SiteStatic, capture: bool,
 sow_p.def_effectful_abstract_eval(_sow_abstract_eval)
 
 
-def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str,
+def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str, recompute: bool,
              **params: Any) -> tuple[list[Any], list[Any]]:
-    out = sow_p.bind(*primals, site=site, mode=mode, **params)
+    out = sow_p.bind(*primals, site=site, mode=mode, recompute=recompute, **params)
     leaves_t, _ = _split(tangents, site)
     _, extras = _split(primals, site)
     differentiable = [jnp.issubdtype(jnp.result_type(p), jnp.inexact)
@@ -556,7 +561,7 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str,
         witness = jax.lax.slice(jnp.ravel(primals[differentiable.index(True)]), (0,), (0,))
         extras = [witness, *extras]
         site_t = dataclasses.replace(site_t, extras=("batch", *site_t.extras))
-    reported = iter(_bind(chosen, extras, site_t, jvp_mode(mode)))
+    reported = iter(_bind(chosen, extras, site_t, jvp_mode(mode), recompute))
     return out, [next(reported) if d else t
                  for t, d in zip(leaves_t, differentiable, strict=True)]
 
@@ -564,11 +569,11 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str,
 jc.ad.primitive_jvps[sow_p] = _sow_jvp
 
 
-def _sow_transpose(cts: Any, *args: Any, site: SiteStatic, mode: str,
+def _sow_transpose(cts: Any, *args: Any, site: SiteStatic, mode: str, recompute: bool,
                    **params: Any) -> list[Any]:
     leaves, extras = _split(args, site)
     cts = [jc.ad.instantiate_zeros(ct) for ct in cts]
-    outs = _bind(cts, extras, site.transposed(), transpose_mode(mode))
+    outs = _bind(cts, extras, site.transposed(), transpose_mode(mode), recompute)
     return list(outs) + [None] * len(extras)
 
 
@@ -609,14 +614,20 @@ jc.batching.primitive_batchers[sow_p] = _sow_batch
 def _sow_partial_eval_custom(saveable: Any, unks_in: Any, inst_in: Any, eqn: Any) -> Any:
     """Keeps ``jax.checkpoint`` from saving sown values as residuals, and reports primals once.
 
-    With all inputs known the sow runs in the known (forward) jaxpr, and the staged jaxpr gets a
-    silent copy (``recompute=True``: no effect, no capture, no stream) to rematerialise its
-    output for free, since a sow is the identity.
+    With all inputs known the sow runs in the known (forward) jaxpr. When the staged jaxpr holds
+    its inputs too (the policy recomputes them), it gets a silent copy (``recompute=True``: no
+    effect, no capture, no stream) to rematerialise the output for free, since a sow is the
+    identity. When an input is not there (the policy saved it, as ``everything_saveable``
+    does), a copy would read a variable the staged jaxpr lacks: the output is then left
+    uninstantiated, and saved as a residual where the backward pass needs it, as the input
+    would have been (``jax.debug.callback``'s rule makes the same choice).
     """
     n_out = len(eqn.outvars)
     if any(unks_in):
         residuals = [v for v, inst in zip(eqn.invars, inst_in, strict=True) if not inst]
         return None, eqn, [True] * n_out, [True] * n_out, residuals
+    if not all(inst_in):
+        return eqn, None, [False] * n_out, [False] * n_out, []
     silent = eqn.replace(params={**eqn.params, "recompute": True},
                          effects=jc.effects.no_effects)
     return eqn, silent, [False] * n_out, [True] * n_out, []
