@@ -17,6 +17,14 @@ when that is gone.
 - ``as_jaxpr`` / ``jaxpr_and_consts``: sub-jaxprs of an equation's parameters. JAX 0.10 wraps a
   ``Jaxpr`` and its constants in a ``ClosedJaxpr``; 0.11 merged the two (``ClosedJaxpr`` became an
   alias of ``Jaxpr``, its ``.jaxpr`` a legacy accessor returning itself); 0.12 removed the alias.
+- ``construct`` / ``eqn_params`` / ``sub_jaxprs`` / ``call_body`` / ``eqn_context``: what the
+  capture pass reads of an equation. JAX names one construct several ways (``pjit`` / ``jit``,
+  ``remat2`` / ``checkpoint``, the ``eval_jaxpr`` call 0.12 stages where a checkpointed scan is
+  differentiated), and the ``jax_scan3`` / ``jax_remat3`` upgrades hide the body in an object
+  (``call_hi_primitive``'s ``_prim``): ``construct`` maps all of them to one construct name, and
+  ``sub_jaxprs`` finds jaxprs inside those objects too, so a sow there is never missed.
+- ``scan_over``: a loop run by the classic ``lax.scan``, whatever ``jax_scan3`` says.
+- ``register_remat3_rule``: the rule ``jax_remat3``'s checkpoint applies to a primitive.
 - ``scan_split_counts``: how many of a ``scan`` equation's inputs are constants and carries
   (``num_consts`` / ``num_carry`` up to 0.10, the flat trees ``ft_in`` / ``ft_out`` since 0.11).
 - ``distributed_client``: the ``jax.distributed`` coordinator's client
@@ -29,6 +37,7 @@ when that is gone.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -64,6 +73,8 @@ __all__ = [
     "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
     "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
     "scan_split_counts", "traced_for",
+    "call_body", "construct", "eqn_context", "eqn_name", "eqn_params", "loop_parts",
+    "register_remat3_rule", "scan_over", "sub_jaxprs",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2", "0.11.2", "0.12.0.1")
@@ -214,6 +225,10 @@ def traced_for() -> str | None:
 # The functions are wrapped by JAX's traceback filtering; the frames are those of the originals.
 _SCAN_CODE = inspect.unwrap(_loops.scan).__code__
 _WHILE_CODE = inspect.unwrap(_loops.while_loop).__code__
+# Under jax_scan3, lax.scan hands the loop to scan_nocarry, which knows the length when the
+# caller gave none.
+_SCAN_NOCARRY = getattr(_loops, "scan_nocarry", None)
+_SCAN_NOCARRY_CODE = inspect.unwrap(_SCAN_NOCARRY).__code__ if _SCAN_NOCARRY else None
 
 
 def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
@@ -224,15 +239,19 @@ def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
     """
     loops: list[tuple[int, bool]] = []
     frame = sys._getframe(1)
+    in_scan3 = False  # inside scan_nocarry: the lax.scan frame above it is the same loop
     while frame is not None:
         code = frame.f_code
         if code is _WHILE_CODE:
             return None
-        if code is _SCAN_CODE:
+        if code is _SCAN_NOCARRY_CODE or (code is _SCAN_CODE and not in_scan3):
             length = frame.f_locals.get("length")
             if not isinstance(length, int):
                 return None
             loops.append((length, bool(frame.f_locals.get("reverse", False))))
+            in_scan3 = code is _SCAN_NOCARRY_CODE
+        elif code is _SCAN_CODE:
+            in_scan3 = False
         frame = frame.f_back  # type: ignore[assignment]
     return tuple(reversed(loops))
 
@@ -279,6 +298,188 @@ def jaxpr_and_consts(value: Any) -> tuple[Any, list[Any]]:
     if _CLOSED_JAXPR is not None and isinstance(value, _CLOSED_JAXPR):
         return value.jaxpr, list(value.consts)
     return value, list(getattr(value, "consts", ()))
+
+
+# The construct each higher-order primitive is, under every name JAX gives it.
+_CONSTRUCTS = {
+    "jit": "call", "pjit": "call", "closed_call": "call", "core_call": "call",
+    "eval_jaxpr": "call",
+    "custom_jvp_call": "custom_jvp",
+    "custom_vjp_call": "custom_vjp", "custom_vjp_call_jaxpr": "custom_vjp",
+    "remat2": "checkpoint", "checkpoint": "checkpoint",
+    "scan": "scan", "while": "while", "cond": "cond", "shard_map": "shard_map",
+}
+# jax_scan3 / jax_remat3 bind call_hi_primitive with the construct as an object in _prim.
+_HI_CONSTRUCTS = {"Scan3": "scan3", "RematTraced": "checkpoint"}
+_HI_CALL = "call_hi_primitive"
+# Where a "call" construct keeps its body.
+_CALL_BODY = {"jit": "jaxpr", "pjit": "jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+
+def _hi_prim(eqn: Any) -> Any:
+    return eqn.params.get("_prim") if eqn.primitive.name == _HI_CALL else None
+
+
+def construct(eqn: Any) -> str | None:
+    """The construct an equation is (``"call"``, ``"scan"``, ``"scan3"``, ``"checkpoint"``,
+    ``"custom_jvp"``, ``"custom_vjp"``, ``"while"``, ``"cond"``, ``"shard_map"``), whatever
+    JAX names it; ``None`` for a primitive the capture pass does not know.
+
+    Example:
+        >>> import jax
+        >>> closed = jax.make_jaxpr(jax.jit(lambda x: x + 1))(1.0)
+        >>> [construct(e) for e in closed.eqns]
+        ['call']
+    """
+    hi = _hi_prim(eqn)
+    if hi is not None:
+        return _HI_CONSTRUCTS.get(type(hi).__name__)
+    return _CONSTRUCTS.get(eqn.primitive.name)
+
+
+def eqn_name(eqn: Any) -> str:
+    """The name to show for an equation: its primitive's, or the class a hi primitive holds."""
+    hi = _hi_prim(eqn)
+    return type(hi).__name__ if hi is not None else str(eqn.primitive.name)
+
+
+def eqn_params(eqn: Any) -> dict[str, Any]:
+    """The construct's parameters: the equation's, or those of the object a hi primitive holds."""
+    hi = _hi_prim(eqn)
+    if hi is not None:
+        return dict(getattr(hi, "params", {}))
+    return dict(eqn.params)
+
+
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """Every jaxpr an equation holds, in lists, tuples and hi primitives' objects included.
+
+    Example:
+        >>> import jax
+        >>> pick = lambda x: jax.lax.cond(x > 0, jax.numpy.sin, jax.numpy.cos, x)
+        >>> closed = jax.make_jaxpr(pick)(1.0)
+        >>> len(sub_jaxprs(closed.eqns[-1]))
+        2
+    """
+    found: list[Any] = []
+
+    def walk(value: Any, depth: int) -> None:
+        jaxpr = as_jaxpr(value)
+        if jaxpr is not None:
+            found.append(jaxpr)
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                walk(item, depth)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item, depth)
+        elif depth < 2 and isinstance(getattr(value, "params", None), dict):
+            walk(value.params, depth + 1)  # a hi primitive's object
+
+    walk(eqn.params, 0)
+    return found
+
+
+def call_body(eqn: Any) -> tuple[Any, list[Any]]:
+    """``(jaxpr, consts)`` of the body of a ``"call"``, ``"custom_jvp"`` or ``"custom_vjp"``
+    construct (called on its operands to give its outputs)."""
+    key = _CALL_BODY.get(eqn.primitive.name, "call_jaxpr")
+    return jaxpr_and_consts(eqn.params[key])
+
+
+def eqn_context(eqn: Any) -> Any:
+    """The context manager to bind an equation's primitive in (its ``ctx``, if it has one)."""
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", None)
+    return manager if manager is not None else contextlib.nullcontext()
+
+
+def loop_parts(eqn: Any) -> dict[str, Any]:
+    """What the capture pass reads of a loop or checkpoint construct, by construct:
+
+    - ``"scan"``: ``body`` (jaxpr, consts), ``n_consts``, ``n_carry``, ``length``, ``reverse``,
+      ``unroll``;
+    - ``"scan3"``: ``body``, ``extensives`` (per operand: sliced per iteration, or not),
+      ``length``, ``reverse``, ``unroll``;
+    - ``"while"``: ``cond`` and ``body`` (jaxpr, consts), ``n_cond_consts``, ``n_body_consts``;
+    - ``"checkpoint"``: ``body``, ``policy``, ``prevent_cse`` (one bool);
+    - ``"cond"``: ``branches`` (a list of (jaxpr, consts); the operands follow the index);
+    - ``"shard_map"``: ``body``, ``mesh``, ``in_specs``, ``out_specs``, ``manual`` (the axes
+      it makes manual), ``check_vma``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> step = lambda c, x: (c + x, x)
+        >>> closed = jax.make_jaxpr(lambda c: jax.lax.scan(step, c, jnp.ones(3)))(0.0)
+        >>> parts = loop_parts(closed.eqns[-1])
+        >>> parts["n_consts"], parts["n_carry"], parts["length"]
+        (0, 1, 3)
+    """
+    kind = construct(eqn)
+    p = eqn_params(eqn)
+    if kind == "scan":
+        n_consts, n_carry = scan_split_counts(p)
+        return dict(body=jaxpr_and_consts(p["jaxpr"]), n_consts=n_consts, n_carry=n_carry,
+                    length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    if kind == "scan3":
+        return dict(body=jaxpr_and_consts(p["jaxpr"]), extensives=list(p["extensives"]),
+                    length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    if kind == "while":
+        return dict(cond=jaxpr_and_consts(p["cond_jaxpr"]), body=jaxpr_and_consts(p["body_jaxpr"]),
+                    n_cond_consts=p["cond_nconsts"], n_body_consts=p["body_nconsts"])
+    if kind == "checkpoint":
+        # jax_remat3 may hold one prevent_cse flag per input; one for all is the safe reading.
+        # (0.10's has none: JAX's default, True).
+        prevent_cse = p.get("prevent_cse", True)
+        prevent_cse = prevent_cse if isinstance(prevent_cse, bool) else True
+        return dict(body=jaxpr_and_consts(p["jaxpr"]), policy=p["policy"], prevent_cse=prevent_cse)
+    if kind == "cond":
+        return dict(branches=[jaxpr_and_consts(b) for b in p["branches"]])
+    if kind == "shard_map":
+        return dict(body=jaxpr_and_consts(p["jaxpr"]), mesh=p["mesh"], in_specs=p["in_specs"],
+                    out_specs=p["out_specs"], manual=p["newly_manual_axes"],
+                    check_vma=p["check_vma"])
+    raise ValueError(f"loop_parts: {eqn_name(eqn)!r} is not a loop, checkpoint, cond or shard_map")
+
+
+def scan_over(body: Callable[[list[Any]], Any], xs: list[Any], *, length: int,
+              reverse: bool, unroll: Any) -> Any:
+    """``body`` over the leading axis of ``xs``, stacking its outputs, as a classic ``lax.scan``.
+
+    ``jax_scan3`` loops are re-run this way: JAX 0.12's own scan3 ignores ``reverse`` and, under
+    ``jit``, drops a loop whose only effect is on mutable references; the classic scan does
+    neither. Closed-over references are read and written as in the original body.
+    """
+    flag = getattr(_config, "scan3", None)
+    ctx = flag(False) if flag is not None else contextlib.nullcontext()
+    with ctx:
+        _, ys = jax.lax.scan(lambda _, x: (None, body(list(x))), None, list(xs),
+                             length=length, reverse=reverse, unroll=unroll)
+    return ys
+
+
+def register_remat3_rule(prim: Any, rule: Callable[..., list[Any]]) -> None:
+    """Makes ``jax_remat3``'s checkpoint run ``prim`` as ``rule(*args, **params)`` where it
+    rematerialises it (its default binds ``prim`` again, unchanged), and as itself in the
+    forward pass. Nothing happens on a JAX without ``jax_remat3``.
+    """
+    try:
+        from jax._src.interpreters import remat as _remat
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return
+    rules = getattr(_remat, "rules", None)
+    if rules is None:  # pragma: no cover - depends on the JAX version
+        return
+    takes_trace = "custom_vjp_rules" in inspect.signature(_remat.RematTrace.__init__).parameters
+
+    if takes_trace:  # 0.12: rule(trace, *args) -> (out, residuals, rem(residuals, *args))
+        def remat_rule(trace: Any, *args: Any, **kw: Any) -> Any:
+            return prim.bind(*args, **kw), None, lambda _res, *a: rule(*a, **kw)
+    else:  # 0.10: rule(policy, *args) -> (out, rem(*args))
+        def remat_rule(policy: Any, *args: Any, **kw: Any) -> Any:
+            return prim.bind(*args, **kw), lambda *a: rule(*a, **kw)
+
+    rules[prim] = remat_rule
 
 
 def scan_split_counts(params: dict[str, Any]) -> tuple[int, int]:

@@ -200,14 +200,6 @@ def _wanted(params: dict[str, Any], summaries: bool) -> bool:
 # Which jaxprs hold a captured sow.
 
 
-def _subjaxprs(eqn: Any) -> list[Any]:
-    found: list[Any] = []
-    for value in eqn.params.values():
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        found.extend(j for j in map(jc.as_jaxpr, items) if j is not None)
-    return found
-
-
 def _has_capture(jaxpr: Any) -> bool:
     return _has_wanted(jaxpr, _pass() is not None)
 
@@ -218,7 +210,7 @@ def _has_wanted(jaxpr: Any, summaries: bool) -> bool:
         if eqn.primitive is sow_p:
             if _wanted(eqn.params, summaries):
                 return True
-        elif any(_has_wanted(j, summaries) for j in _subjaxprs(eqn)):
+        elif any(_has_wanted(j, summaries) for j in jc.sub_jaxprs(eqn)):
             return True
     return False
 
@@ -227,7 +219,7 @@ def _first_capture_name(jaxpr: Any) -> str:
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p and _wanted(eqn.params, _pass() is not None):
             return eqn.params["site"].name
-        for j in _subjaxprs(eqn):
+        for j in jc.sub_jaxprs(eqn):
             if _has_capture(j):
                 return _first_capture_name(j)
     return "?"
@@ -250,7 +242,7 @@ def _eval(jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured
     captured: list[_Captured] = []
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        with eqn.ctx.manager:
+        with jc.eqn_context(eqn):
             outs, caps = _eval_eqn(eqn, invals)
         captured.extend(caps)
         for v, x in zip(eqn.outvars, outs, strict=True):
@@ -268,14 +260,14 @@ def _eval_eqn(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     prim = eqn.primitive
     if prim is sow_p:
         return _eval_sow(eqn, invals)
-    rule = _RULES.get(prim.name)
-    subs = _subjaxprs(eqn)
+    subs = jc.sub_jaxprs(eqn)
     if not any(_has_capture(j) for j in subs):
         return _bind_plain(eqn, invals), []
+    rule = _RULES.get(jc.construct(eqn) or "")
     if rule is None:
         name = next(_first_capture_name(j) for j in subs if _has_capture(j))
         raise NotImplementedError(
-            f"save_intermediates cannot capture sow {name!r} inside a {prim.name!r} "
+            f"save_intermediates cannot capture sow {name!r} inside a {jc.eqn_name(eqn)!r} "
             "primitive: its values could not be returned, and sowtel never drops them silently. "
             f"Supported: {', '.join(sorted(_RULES))}; move the sow outside it."
         )
@@ -313,11 +305,8 @@ def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[An
     return leaves, [_Captured(site.name, p["mode"], None, list(arrays), site=stream_site)]
 
 
-def _inline(key: str) -> Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]:
-    def rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
-        return _eval(*jc.jaxpr_and_consts(eqn.params[key]), invals)
-
-    return rule
+def _call_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    return _eval(*jc.call_body(eqn), invals)
 
 
 def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
@@ -327,7 +316,7 @@ def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
     instead of the function: the outputs then come from the user's rule, the captured values
     from running the function, with their own derivatives.
     """
-    inline = _inline("call_jaxpr")
+    inline = _call_rule
     meta: list[_Captured] = []
 
     def captures(*args: Any) -> list[Any]:
@@ -352,23 +341,23 @@ def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
 
 
 def _remat_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
-    jaxpr = eqn.params["jaxpr"]
+    p = jc.loop_parts(eqn)
     meta: list[_Captured] = []
 
     def body(*args: Any) -> tuple[list[Any], list[Any]]:
-        outs, caps = _eval(*jc.jaxpr_and_consts(jaxpr), args)
+        outs, caps = _eval(*p["body"], args)
         meta[:] = caps
         return outs, _flat(caps)
 
-    fn = jax.checkpoint(body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+    fn = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])
     outs, flat = fn(*invals)
     return list(outs), _unflat(meta, flat)
 
 
 def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
-    p = eqn.params
-    jaxpr, jconsts = jc.jaxpr_and_consts(p["jaxpr"])
-    n_consts, n_carry = jc.scan_split_counts(p)
+    p = jc.loop_parts(eqn)
+    jaxpr, jconsts = p["body"]
+    n_consts, n_carry = p["n_consts"], p["n_carry"]
     consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[
         n_consts + n_carry:]
     meta: list[_Captured] = []
@@ -384,15 +373,36 @@ def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
     return [*carry, *ys], [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
 
 
+def _scan3_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    """A ``jax_scan3`` loop: its body reads and writes its carry through references, which it
+    closes over (non-extensive operands); extensive operands are sliced per iteration."""
+    p = jc.loop_parts(eqn)
+    jaxpr, jconsts = p["body"]
+    extensive = list(p["extensives"])
+    xs = [a for a, e in zip(invals, extensive, strict=True) if e]
+    meta: list[_Captured] = []
+
+    def body(x: list[Any]) -> tuple[list[Any], list[Any]]:
+        it = iter(x)
+        args = [next(it) if e else a for a, e in zip(invals, extensive, strict=True)]
+        outs, caps = _eval(jaxpr, jconsts, args)
+        meta[:] = caps
+        return outs, _flat(caps)
+
+    ys, flat = jc.scan_over(body, xs, length=p["length"], reverse=p["reverse"],
+                            unroll=p["unroll"])
+    return list(ys), [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
+
+
 def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
-    p = eqn.params
-    cond, body = jc.jaxpr_and_consts(p["cond_jaxpr"]), jc.jaxpr_and_consts(p["body_jaxpr"])
+    p = jc.loop_parts(eqn)
+    cond, body = p["cond"], p["body"]
     if _has_capture(cond[0]):
         raise ValueError(
             f"sow {_first_capture_name(cond[0])!r} is inside a while_loop cond function: it "
             "can never be captured there; sow it in the body instead"
         )
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    nc, nb = p["n_cond_consts"], p["n_body_consts"]
     cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
     meta: list[_Captured] = []
 
@@ -418,13 +428,13 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
 
 
 def _cond_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
-    branches = eqn.params["branches"]
+    branches = jc.loop_parts(eqn)["branches"]
     index, operands = invals[0], invals[1:]
     metas: list[list[_Captured]] = [[] for _ in branches]
 
     def make(i: int) -> Callable[..., Any]:
         def branch(*ops: Any) -> tuple[list[Any], list[Any]]:
-            outs, caps = _eval(*jc.jaxpr_and_consts(branches[i]), ops)
+            outs, caps = _eval(*branches[i], ops)
             metas[i][:] = caps
             return outs, _flat(caps)
 
@@ -472,37 +482,34 @@ def _cond_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
 
 
 def _shard_map_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
-    p = eqn.params
-    mesh, jaxpr = p["mesh"], p["jaxpr"]
-    manual = tuple(a for a in mesh.axis_names if a in p["newly_manual_axes"])
+    p = jc.loop_parts(eqn)
+    mesh = p["mesh"]
+    manual = tuple(a for a in mesh.axis_names if a in p["manual"])
     meta: list[_Captured] = []
 
     def inner(*args: Any) -> tuple[tuple[Any, ...], list[Any]]:
-        outs, caps = _eval(*jc.jaxpr_and_consts(jaxpr), args)
+        outs, caps = _eval(*p["body"], args)
         meta[:] = caps
         return tuple(outs), [jnp.expand_dims(leaf, 0) for leaf in _flat(caps)]
 
     fn = jax.shard_map(
         inner, mesh=mesh, in_specs=tuple(p["in_specs"]),
         out_specs=(tuple(p["out_specs"]), PartitionSpec(manual)),
-        axis_names=set(p["newly_manual_axes"]), check_vma=p["check_vma"],
+        axis_names=set(p["manual"]), check_vma=p["check_vma"],
     )
     outs, flat = fn(*invals)
     shards = int(np.prod([mesh.shape[a] for a in manual]))
     return list(outs), [c.stacked_in("shard", shards) for c in _unflat(meta, flat)]
 
 
+# By construct (``_jax_compat.construct`` maps JAX's primitive names to these).
 _RULES: dict[str, Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]] = {
-    "jit": _inline("jaxpr"),
-    "pjit": _inline("jaxpr"),
-    "closed_call": _inline("call_jaxpr"),
-    "core_call": _inline("call_jaxpr"),
-    "custom_jvp_call": _custom_jvp_rule,
-    "custom_vjp_call": _inline("call_jaxpr"),
-    "custom_vjp_call_jaxpr": _inline("fun_jaxpr"),
-    "remat2": _remat_rule,
+    "call": _call_rule,
+    "custom_jvp": _custom_jvp_rule,
+    "custom_vjp": _call_rule,
     "checkpoint": _remat_rule,
     "scan": _scan_rule,
+    "scan3": _scan3_rule,
     "while": _while_rule,
     "cond": _cond_rule,
     "shard_map": _shard_map_rule,

@@ -396,7 +396,7 @@ def transpose_mode(mode: str) -> str:
 
 
 def _bind(leaves: list[Any], extras: list[Any], site: SiteStatic, mode: str,
-          recompute: bool = False) -> list[Any]:
+          recompute: bool | str = False) -> list[Any]:
     """Binds ``sow_p``, deciding from the current context whether it captures and/or streams.
 
     ``recompute``: the derivative of a silent copy (``jax.checkpoint``'s rematerialisation) is
@@ -515,7 +515,7 @@ def _split(args: Any, site: SiteStatic) -> tuple[list[Any], list[Any]]:
     return list(args[:n]), list(args[n:])
 
 
-def _sow_impl(*args: Any, site: SiteStatic, stream: StreamConfig | None, recompute: bool,
+def _sow_impl(*args: Any, site: SiteStatic, stream: StreamConfig | None, recompute: bool | str,
               **params: Any) -> list[Any]:
     leaves, _ = _split(args, site)
     if stream is None or recompute:
@@ -531,7 +531,7 @@ sow_p.def_impl(_sow_impl)
 
 def _sow_abstract_eval(*avals: Any, site: SiteStatic, capture: bool,
                        stream: StreamConfig | None,
-                       recompute: bool, **params: Any) -> tuple[list[Any], Any]:
+                       recompute: bool | str, **params: Any) -> tuple[list[Any], Any]:
     leaves, _ = _split(avals, site)
     active = (capture or stream is not None) and not recompute
     return leaves, ({sow_effect} if active else jc.effects.no_effects)
@@ -540,7 +540,16 @@ def _sow_abstract_eval(*avals: Any, site: SiteStatic, capture: bool,
 sow_p.def_effectful_abstract_eval(_sow_abstract_eval)
 
 
-def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str, recompute: bool,
+# How silent a sow's tangent is, by how silent the sow is (``recompute``): a classic
+# checkpoint's rerun (True) is silent with all its derivatives (the forward pass reports them);
+# a jax_remat3 rerun ("primal") is differentiated instead of the forward pass, so its tangent
+# is silent ("tangent": the forward pass reports the tangent) but the transpose of that
+# tangent, the cotangent, reports.
+_SILENT_JVP: dict[bool | str, bool | str] = {False: False, True: True, "primal": "tangent",
+                                               "tangent": "tangent"}
+
+
+def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str, recompute: bool | str,
              **params: Any) -> tuple[list[Any], list[Any]]:
     out = sow_p.bind(*primals, site=site, mode=mode, recompute=recompute, **params)
     leaves_t, _ = _split(tangents, site)
@@ -561,7 +570,7 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str, recomp
         witness = jax.lax.slice(jnp.ravel(primals[differentiable.index(True)]), (0,), (0,))
         extras = [witness, *extras]
         site_t = dataclasses.replace(site_t, extras=("batch", *site_t.extras))
-    reported = iter(_bind(chosen, extras, site_t, jvp_mode(mode), recompute))
+    reported = iter(_bind(chosen, extras, site_t, jvp_mode(mode), _SILENT_JVP[recompute]))
     return out, [next(reported) if d else t
                  for t, d in zip(leaves_t, differentiable, strict=True)]
 
@@ -569,11 +578,11 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str, recomp
 jc.ad.primitive_jvps[sow_p] = _sow_jvp
 
 
-def _sow_transpose(cts: Any, *args: Any, site: SiteStatic, mode: str, recompute: bool,
+def _sow_transpose(cts: Any, *args: Any, site: SiteStatic, mode: str, recompute: bool | str,
                    **params: Any) -> list[Any]:
     leaves, extras = _split(args, site)
     cts = [jc.ad.instantiate_zeros(ct) for ct in cts]
-    outs = _bind(cts, extras, site.transposed(), transpose_mode(mode), recompute)
+    outs = _bind(cts, extras, site.transposed(), transpose_mode(mode), recompute is True)
     return list(outs) + [None] * len(extras)
 
 
@@ -769,7 +778,7 @@ def _site_summary(ctx: Any, values: list[Any], summary: str, bins: int) -> list[
 
 def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
                   stream: StreamConfig | None, summary: str, every: int,
-                  recompute: bool) -> list[Any]:
+                  recompute: bool | str) -> list[Any]:
     leaves, _ = _split(args, site)
     if stream is None or recompute:
         return leaves
@@ -802,3 +811,14 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
 
 
 jc.register_uncached_lowering(sow_p, _sow_lowering)  # one host callback per occurrence
+
+
+def _sow_silent(*args: Any, **params: Any) -> list[Any]:
+    return sow_p.bind(*args, **{**params, "recompute": "primal"})  # type: ignore[no-any-return]
+
+
+# jax_remat3's checkpoint reruns a sow where it rematerialises: silently, as the partial-eval
+# rule above does for the classic checkpoint, so the primal is reported once. Unlike the
+# classic one, jax_remat3 differentiates the rerun (not the forward pass): its derivatives
+# are the site's own and must report ("primal": only the primal is silent).
+jc.register_remat3_rule(sow_p, _sow_silent)
