@@ -340,6 +340,47 @@ def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
     return list(outs), _unflat(meta, flat)
 
 
+def _add_cotangents(a: Any, b: Any) -> Any:
+    if getattr(a, "dtype", None) == jax.dtypes.float0:
+        return a  # an integer input: no cotangent
+    return a + b
+
+
+def _custom_vjp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    """Captures inside a ``custom_vjp`` function, keeping its rule for transformations outside.
+
+    Where ``save_intermediates`` is itself differentiated (``jax.grad`` of a function that calls
+    it), the outputs' cotangents go through the user's ``fwd`` / ``bwd``, as without sowtel;
+    the captured values' own cotangents (when a caller differentiates them) through the
+    function that computed them.
+    """
+    meta: list[_Captured] = []
+
+    def captures(*args: Any) -> list[Any]:
+        _, caps = _call_rule(eqn, list(args))
+        meta[:] = caps
+        return _flat(caps)
+
+    @jax.custom_vjp
+    def fun(*args: Any) -> tuple[list[Any], list[Any]]:
+        outs, caps = _call_rule(eqn, list(args))
+        meta[:] = caps
+        return outs, _flat(caps)
+
+    def fun_fwd(*args: Any) -> tuple[Any, Any]:
+        outs, outs_vjp = jax.vjp(lambda *a: _bind_plain(eqn, list(a)), *args)
+        flat, flat_vjp = jax.vjp(captures, *args)
+        return (outs, flat), (outs_vjp, flat_vjp)
+
+    def fun_bwd(res: Any, cts: Any) -> tuple[Any, ...]:
+        (outs_vjp, flat_vjp), (ct_outs, ct_flat) = res, cts
+        return tuple(map(_add_cotangents, outs_vjp(ct_outs), flat_vjp(ct_flat)))
+
+    fun.defvjp(fun_fwd, fun_bwd)
+    outs, flat = fun(*invals)
+    return list(outs), _unflat(meta, flat)
+
+
 def _remat_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     p = jc.loop_parts(eqn)
     meta: list[_Captured] = []
@@ -506,7 +547,7 @@ def _shard_map_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captu
 _RULES: dict[str, Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]] = {
     "call": _call_rule,
     "custom_jvp": _custom_jvp_rule,
-    "custom_vjp": _call_rule,
+    "custom_vjp": _custom_vjp_rule,
     "checkpoint": _remat_rule,
     "scan": _scan_rule,
     "scan3": _scan3_rule,
