@@ -174,6 +174,23 @@ def _pass() -> SummaryPass | None:
     return stack[-1] if stack else None
 
 
+def _capture_tag() -> str | None:
+    """The tag ``save_intermediates`` captures, while its pass runs (None in summary passes)."""
+    stack = getattr(_PASS, "tags", None)
+    return stack[-1] if stack and _pass() is None else None
+
+
+def eval_capture(jaxpr: Any, consts: list[Any], args: list[Any],
+                 tag: str) -> tuple[list[Any], list[_Captured]]:
+    """Evaluates ``jaxpr`` with the sows captured for ``tag`` turned into extra outputs."""
+    stack = _PASS.__dict__.setdefault("tags", [])
+    stack.append(tag)
+    try:
+        return _eval(jaxpr, consts, args)
+    finally:
+        stack.pop()
+
+
 def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
                    summary_pass: SummaryPass) -> tuple[list[Any], list[_Captured]]:
     """Evaluates ``jaxpr`` with its streaming sows turned into summary outputs (``sowtel.jit``).
@@ -262,6 +279,9 @@ def _eval_eqn(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
         return _eval_sow(eqn, invals)
     subs = jc.sub_jaxprs(eqn)
     if not any(_has_capture(j) for j in subs):
+        if jc.construct(eqn) == "custom_jvp" and _capture_tag() is not None:
+            # Its rule may sow: checked if save_intermediates is differentiated from outside.
+            return _custom_jvp_rule(eqn, invals)
         return _bind_plain(eqn, invals), []
     rule = _RULES.get(jc.construct(eqn) or "")
     if rule is None:
@@ -314,10 +334,12 @@ def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
 
     Where ``save_intermediates`` is itself differentiated, JAX runs the function's jvp rule
     instead of the function: the outputs then come from the user's rule, the captured values
-    from running the function, with their own derivatives.
+    from running the function, with their own derivatives. A sow in the rule itself (not in
+    the function it may call) then raises: the rule runs after the intermediates are returned.
     """
     inline = _call_rule
     meta: list[_Captured] = []
+    tag = _capture_tag()
 
     def captures(*args: Any) -> list[Any]:
         _, caps = inline(eqn, list(args))
@@ -330,14 +352,49 @@ def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
         meta[:] = caps
         return outs, _flat(caps)
 
+    def plain(*args: Any) -> list[Any]:
+        return _bind_plain(eqn, list(args))
+
     @fun.defjvp
     def fun_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
-        outs, outs_dot = jax.jvp(lambda *a: _bind_plain(eqn, list(a)), primals, tangents)
+        if tag is not None:
+            _check_rule_sows(plain, primals, tangents, tag, {c.name for c in meta})
+        outs, outs_dot = jax.jvp(plain, primals, tangents)
         flat, flat_dot = jax.jvp(captures, primals, tangents)
         return (outs, flat), (outs_dot, flat_dot)
 
     outs, flat = fun(*invals)
     return list(outs), _unflat(meta, flat)
+
+
+def _sow_names(jaxpr: Any) -> list[str]:
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p and eqn.params["capture"]:
+            names.append(eqn.params["site"].name)
+        for sub in jc.sub_jaxprs(eqn):
+            names.extend(_sow_names(sub))
+    return names
+
+
+def _check_rule_sows(plain: Callable[..., Any], primals: Any, tangents: Any, tag: str,
+                     captured: set[str]) -> None:
+    """Raises if a custom_jvp's rule sows for ``tag`` (other than by calling its function,
+    whose sites are ``captured``): traced once, where ``save_intermediates`` is differentiated
+    from outside."""
+    ctx = current_context() or Context()
+    with CONTEXT(Context(stream=ctx.stream, capture=tag)):
+        closed = jax.make_jaxpr(lambda p, t: jax.jvp(plain, p, t))(primals, tangents)
+    lost = [n for n in _sow_names(jc.jaxpr_and_consts(closed)[0]) if n not in captured]
+    if lost:
+        raise ValueError(
+            f"sow {lost[0]!r} is in the jvp rule of a custom_jvp function, which runs here only "
+            "because save_intermediates is itself differentiated from outside (jax.jvp or "
+            "jax.grad of the function it returns): the rule runs after the intermediates are "
+            "returned, so its values cannot be captured, and sowtel never drops them silently. "
+            "Differentiate inside instead, e.g. "
+            "save_intermediates(lambda x, t: jax.jvp(f, (x,), (t,))), or sow outside the rule."
+        )
 
 
 def _add_cotangents(a: Any, b: Any) -> Any:
@@ -717,7 +774,7 @@ def save_intermediates(
             ctx = current_context() or Context()
             with CONTEXT(Context(stream=ctx.stream, capture=tag)):
                 jaxpr, consts, out_tree = trace_flat(lambda *d: merged(list(d)), dyn)
-            outs, caps = _eval(jaxpr, consts, list(dyn))
+            outs, caps = eval_capture(jaxpr, consts, list(dyn), tag)
             return jax.tree_util.tree_unflatten(out_tree, outs), _assemble(caps, duplicates)
 
         return jax.jit(run)
