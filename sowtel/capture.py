@@ -15,9 +15,10 @@ construct                           what ``intermediates[name][mode]`` holds
 ``lax.while_loop`` cond             not allowed: ``ValueError``
 ``lax.cond`` / ``lax.switch``       the taken branch's value; a site only in untaken
                                     branches is NaN (floating) or 0 (other dtypes)
-``jax.checkpoint``                  the primal once (not per recomputation), the cotangent
+``jax.checkpoint``                  the primal once (not per recomputation), each derivative once
 ``custom_jvp`` / ``custom_vjp``     sows in the primal / ``fwd``: primal;
-                                    sows in ``bwd``: cotangent
+                                    sows in ``bwd``: cotangent; both keep their rules where
+                                    ``save_intermediates`` is differentiated from outside
 ``shard_map`` / ``pmap``            per-shard values stacked on a new leading axis of shards
 ``vmap`` (inside or outside)        the batch axis leading
 ==================================  ===================================================

@@ -1,0 +1,350 @@
+"""Transformations around and inside the capture pass that once broke or changed a program.
+
+Each case runs on both ends of the supported JAX range. Values are checked against numbers
+derived by hand, derivatives against ``jax.grad`` / ``jax.jacfwd`` of the same function with an
+explicit perturbation in place of the sow (``eps``), or against the user's own custom rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sowtel
+from sowtel import _jax_compat as jc
+from sowtel import save_intermediates, sow
+from sowtel.records import Record
+
+X = np.array([0.5, 1.0], np.float32)
+XS = np.array([1.0, 2.0, 3.0], np.float32)
+POLICIES = {
+    "default": None,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    "save_anything_except_these_names":
+        jax.checkpoint_policies.save_anything_except_these_names("unused"),
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def close(a: Any, b: Any) -> None:
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def stream(fn: Callable[..., Any], *args: Any) -> list[Record]:
+    with sowtel.enable(exporter="memory", summary="full") as session:
+        jax.block_until_ready(fn(*args))
+        assert sowtel.flush(timeout=30)
+    return sorted(session.exporters[0].records, key=lambda r: (r.step, r.order, r.seq))
+
+
+@contextmanager
+def flag(name: str, value: bool) -> Iterator[None]:
+    before = getattr(jax.config, name)
+    jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
+
+
+# -- jax.checkpoint of a scan, differentiated ----------------------------------------------
+
+
+def scan_loss(x: Any, eps: Any = None, *, reverse: bool = False, policy: Any = None) -> Any:
+    def body(c: Any, xi_i: Any) -> Any:
+        xi, i = xi_i
+        s = jnp.sin(c * xi)
+        s = sow(s, "s") if eps is None else s + eps[i]
+        return c + s, None
+
+    def run(x: Any) -> Any:
+        return jax.lax.scan(body, x, (jnp.asarray(XS), jnp.arange(3)), reverse=reverse)[0]
+
+    return jax.checkpoint(run, policy=policy)(x)
+
+
+def scan_primal(x: float, reverse: bool) -> np.ndarray:
+    c, out = np.float64(x), np.zeros(3)
+    for i in (range(3)[::-1] if reverse else range(3)):
+        out[i] = np.sin(c * XS[i])
+        c = c + out[i]
+    return out
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("policy", ["default", "everything_saveable"])
+def test_grad_of_checkpointed_scan_is_captured(policy: str, reverse: bool) -> None:
+    pol = POLICIES[policy]
+    grad, inter = save_intermediates(
+        jax.grad(lambda x: scan_loss(x, reverse=reverse, policy=pol)))(jnp.float32(0.7))
+    cot = jax.grad(lambda e: scan_loss(jnp.float32(0.7), e, reverse=reverse))(jnp.zeros(3))
+    close(inter["s"]["primal"], scan_primal(0.7, reverse))
+    close(inter["s"]["cotangent"], cot)
+    close(grad, jax.grad(lambda x: scan_loss(x, reverse=reverse))(jnp.float32(0.7)))
+    assert inter["s"].stacked == {"primal": (("scan", 3),), "cotangent": (("scan", 3),)}
+
+
+def test_vmap_and_jvp_of_grad_of_checkpointed_scan_are_captured() -> None:
+    xs = jnp.array([0.7, -0.2], jnp.float32)
+    grad_eps = jax.grad(lambda e, x: scan_loss(x, e))
+    _, inter = save_intermediates(jax.vmap(jax.grad(scan_loss)))(xs)
+    # Row b of the batch, iteration i (the order of the two axes is the capture matrix's
+    # subject; here the values).
+    batch_first = lambda v: v if v.shape == (2, 3) else np.asarray(v).T  # noqa: E731
+    close(batch_first(inter["s"]["cotangent"]),
+          jax.vmap(lambda x: grad_eps(jnp.zeros(3), x))(xs))
+    close(batch_first(inter["s"]["primal"]),
+          np.stack([scan_primal(0.7, False), scan_primal(-0.2, False)]))
+
+    x = jnp.float32(0.7)
+    _, inter = save_intermediates(
+        lambda x, t: jax.jvp(jax.grad(scan_loss), (x,), (t,)))(x, jnp.float32(1.0))
+    assert sorted(inter["s"]) == ["cotangent", "cotangent.tangent", "primal", "tangent"]
+    close(inter["s"]["cotangent.tangent"],
+          jax.jacfwd(lambda x: grad_eps(jnp.zeros(3), x))(x))
+    close(inter["s"]["tangent"],
+          jax.jacfwd(lambda x: jnp.asarray(scan_primal_jnp(x)))(x))
+
+
+def scan_primal_jnp(x: Any) -> list[Any]:
+    c, out = x, []
+    for i in range(3):
+        out.append(jnp.sin(c * XS[i]))
+        c = c + out[-1]
+    return out
+
+
+def test_sowtel_jit_streams_grad_of_checkpointed_scan() -> None:
+    records = stream(sowtel.jit(jax.grad(scan_loss)), jnp.float32(0.7))
+    cot = jax.grad(lambda e: scan_loss(jnp.float32(0.7), e))(jnp.zeros(3))
+    got = {(r.mode, r.index): float(r.value) for r in records}
+    assert sorted(got) == [("cotangent", i) for i in range(3)] + [("primal", i) for i in range(3)]
+    close([got[("primal", i)] for i in range(3)], scan_primal(0.7, False))
+    close([got[("cotangent", i)] for i in range(3)], cot)
+
+
+# -- checkpoint policies that save the sown value's input ----------------------------------
+
+
+def square_loss(x: Any, eps: Any = None, *, policy: Any = None) -> Any:
+    def inner(x: Any) -> Any:
+        h = jnp.sin(x)
+        h = sow(h, "h") if eps is None else h + eps
+        return (h * h).sum()  # the sown value is needed by the backward pass
+
+    return jax.checkpoint(inner, policy=policy)(x)
+
+
+def explicit_cotangent(x: Any) -> Any:
+    return jax.grad(lambda e: square_loss(x, e))(jnp.zeros_like(x))
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_checkpoint_policy_grad_and_hessian_capture(policy: str) -> None:
+    pol = POLICIES[policy]
+    grad, inter = save_intermediates(jax.grad(lambda x: square_loss(x, policy=pol)))(X)
+    close(inter["h"]["primal"], np.sin(X))
+    close(inter["h"]["cotangent"], 2 * np.sin(X))  # d(h*h)/dh by hand
+    close(grad, 2 * np.sin(X) * np.cos(X))
+
+    hess, inter = save_intermediates(jax.hessian(lambda x: square_loss(x, policy=pol)))(X)
+    close(hess, np.diag(2 * np.cos(2 * X)))
+    assert sorted(inter["h"]) == ["cotangent", "cotangent.tangent", "primal", "tangent"]
+    # jacfwd over jacrev: the tangent basis leads, then jacrev's one-row basis.
+    close(inter["h"]["cotangent.tangent"][:, 0, :], jax.jacfwd(explicit_cotangent)(X).T)
+    close(inter["h"]["tangent"], np.diag(np.cos(X)))
+
+
+@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
+@pytest.mark.parametrize("policy", ["everything_saveable", "save_anything_except_these_names"])
+def test_checkpoint_policy_grad_streams(policy: str, transport: str) -> None:
+    pol = POLICIES[policy]
+    jit = jax.jit if transport == "callback" else sowtel.jit
+    records = stream(jit(jax.grad(lambda x: square_loss(x, policy=pol))), X)
+    assert [(r.name, r.mode) for r in records] == [("h", "primal"), ("h", "cotangent")]
+    close(records[0].value, np.sin(X))
+    close(records[1].value, explicit_cotangent(jnp.asarray(X)))
+
+
+# -- second order through jax.checkpoint: one site, each mode once ---------------------------
+
+
+def remat_loss(x: Any, eps: Any = None) -> Any:
+    def inner(x: Any) -> Any:
+        h = jnp.sin(x)
+        return ((sow(h, "h") if eps is None else h + eps) ** 2).sum()
+
+    return jax.checkpoint(inner)(x)
+
+
+def jvp_of_grad(x: Any, t: Any) -> Any:
+    return jax.jvp(jax.grad(remat_loss), (x,), (t,))
+
+
+def test_jvp_of_grad_through_checkpoint_reports_each_mode_once() -> None:
+    t = jnp.array([1.0, -2.0], jnp.float32)
+    _, inter = save_intermediates(jvp_of_grad)(X, t)
+    assert list(inter) == ["h"]
+    cot_of = lambda x: jax.grad(lambda e: remat_loss(x, e))(jnp.zeros(2))  # noqa: E731
+    close(inter["h"]["tangent"], np.cos(X) * t)
+    close(inter["h"]["cotangent"], cot_of(jnp.asarray(X)))
+    close(inter["h"]["cotangent.tangent"], jax.jvp(cot_of, (jnp.asarray(X),), (t,))[1])
+
+
+def test_jvp_of_grad_through_checkpoint_streams_one_name() -> None:
+    records = stream(jax.jit(jvp_of_grad), X, jnp.ones(2, jnp.float32))
+    assert {r.name for r in records} == {"h"}
+    assert sorted(r.mode for r in records) == [
+        "cotangent", "cotangent.tangent", "primal", "tangent"]
+
+
+# -- custom rules when save_intermediates is itself differentiated --------------------------
+
+
+@jax.custom_vjp
+def clip_grad(x: Any) -> Any:
+    return sow(x * 3.0, "c")
+
+
+def _clip_fwd(x: Any) -> Any:
+    return clip_grad(x), None
+
+
+def _clip_bwd(_: Any, g: Any) -> Any:
+    return (jnp.clip(g, -0.1, 0.1),)
+
+
+clip_grad.defvjp(_clip_fwd, _clip_bwd)
+
+
+def clip_loss(x: Any) -> Any:
+    return clip_grad(x).sum()
+
+
+def test_grad_of_capture_keeps_the_custom_vjp_rule() -> None:
+    x = jnp.ones(2, jnp.float32)
+    close(jax.grad(clip_loss)(x), [0.1, 0.1])  # the rule, without sowtel
+    close(jax.grad(lambda x: save_intermediates(clip_loss)(x)[0])(x), [0.1, 0.1])
+    (loss, inter), grad = jax.value_and_grad(save_intermediates(clip_loss), has_aux=True)(x)
+    close(grad, [0.1, 0.1])
+    close(loss, 6.0)
+    close(inter["c"]["primal"], [3.0, 3.0])
+    # A captured value differentiated: through the function that computed it (3 x).
+    close(jax.grad(lambda x: save_intermediates(clip_loss)(x)[1]["c"]["primal"].sum())(x),
+          [3.0, 3.0])
+    close(jax.vmap(jax.grad(lambda x: save_intermediates(clip_loss)(x)[0]))(jnp.ones((3, 2))),
+          np.full((3, 2), 0.1))
+
+
+@jax.custom_jvp
+def sin_rule_sows(x: Any) -> Any:
+    return jnp.sin(x)
+
+
+@sin_rule_sows.defjvp
+def _sin_rule_sows_jvp(primals: Any, tangents: Any) -> Any:
+    (x,), (t,) = primals, tangents
+    return jnp.sin(x), sow(jnp.cos(x), "rule") * t
+
+
+@jax.custom_jvp
+def sin_sows(x: Any) -> Any:
+    return sow(jnp.sin(x), "fn")
+
+
+@sin_sows.defjvp
+def _sin_sows_jvp(primals: Any, tangents: Any) -> Any:
+    (x,), (t,) = primals, tangents
+    return sin_sows(x), jnp.cos(x) * t * 2.0  # calls its own function; a rule of its own
+
+
+def test_sow_in_custom_jvp_rule_differentiated_from_outside_raises() -> None:
+    f = lambda x: sin_rule_sows(x).sum()  # noqa: E731
+    x, t = jnp.asarray(X), jnp.ones(2, jnp.float32)
+    # Differentiated inside, the rule's sow is captured.
+    _, inter = save_intermediates(lambda x, t: jax.jvp(f, (x,), (t,)))(x, t)
+    close(inter["rule"]["primal"], np.cos(X))
+    with pytest.raises(ValueError, match="sow 'rule' is in the jvp rule of a custom_jvp"):
+        jax.jvp(save_intermediates(f), (x,), (t,))
+    with pytest.raises(ValueError, match="sow 'rule' is in the jvp rule of a custom_jvp"):
+        jax.grad(lambda x: save_intermediates(f)(x)[0])(x)
+
+
+def test_custom_jvp_rule_calling_its_function_differentiates_from_outside() -> None:
+    f = lambda x: (sin_sows(x) + jax.nn.relu(x)).sum()  # noqa: E731
+    x, t = jnp.array([0.5, -1.0], jnp.float32), jnp.ones(2, jnp.float32)
+    (y, inter), (y_dot, inter_dot) = jax.jvp(save_intermediates(f), (x,), (t,))
+    close(y, np.sin([0.5, -1.0]).sum() + 0.5)
+    close(y_dot, (2 * np.cos([0.5, -1.0])).sum() + 1.0)  # the user's rule: twice cos
+    close(inter["fn"]["primal"], np.sin([0.5, -1.0]))
+    close(inter_dot["fn"]["primal"], np.cos([0.5, -1.0]))  # the value's own derivative
+
+
+# -- the next JAX: jax_scan3 and jax_remat3 -------------------------------------------------
+
+
+def carry_scan(x: Any) -> Any:
+    def body(c: Any, xi: Any) -> Any:
+        s = sow(jnp.sin(c * xi), "s")
+        return c + s, s
+
+    return jax.lax.scan(body, x, jnp.asarray(XS))
+
+
+def test_scan3_loop_is_captured_and_streamed_with_its_index() -> None:
+    with flag("jax_scan3", True):
+        (c, ys), inter = save_intermediates(carry_scan)(jnp.float32(1.0))
+        records = stream(jax.jit(carry_scan), jnp.float32(1.0))
+    close(inter["s"]["primal"], scan_primal(1.0, False))
+    close(ys, scan_primal(1.0, False))
+    close(c, 1.0 + scan_primal(1.0, False).sum())
+    assert inter["s"].stacked == {"primal": (("scan", 3),)}
+    assert [(r.step, r.index) for r in records] == [(0, 0), (0, 1), (0, 2)]
+    close([float(r.value) for r in records], scan_primal(1.0, False))
+
+
+def test_scan3_construct_and_body_are_visible_to_the_capture_pass() -> None:
+    def loop(x: Any) -> Any:
+        return jax.lax.scan(lambda c, xi: (c + xi, c), x, jnp.asarray(XS))
+
+    with flag("jax_scan3", True):
+        closed = jax.make_jaxpr(loop)(jnp.float32(1.0))
+    [eqn] = [e for e in closed.eqns if jc.sub_jaxprs(e)]
+    assert jc.construct(eqn) == "scan3"
+    assert jc.loop_parts(eqn)["length"] == 3
+
+
+@pytest.mark.parametrize("kind", ["grad", "hessian"])
+def test_remat3_checkpoint_reports_each_mode_once(kind: str) -> None:
+    with flag("jax_remat3", True):
+        fn = jax.grad(remat_loss) if kind == "grad" else jax.hessian(remat_loss)
+        _, inter = save_intermediates(fn)(X)
+    close(inter["h"]["primal"], np.sin(X))
+    cot = jax.grad(lambda e: remat_loss(jnp.asarray(X), e))(jnp.zeros(2))
+    if kind == "grad":
+        assert sorted(inter["h"]) == ["cotangent", "primal"]
+        close(inter["h"]["cotangent"], cot)
+    else:
+        assert sorted(inter["h"]) == ["cotangent", "cotangent.tangent", "primal", "tangent"]
+        close(inter["h"]["cotangent"][0], cot)
+
+
+# -- the host-callback fallback ---------------------------------------------------------------
+
+
+def test_streams_through_debug_callback_when_the_fast_callback_is_missing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SOWTEL_CALLBACK", raising=False)
+    monkeypatch.setattr(jc, "_HAVE_FAST_CALLBACK", False)
+    assert jc.callback_path() == "debug"
+    records = stream(jax.jit(jax.grad(lambda x: square_loss(x))), X)
+    assert [(r.name, r.mode) for r in records] == [("h", "primal"), ("h", "cotangent")]
+    close(records[1].value, 2 * np.sin(X))
+    records = stream(jax.jit(carry_scan), jnp.float32(1.0))
+    assert [r.index for r in records] == [0, 1, 2]
