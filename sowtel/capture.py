@@ -359,7 +359,8 @@ def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
     @fun.defjvp
     def fun_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
         if tag is not None:
-            _check_rule_sows(plain, primals, tangents, tag, {c.name for c in meta})
+            _check_rule_sows(lambda p, t: jax.jvp(plain, p, t), (primals, tangents), tag,
+                             {c.name for c in meta}, "jvp rule of a custom_jvp function")
         outs, outs_dot = jax.jvp(plain, primals, tangents)
         flat, flat_dot = jax.jvp(captures, primals, tangents)
         return (outs, flat), (outs_dot, flat_dot)
@@ -378,21 +379,21 @@ def _sow_names(jaxpr: Any) -> list[str]:
     return names
 
 
-def _check_rule_sows(plain: Callable[..., Any], primals: Any, tangents: Any, tag: str,
-                     captured: set[str]) -> None:
-    """Raises if a custom_jvp's rule sows for ``tag`` (other than by calling its function,
-    whose sites are ``captured``): traced once, where ``save_intermediates`` is differentiated
-    from outside."""
+def _check_rule_sows(rule: Callable[..., Any], args: tuple[Any, ...], tag: str,
+                     captured: set[str], where: str) -> None:
+    """Raises if a custom rule sows for ``tag`` (other than by calling its function, whose
+    sites are ``captured``): traced once, where ``save_intermediates`` is differentiated from
+    outside, so runs the rule after it has returned its intermediates."""
     ctx = current_context() or Context()
     with CONTEXT(Context(stream=ctx.stream, capture=tag)):
-        closed = jax.make_jaxpr(lambda p, t: jax.jvp(plain, p, t))(primals, tangents)
+        closed = jax.make_jaxpr(rule)(*args)
     lost = [n for n in _sow_names(jc.jaxpr_and_consts(closed)[0]) if n not in captured]
     if lost:
         raise ValueError(
-            f"sow {lost[0]!r} is in the jvp rule of a custom_jvp function, which runs here only "
-            "because save_intermediates is itself differentiated from outside (jax.jvp or "
-            "jax.grad of the function it returns): the rule runs after the intermediates are "
-            "returned, so its values cannot be captured, and sowtel never drops them silently. "
+            f"sow {lost[0]!r} is in the {where}, which runs here only because "
+            "save_intermediates is itself differentiated from outside (jax.jvp or jax.grad of "
+            "the function it returns): the rule runs after the intermediates are returned, so "
+            "its values cannot be captured, and sowtel never drops them silently. "
             "Differentiate inside instead, e.g. "
             "save_intermediates(lambda x, t: jax.jvp(f, (x,), (t,))), or sow outside the rule."
         )
@@ -413,6 +414,7 @@ def _custom_vjp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
     function that computed them.
     """
     meta: list[_Captured] = []
+    tag = _capture_tag()
 
     def captures(*args: Any) -> list[Any]:
         _, caps = _call_rule(eqn, list(args))
@@ -432,6 +434,9 @@ def _custom_vjp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
 
     def fun_bwd(res: Any, cts: Any) -> tuple[Any, ...]:
         (outs_vjp, flat_vjp), (ct_outs, ct_flat) = res, cts
+        if tag is not None:
+            _check_rule_sows(outs_vjp, (ct_outs,), tag, set(),
+                             "bwd of a custom_vjp function")
         return tuple(map(_add_cotangents, outs_vjp(ct_outs), flat_vjp(ct_flat)))
 
     fun.defvjp(fun_fwd, fun_bwd)

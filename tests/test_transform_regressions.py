@@ -348,3 +348,29 @@ def test_streams_through_debug_callback_when_the_fast_callback_is_missing(
     close(records[1].value, 2 * np.sin(X))
     records = stream(jax.jit(carry_scan), jnp.float32(1.0))
     assert [r.index for r in records] == [0, 1, 2]
+
+
+@jax.custom_vjp
+def scaled_grad(x: Any) -> Any:
+    return sow(x * 3.0, "fwd_value")
+
+
+def _scaled_fwd(x: Any) -> Any:
+    return scaled_grad(x), None
+
+
+def _scaled_bwd(_: Any, g: Any) -> Any:
+    return (sow(g * 0.5, "bwd_value"),)
+
+
+scaled_grad.defvjp(_scaled_fwd, _scaled_bwd)
+
+
+def test_sow_in_custom_vjp_bwd_differentiated_from_outside_raises() -> None:
+    f = lambda x: scaled_grad(x).sum()  # noqa: E731
+    x = jnp.ones(2, jnp.float32)
+    grad, inter = save_intermediates(jax.grad(f))(x)  # differentiated inside: captured
+    close(grad, [0.5, 0.5])
+    close(inter["bwd_value"]["cotangent"], [0.5, 0.5])
+    with pytest.raises(ValueError, match="sow 'bwd_value' is in the bwd of a custom_vjp"):
+        jax.grad(lambda x: save_intermediates(f)(x)[0])(x)
