@@ -23,7 +23,9 @@ when that is gone.
   differentiated), and the ``jax_scan3`` / ``jax_remat3`` upgrades hide the body in an object
   (``call_hi_primitive``'s ``_prim``): ``construct`` maps all of them to one construct name, and
   ``sub_jaxprs`` finds jaxprs inside those objects too, so a sow there is never missed.
-- ``scan_over``: a loop run by the classic ``lax.scan``, whatever ``jax_scan3`` says.
+- ``scan3_over``: a ``jax_scan3`` loop rebuilt around a new body (``scan_nocarry``, the loop
+  ``lax.scan`` builds under the flag), so it runs as JAX runs it. Up to 0.12 JAX's scan3 runs
+  its iterations in order even when ``reverse=True`` (``SCAN3_REVERSES``).
 - ``register_remat3_rule``: the rule ``jax_remat3``'s checkpoint applies to a primitive.
 - ``scan_split_counts``: how many of a ``scan`` equation's inputs are constants and carries
   (``num_consts`` / ``num_carry`` up to 0.10, the flat trees ``ft_in`` / ``ft_out`` since 0.11).
@@ -74,7 +76,7 @@ __all__ = [
     "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
     "scan_split_counts", "traced_for",
     "call_body", "construct", "eqn_context", "eqn_name", "eqn_params", "loop_parts",
-    "register_remat3_rule", "scan_over", "sub_jaxprs",
+    "register_remat3_rule", "scan3_over", "sub_jaxprs", "SCAN3_REVERSES",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2", "0.11.2", "0.12.0.1")
@@ -229,6 +231,9 @@ _WHILE_CODE = inspect.unwrap(_loops.while_loop).__code__
 # caller gave none.
 _SCAN_NOCARRY = getattr(_loops, "scan_nocarry", None)
 _SCAN_NOCARRY_CODE = inspect.unwrap(_SCAN_NOCARRY).__code__ if _SCAN_NOCARRY else None
+#: Whether a jax_scan3 loop honours ``reverse=True``: not on the JAX versions checked (its
+#: expansion walks the iterations in order), so records are indexed in the order that ran.
+SCAN3_REVERSES = False
 
 
 def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
@@ -248,8 +253,9 @@ def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
             length = frame.f_locals.get("length")
             if not isinstance(length, int):
                 return None
-            loops.append((length, bool(frame.f_locals.get("reverse", False))))
             in_scan3 = code is _SCAN_NOCARRY_CODE
+            reverse = bool(frame.f_locals.get("reverse", False))
+            loops.append((length, reverse and (SCAN3_REVERSES or not in_scan3)))
         elif code is _SCAN_CODE:
             in_scan3 = False
         frame = frame.f_back  # type: ignore[assignment]
@@ -442,20 +448,15 @@ def loop_parts(eqn: Any) -> dict[str, Any]:
     raise ValueError(f"loop_parts: {eqn_name(eqn)!r} is not a loop, checkpoint, cond or shard_map")
 
 
-def scan_over(body: Callable[[list[Any]], Any], xs: list[Any], *, length: int,
-              reverse: bool, unroll: Any) -> Any:
-    """``body`` over the leading axis of ``xs``, stacking its outputs, as a classic ``lax.scan``.
-
-    ``jax_scan3`` loops are re-run this way: JAX 0.12's own scan3 ignores ``reverse`` and, under
-    ``jit``, drops a loop whose only effect is on mutable references; the classic scan does
-    neither. Closed-over references are read and written as in the original body.
+def scan3_over(body: Callable[[list[Any]], Any], xs: list[Any], *, length: int,
+               reverse: bool, unroll: Any) -> Any:
+    """``body`` over the leading axis of ``xs``, stacking its outputs, as a ``jax_scan3`` loop:
+    the loop ``lax.scan`` builds under that flag, so it runs as the original one does. The
+    references the body closes over (the carry) are read and written as in the original.
     """
-    flag = getattr(_config, "scan3", None)
-    ctx = flag(False) if flag is not None else contextlib.nullcontext()
-    with ctx:
-        _, ys = jax.lax.scan(lambda _, x: (None, body(list(x))), None, list(xs),
-                             length=length, reverse=reverse, unroll=unroll)
-    return ys
+    assert _SCAN_NOCARRY is not None, "a jax_scan3 loop on a JAX without scan3"
+    return _SCAN_NOCARRY(lambda x: body(list(x)), list(xs), length=length, reverse=reverse,
+                         unroll=unroll)
 
 
 def register_remat3_rule(prim: Any, rule: Callable[..., list[Any]]) -> None:

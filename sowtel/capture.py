@@ -493,8 +493,8 @@ def _scan3_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
         meta[:] = caps
         return outs, _flat(caps)
 
-    ys, flat = jc.scan_over(body, xs, length=p["length"], reverse=p["reverse"],
-                            unroll=p["unroll"])
+    ys, flat = jc.scan3_over(body, xs, length=p["length"], reverse=p["reverse"],
+                             unroll=p["unroll"])
     return list(ys), [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
 
 

@@ -309,6 +309,23 @@ def test_scan3_loop_is_captured_and_streamed_with_its_index() -> None:
     close([float(r.value) for r in records], scan_primal(1.0, False))
 
 
+def test_reverse_scan3_is_captured_as_it_runs() -> None:
+    def loop(x: Any) -> Any:
+        def body(c: Any, xi: Any) -> Any:
+            return c * 2.0 + xi, sow(c, "c")
+
+        return jax.lax.scan(body, x, jnp.asarray(XS), reverse=True)
+
+    with flag("jax_scan3", True):
+        want = jax.jit(loop)(jnp.float32(1.0))
+        got, inter = save_intermediates(loop)(jnp.float32(1.0))
+        records = stream(jax.jit(loop), jnp.float32(1.0))
+    close(got[0], want[0])  # the program's own result, with sowtel on or off
+    close(got[1], want[1])
+    close(inter["c"]["primal"], want[1])  # the value sown in iteration i at index i
+    close([float(r.value) for r in sorted(records, key=lambda r: r.index)], want[1])
+
+
 def test_scan3_construct_and_body_are_visible_to_the_capture_pass() -> None:
     def loop(x: Any) -> Any:
         return jax.lax.scan(lambda c, xi: (c + xi, c), x, jnp.asarray(XS))
