@@ -473,12 +473,13 @@ def register_remat3_rule(prim: Any, rule: Callable[..., list[Any]]) -> None:
         return
     takes_trace = "custom_vjp_rules" in inspect.signature(_remat.RematTrace.__init__).parameters
 
-    if takes_trace:  # 0.12: rule(trace, *args) -> (out, residuals, rem(residuals, *args))
-        def remat_rule(trace: Any, *args: Any, **kw: Any) -> Any:
-            return prim.bind(*args, **kw), None, lambda _res, *a: rule(*a, **kw)
-    else:  # 0.10: rule(policy, *args) -> (out, rem(*args))
-        def remat_rule(policy: Any, *args: Any, **kw: Any) -> Any:
-            return prim.bind(*args, **kw), lambda *a: rule(*a, **kw)
+    # 0.12: rule(trace, *args) -> (out, residuals, rem(residuals, *args));
+    # 0.10: rule(policy, *args) -> (out, rem(*args)).
+    def remat_rule(_trace_or_policy: Any, *args: Any, **kw: Any) -> Any:
+        out = prim.bind(*args, **kw)
+        if takes_trace:
+            return out, None, lambda _res, *a: rule(*a, **kw)
+        return out, lambda *a: rule(*a, **kw)
 
     rules[prim] = remat_rule
 

@@ -268,6 +268,11 @@ def _eval(jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured
     return [read(v) for v in jaxpr.outvars], captured
 
 
+def _eval_body(body: tuple[Any, list[Any]], args: Any) -> tuple[list[Any], list[_Captured]]:
+    """``_eval`` of a ``(jaxpr, consts)`` pair, as ``_jax_compat`` gives a construct's body."""
+    return _eval(body[0], body[1], args)
+
+
 def _bind_plain(eqn: Any, invals: list[Any]) -> list[Any]:
     params = eqn.primitive.get_bind_params(eqn.params)
     out = eqn.primitive.bind(*invals, **params)
@@ -449,7 +454,7 @@ def _remat_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
     meta: list[_Captured] = []
 
     def body(*args: Any) -> tuple[list[Any], list[Any]]:
-        outs, caps = _eval(*p["body"], args)
+        outs, caps = _eval_body(p["body"], args)
         meta[:] = caps
         return outs, _flat(caps)
 
@@ -511,12 +516,12 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
     meta: list[_Captured] = []
 
     def body_fn(state: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
-        outs, caps = _eval(*body, [*body_consts, *state[0]])
+        outs, caps = _eval_body(body, [*body_consts, *state[0]])
         meta[:] = caps
         return outs, _flat(caps)
 
     def cond_fn(state: tuple[list[Any], list[Any]]) -> Any:
-        return _eval(*cond, [*cond_consts, *state[0]])[0][0]
+        return _eval_body(cond, [*cond_consts, *state[0]])[0][0]
 
     summary_pass = _pass()
     if summary_pass is not None:
@@ -538,7 +543,7 @@ def _cond_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
 
     def make(i: int) -> Callable[..., Any]:
         def branch(*ops: Any) -> tuple[list[Any], list[Any]]:
-            outs, caps = _eval(*branches[i], ops)
+            outs, caps = _eval_body(branches[i], ops)
             metas[i][:] = caps
             return outs, _flat(caps)
 
@@ -592,7 +597,7 @@ def _shard_map_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captu
     meta: list[_Captured] = []
 
     def inner(*args: Any) -> tuple[tuple[Any, ...], list[Any]]:
-        outs, caps = _eval(*p["body"], args)
+        outs, caps = _eval_body(p["body"], args)
         meta[:] = caps
         return tuple(outs), [jnp.expand_dims(leaf, 0) for leaf in _flat(caps)]
 
