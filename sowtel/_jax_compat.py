@@ -11,7 +11,14 @@ when that is gone.
 - ``in_transpose``: whether user code runs inside a backward pass (custom_vjp ``bwd``), read from
   the name stack that JAX's ``backward_pass`` extends with ``transpose(...)``.
 - ``enclosing_loops``: the lengths of the ``lax.scan`` calls tracing the current code, read from
-  their frames, so host-side records can carry iteration indices.
+  their frames (and from those of the scan rules that call user code again: ``_scan_jvp``,
+  ``_scan_transpose``), so host-side records can carry iteration indices.
+- ``in_custom_vjp_bwd``: whether a ``custom_vjp`` ``bwd`` is traced, from the frame of
+  ``ad._custom_lin_transpose`` (0.12: also ``_custom_lin_transpose_fancy``); False if gone.
+- ``enclosing_map``: ``lax.map(batch_size=b)``'s length and batch size, from its frame.
+- ``batched_branch_predicate``: under ``vmap`` of a ``cond`` with a batched predicate, the rows
+  that take the branch being run, from the ``predicate`` local of ``_cond_batching_rule``; when
+  it is gone, every row reports the branch's values (as before).
 - ``traced_for``: what the innermost trace is tracing (``"while_cond"``, ``"scan"``, ...).
 - ``manual_axes``: the mesh axes that are manual here (inside ``shard_map`` / ``pmap``).
 - ``as_jaxpr`` / ``jaxpr_and_consts``: sub-jaxprs of an equation's parameters. JAX 0.10 wraps a
@@ -46,6 +53,7 @@ from jax._src.interpreters import ad as ad
 from jax._src.interpreters import batching as batching
 from jax._src.interpreters import mlir as mlir
 from jax._src.interpreters import partial_eval as pe
+from jax._src.lax.control_flow import conditionals as _conditionals
 from jax._src.lax.control_flow import loops as _loops
 
 try:  # The fast path; absent or renamed in other JAX versions.
@@ -59,7 +67,8 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
-    "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
+    "allow_effect", "batched_branch_predicate", "callback_path", "emit_host_callback",
+    "enclosing_loops", "enclosing_map", "in_custom_vjp_bwd", "in_transpose",
     "requires_devices", "global_devices",
     "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
     "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
@@ -214,27 +223,104 @@ def traced_for() -> str | None:
 # The functions are wrapped by JAX's traceback filtering; the frames are those of the originals.
 _SCAN_CODE = inspect.unwrap(_loops.scan).__code__
 _WHILE_CODE = inspect.unwrap(_loops.while_loop).__code__
+_MAP_CODE = inspect.unwrap(_loops.map).__code__
+
+
+def _codes(module: Any, *names: str) -> frozenset[Any]:
+    """The code objects of the functions of ``module`` that exist in this JAX version."""
+    found = (getattr(module, n, None) for n in names)
+    return frozenset(inspect.unwrap(f).__code__ for f in found if f is not None)
+
+
+# JAX rules that call user code again while transforming a scan or a while_loop: a custom_jvp
+# rule or custom_vjp fwd is traced when a scan's body is differentiated (_scan_jvp, _scan_linearize), a
+# custom_vjp bwd when it is transposed (_scan_transpose*), after the lax.scan frame has gone.
+_SCAN_JVP = _codes(_loops, "_scan_jvp", "_scan_linearize")
+_SCAN_TRANSPOSE = _codes(_loops, "_scan_transpose", "_scan_transpose_fancy")
+_WHILE_RULES = _codes(_loops, "_while_loop_jvp")
+# A custom_vjp bwd runs inside these (0.10: _custom_lin_transpose; 0.12 also the _fancy one).
+_CUSTOM_BWD = _codes(ad, "_custom_lin_transpose", "_custom_lin_transpose_fancy")
 
 
 def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
-    """``((length, reverse), ...)`` of the scans tracing this code, outermost first.
+    """``((length, reverse), ...)`` of the scans the current code runs in, outermost first.
 
     ``None`` when a ``while_loop`` encloses the code (its iteration count is not static, so
-    records get no index). Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame.
+    records get no index). Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame,
+    and of the scan rules that call user code again (a ``custom_jvp`` rule under ``grad``, a
+    ``custom_vjp`` ``bwd`` in a transposed scan, which runs in reverse). A scan met twice (its
+    ``lax.scan`` frame and its jvp rule) is counted once: both hold the same ``jaxpr``.
     """
     loops: list[tuple[int, bool]] = []
+    seen: set[int] = set()
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code is _WHILE_CODE:
+        if code is _WHILE_CODE or code in _WHILE_RULES:
             return None
-        if code is _SCAN_CODE:
-            length = frame.f_locals.get("length")
+        is_scan = code is _SCAN_CODE or code in _SCAN_JVP
+        if is_scan or code in _SCAN_TRANSPOSE:
+            local = frame.f_locals
+            length = local.get("length")
             if not isinstance(length, int):
                 return None
-            loops.append((length, bool(frame.f_locals.get("reverse", False))))
+            body = id(local["jaxpr"]) if "jaxpr" in local else id(frame)
+            if body not in seen:
+                seen.add(body)
+                reverse = bool(local.get("reverse", False))
+                loops.append((length, reverse if is_scan else not reverse))
         frame = frame.f_back  # type: ignore[assignment]
     return tuple(reversed(loops))
+
+
+def in_custom_vjp_bwd() -> bool:
+    """True while a ``custom_vjp`` ``bwd`` is traced, wherever it sits (inside a scan, a cond or
+    a checkpoint, or jitted itself: there the name stack no longer says ``transpose``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CUSTOM_BWD:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def enclosing_map() -> tuple[int, int, int, bool] | None:
+    """``(key, length, batch_size, remainder)`` when this code runs in ``lax.map(batch_size=b)``.
+
+    ``lax.map`` runs ``n // b`` batches in a scan over a ``vmap``, then the ``n % b`` left in one
+    more ``vmap`` (``remainder``: its local ``scan_ys`` is set by then); ``key`` tells the call
+    apart from others. ``None`` outside such a map, or with ``batch_size`` 0 or ``>= n``.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _MAP_CODE:
+            local = frame.f_locals
+            size, xs = local.get("batch_size"), jax.tree_util.tree_leaves(local.get("xs"))
+            if not size or not xs or local.get("scan_xs", 0) is None:
+                return None
+            return id(frame), int(xs[0].shape[0]), int(size), "scan_ys" in local
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+# vmap of a cond whose predicate is batched runs every branch on every row, then selects:
+# while it runs branch i, its frame holds ``predicate`` (index == i, per row).
+_COND_BATCHING = _codes(_conditionals, "_cond_batching_rule")
+
+
+def batched_branch_predicate(depth: int = 8) -> Any | None:
+    """Per row, whether it takes the branch being run now by a vmapped cond; else None.
+
+    Looked for only a few frames up: the branch's equations are bound straight from the rule.
+    """
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code in _COND_BATCHING:
+            return frame.f_locals.get("predicate")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def manual_axes() -> tuple[str, ...]:

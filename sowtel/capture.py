@@ -50,7 +50,15 @@ from jax.sharding import PartitionSpec
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
-from sowtel.primitive import CONTEXT, Context, check_tag, current_context, sow_p
+from sowtel.primitive import (
+    CONTEXT,
+    Context,
+    check_tag,
+    current_context,
+    fill_like,
+    sow_p,
+    taken_rows,
+)
 
 __all__ = ["Intermediates", "save_intermediates", "trace_flat"]
 
@@ -141,9 +149,7 @@ def _unflat(meta: list[_Captured], flat: list[Any]) -> list[_Captured]:
 
 def _fill_like(aval: Any) -> Any:
     """NaN for floating (and complex) dtypes, 0 otherwise: a site whose code did not run."""
-    if jnp.issubdtype(aval.dtype, jnp.inexact):
-        return jnp.full(aval.shape, jnp.nan, aval.dtype)
-    return jnp.zeros(aval.shape, aval.dtype)
+    return fill_like(aval.shape, aval.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,7 +300,8 @@ def _eval_sow(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
         outs = sow_p.bind(*invals, **{**p, "capture": False})  # keeps streaming live
     if not p["capture"] or p["recompute"]:
         return list(outs), []
-    return list(outs), [_Captured(site.name, p["mode"], site.treedef, list(outs))]
+    captured = taken_rows(list(outs), site, list(invals[n:]))
+    return list(outs), [_Captured(site.name, p["mode"], site.treedef, captured, site=site)]
 
 
 def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[Any],
@@ -306,7 +313,7 @@ def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[An
         # The host callback in this program (the call's step comes from the host side).
         summary_pass.callbacks = True
         return list(sow_p.bind(*invals, **{**p, "capture": False})), []
-    reduced = summary_pass.reduce(p, leaves)
+    reduced = summary_pass.reduce(p, taken_rows(leaves, site, list(invals[n:])))
     if reduced is None:
         return leaves, []
     stream_site, arrays = reduced
