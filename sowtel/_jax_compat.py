@@ -233,8 +233,9 @@ def _codes(module: Any, *names: str) -> frozenset[Any]:
 
 
 # JAX rules that call user code again while transforming a scan or a while_loop: a custom_jvp
-# rule or custom_vjp fwd is traced when a scan's body is differentiated (_scan_jvp, _scan_linearize), a
-# custom_vjp bwd when it is transposed (_scan_transpose*), after the lax.scan frame has gone.
+# rule or custom_vjp fwd is traced when a scan's body is differentiated (_scan_jvp,
+# _scan_linearize), a custom_vjp bwd when it is transposed (_scan_transpose*), after the
+# lax.scan frame has gone.
 _SCAN_JVP = _codes(_loops, "_scan_jvp", "_scan_linearize")
 _SCAN_TRANSPOSE = _codes(_loops, "_scan_transpose", "_scan_transpose_fancy")
 _WHILE_RULES = _codes(_loops, "_while_loop_jvp")
@@ -251,9 +252,12 @@ def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
     ``custom_vjp`` ``bwd`` in a transposed scan, which runs in reverse). A scan met twice (its
     ``lax.scan`` frame and its jvp rule) is counted once: both hold the same ``jaxpr``.
     """
+    return _loops_from(sys._getframe(1))
+
+
+def _loops_from(frame: Any) -> tuple[tuple[int, bool], ...] | None:
     loops: list[tuple[int, bool]] = []
     seen: set[int] = set()
-    frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code is _WHILE_CODE or code in _WHILE_RULES:
@@ -269,7 +273,7 @@ def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
                 seen.add(body)
                 reverse = bool(local.get("reverse", False))
                 loops.append((length, reverse if is_scan else not reverse))
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return tuple(reversed(loops))
 
 
@@ -284,12 +288,14 @@ def in_custom_vjp_bwd() -> bool:
     return False
 
 
-def enclosing_map() -> tuple[int, int, int, bool] | None:
-    """``(key, length, batch_size, remainder)`` when this code runs in ``lax.map(batch_size=b)``.
+def enclosing_map() -> tuple[int, int, int, bool, int] | None:
+    """``(key, length, batch_size, remainder, outer)`` when this code runs in
+    ``lax.map(batch_size=b)``.
 
     ``lax.map`` runs ``n // b`` batches in a scan over a ``vmap``, then the ``n % b`` left in one
     more ``vmap`` (``remainder``: its local ``scan_ys`` is set by then); ``key`` tells the call
-    apart from others. ``None`` outside such a map, or with ``batch_size`` 0 or ``>= n``.
+    apart from others, ``outer`` counts the scans around it. ``None`` outside such a map, or
+    with ``batch_size`` 0 or ``>= n``.
     """
     frame = sys._getframe(1)
     while frame is not None:
@@ -298,7 +304,8 @@ def enclosing_map() -> tuple[int, int, int, bool] | None:
             size, xs = local.get("batch_size"), jax.tree_util.tree_leaves(local.get("xs"))
             if not size or not xs or local.get("scan_xs", 0) is None:
                 return None
-            return id(frame), int(xs[0].shape[0]), int(size), "scan_ys" in local
+            outer = len(_loops_from(frame) or ())
+            return id(frame), int(xs[0].shape[0]), int(size), "scan_ys" in local, outer
         frame = frame.f_back  # type: ignore[assignment]
     return None
 

@@ -526,7 +526,53 @@ def _mode_rank(mode: str) -> tuple[int, int, str]:
     return (len(parts), base.get(parts[0], 3), mode)
 
 
+def _join_maps(caps: list[_Captured]) -> list[_Captured]:
+    """Gives a site in ``lax.map(f, xs, batch_size=b)`` one axis of the map's length ``n``.
+
+    ``lax.map`` runs ``vmap(f)`` in a scan over ``n // b`` batches, then once more on the
+    ``n % b`` left: the site is captured as a scan-stacked ``(n // b, ..., b, ...)`` and, with a
+    remainder, a second ``(..., n % b, ...)``. Both become one ``(n, ...)``, stacked as a scan
+    of length ``n`` where the map's scan was, as an unbatched ``lax.map`` gives it.
+    """
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, c in enumerate(caps):
+        mapped = getattr(c.site, "mapped", None)
+        if mapped is not None:
+            groups.setdefault((mapped[0], c.name, c.mode), []).append(i)
+    dropped: set[int] = set()
+    out = list(caps)
+    for members in groups.values():
+        parts = {caps[i].site.mapped[3]: i for i in members}
+        main = parts.get(False)
+        if main is None or len(parts) != len(members):
+            continue
+        c = caps[main]
+        _, n, _, _, outer = c.site.mapped
+        scans = [k for k, (kind, _) in enumerate(c.stacked) if kind == "scan"]
+        if len(scans) <= outer:
+            continue
+        k = scans[outer]  # the map's scan among the axes stacked around the site
+        own = len(c.stacked)  # the map's vmap axis: right after every stacked axis
+
+        def merged(leaf: Any) -> Any:
+            leaf = jnp.moveaxis(leaf, own, k + 1)
+            return leaf.reshape(*leaf.shape[:k], -1, *leaf.shape[k + 2:])
+
+        leaves = [merged(leaf) for leaf in c.leaves]
+        rest = parts.get(True)
+        if rest is not None:
+            r = caps[rest]
+            tails = [jnp.moveaxis(leaf, len(r.stacked), k) for leaf in r.leaves]
+            leaves = [jnp.concatenate([a, b], axis=k)
+                      for a, b in zip(leaves, tails, strict=True)]
+            dropped.add(rest)
+        stacked = (*c.stacked[:k], ("scan", n), *c.stacked[k + 1:])
+        out[main] = dataclasses.replace(c, leaves=leaves, stacked=stacked)
+    return [c for i, c in enumerate(out) if i not in dropped]
+
+
 def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any]]:
+    caps = _join_maps(caps)
     by_key: collections.OrderedDict[tuple[str, str], list[_Captured]] = collections.OrderedDict()
     for c in caps:
         by_key.setdefault((c.name, c.mode), []).append(c)

@@ -367,9 +367,9 @@ class SiteStatic:
     # primal, so vmap batches the derivative whenever it batches the primal), "step", "shard",
     # "taken" (under vmap of a cond with a batched predicate: the rows that take the branch).
     extras: tuple[str, ...] = ()
-    # In lax.map(batch_size=b): (call key, length, b, remainder); capture joins the batches
-    # and the remainder into one leading axis of the map's length.
-    mapped: tuple[int, int, int, bool] | None = None
+    # In lax.map(batch_size=b): (call key, length, b, remainder, scans around the map); capture
+    # joins the batches and the remainder into one axis of the map's length.
+    mapped: tuple[int, int, int, bool, int] | None = None
 
     def transposed(self) -> SiteStatic:
         loops = None if self.loops is None else tuple((n, not r) for n, r in self.loops)
