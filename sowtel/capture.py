@@ -444,11 +444,11 @@ def _cond_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
     per_branch_keys: list[list[tuple[str, str, int]]] = []
     for i, fn in enumerate(fns):
         flat_shapes = jax.eval_shape(fn, *operands)[1]
-        seen: collections.Counter[tuple[str, str]] = collections.Counter()
+        caps = _unflat(metas[i], flat_shapes)
+        slots = naming.occurrence_slots([(c.name, c.mode) for c in caps])
         keys = []
-        for c in _unflat(metas[i], flat_shapes):
-            k = (c.name, c.mode, seen[(c.name, c.mode)])
-            seen[(c.name, c.mode)] += 1
+        for c, slot in zip(caps, slots, strict=True):
+            k = (c.name, c.mode, slot)
             keys.append(k)
             if k in union:
                 prev_shapes = [(s.shape, s.dtype) for s in union[k][1]]
@@ -552,13 +552,9 @@ def _join_maps(caps: list[_Captured]) -> list[_Captured]:
         if len(scans) <= outer:
             continue
         k = scans[outer]  # the map's scan among the axes stacked around the site
-        own = len(c.stacked)  # the map's vmap axis: right after every stacked axis
-
-        def merged(leaf: Any) -> Any:
-            leaf = jnp.moveaxis(leaf, own, k + 1)
-            return leaf.reshape(*leaf.shape[:k], -1, *leaf.shape[k + 2:])
-
-        leaves = [merged(leaf) for leaf in c.leaves]
+        # The map's vmap axis lies right after every stacked axis: it joins the scan's.
+        moved = [jnp.moveaxis(leaf, len(c.stacked), k + 1) for leaf in c.leaves]
+        leaves = [x.reshape(*x.shape[:k], -1, *x.shape[k + 2:]) for x in moved]
         rest = parts.get(True)
         if rest is not None:
             r = caps[rest]
@@ -573,9 +569,11 @@ def _join_maps(caps: list[_Captured]) -> list[_Captured]:
 
 def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any]]:
     caps = _join_maps(caps)
-    by_key: collections.OrderedDict[tuple[str, str], list[_Captured]] = collections.OrderedDict()
-    for c in caps:
-        by_key.setdefault((c.name, c.mode), []).append(c)
+    final = naming.occurrence_names([(c.name, c.mode) for c in caps])
+    by_key: collections.OrderedDict[tuple[str, str], list[tuple[str, _Captured]]] = (
+        collections.OrderedDict())
+    for c, key in zip(caps, final, strict=True):
+        by_key.setdefault((c.name, c.mode), []).append((key, c))
     names: list[str] = []
     for c in caps:
         if c.name not in names:
@@ -594,9 +592,8 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
                 f"{name}_0, {name}_1, ..."
             )
         for mode, group in modes:
-            ordered = list(reversed(group)) if naming.runs_backward(mode) else group
-            for i, c in enumerate(ordered):
-                key = naming.numbered(name, i) if repeated else name
+            # Occurrence order (a backward mode's sites ran last-first): name_0 first.
+            for key, c in (reversed(group) if naming.runs_backward(mode) else group):
                 value = jax.tree_util.tree_unflatten(c.treedef, c.leaves)
                 site = result.setdefault(key, Intermediates())
                 site[mode] = value
