@@ -10,16 +10,19 @@ construct                           what ``intermediates[name][mode]`` holds
 ==================================  ===================================================
 ``lax.scan`` / ``fori_loop`` (static bounds) / ``lax.map``
                                     every iteration, stacked on a new leading axis
-                                    (nested scans nest: ``[outer, inner, ...]``)
+                                    (nested scans nest: ``[outer, inner, ...]``);
+                                    ``lax.map(batch_size=b)``: one axis of ``len(xs)``
 ``lax.while_loop`` body             the last iteration's value (NaN / 0 if it never ran)
 ``lax.while_loop`` cond             not allowed: ``ValueError``
 ``lax.cond`` / ``lax.switch``       the taken branch's value; a site only in untaken
-                                    branches is NaN (floating) or 0 (other dtypes)
+                                    branches is NaN (floating) or 0 (other dtypes);
+                                    under ``vmap`` with a batched predicate, per row
 ``jax.checkpoint``                  the primal once (not per recomputation), the cotangent
 ``custom_jvp`` / ``custom_vjp``     sows in the primal / ``fwd``: primal;
                                     sows in ``bwd``: cotangent
 ``shard_map`` / ``pmap``            per-shard values stacked on a new leading axis of shards
-``vmap`` (inside or outside)        the batch axis leading
+``vmap`` (inside or outside)        the batch axis leading the value's own axes, after
+                                    the stacked ones: ``vmap`` of a scan is ``(T, B, ...)``
 ==================================  ===================================================
 
 Each site's ``{mode: value}`` dict records in ``stacked`` which leading axes scans and shard_maps

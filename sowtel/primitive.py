@@ -486,7 +486,8 @@ def sow(
       ``grad``, ``vjp``             primal, cotangent (during the backward pass)
       ``jvp``, ``linearize``        primal, tangent
       ``jax.hessian``               primal, tangent, cotangent, cotangent.tangent
-      ``vmap``                      the whole batch (batch axis leading)
+      ``vmap``                      the whole batch (batch axis leading the value's
+                                    own axes, after those of enclosing scans)
       ``scan`` / ``fori_loop``      every iteration (captured: stacked)
       ``custom_vjp`` ``bwd``        cotangent
       ============================  ==========================================
