@@ -315,8 +315,9 @@ def enclosing_map() -> tuple[int, int, int, bool, int] | None:
 _COND_BATCHING = _codes(_conditionals, "_cond_batching_rule")
 
 
-def batched_branch_predicate(depth: int = 8) -> Any | None:
-    """Per row, whether it takes the branch being run now by a vmapped cond; else None.
+def batched_branch_predicate(depth: int = 8) -> tuple[Any, int, int] | None:
+    """``(taken, cond key, branch)`` while a vmapped cond runs one of its branches on every row:
+    ``taken`` says per row whether the row takes it. None elsewhere.
 
     Looked for only a few frames up: the branch's equations are bound straight from the rule.
     """
@@ -325,7 +326,10 @@ def batched_branch_predicate(depth: int = 8) -> Any | None:
         if frame is None:
             return None
         if frame.f_code in _COND_BATCHING:
-            return frame.f_locals.get("predicate")
+            local = frame.f_locals
+            if "predicate" not in local or not isinstance(local.get("i"), int):
+                return None
+            return local["predicate"], id(frame), local["i"]
         frame = frame.f_back  # type: ignore[assignment]
     return None
 

@@ -570,8 +570,44 @@ def _join_maps(caps: list[_Captured]) -> list[_Captured]:
     return [c for i, c in enumerate(out) if i not in dropped]
 
 
+def _join_branches(caps: list[_Captured]) -> list[_Captured]:
+    """Joins a name's sites in sibling branches of a ``vmap``-ped cond into one site.
+
+    With a batched predicate JAX runs every branch on every row, so each branch's site was
+    captured with the rows that did not take it filled (NaN / 0, see
+    :func:`sowtel.primitive.taken_rows`). A row takes one branch: where the first site holds a
+    fill, the other holds the row's value or a fill too, so one ``where`` joins them.
+    """
+    keyed = [(i, c) for i, c in enumerate(caps) if getattr(c.site, "branch", None) is not None]
+    if not keyed:
+        return caps
+    slots: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
+    first: dict[tuple[Any, ...], int] = {}
+    joined = list(caps)
+    dropped: set[int] = set()
+    for i, c in keyed:
+        cond, branch = c.site.branch
+        seen = slots.setdefault((cond, branch), [])
+        seen.append((c.name, c.mode))
+        key = (cond, c.name, c.mode, naming.occurrence_slots(seen)[-1])
+        if key not in first:
+            first[key] = i
+            continue
+        j = first[key]
+        kept = joined[j]
+        if [(x.shape, x.dtype) for x in kept.leaves] != [(x.shape, x.dtype) for x in c.leaves]:
+            raise ValueError(
+                f"sow {c.name!r} ({c.mode}) has different shapes or dtypes in the branches of "
+                "a cond/switch: give the sites distinct names")
+        leaves = [jnp.where(jnp.isnan(a) if jnp.issubdtype(a.dtype, jnp.inexact) else a == 0,
+                            b, a) for a, b in zip(kept.leaves, c.leaves, strict=True)]
+        joined[j] = kept.with_leaves(leaves)
+        dropped.add(i)
+    return [c for i, c in enumerate(joined) if i not in dropped]
+
+
 def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any]]:
-    caps = _join_maps(caps)
+    caps = _join_maps(_join_branches(caps))
     final = naming.occurrence_names([(c.name, c.mode) for c in caps])
     by_key: collections.OrderedDict[tuple[str, str], list[tuple[str, _Captured]]] = (
         collections.OrderedDict())

@@ -370,6 +370,9 @@ class SiteStatic:
     # In lax.map(batch_size=b): (call key, length, b, remainder, scans around the map); capture
     # joins the batches and the remainder into one axis of the map's length.
     mapped: tuple[int, int, int, bool, int] | None = None
+    # With a "taken" extra: (key of the vmapped cond, branch index); capture joins a name's
+    # sites in sibling branches into one, as it does for an unbatched cond.
+    branch: tuple[int, int] | None = None
 
     def transposed(self) -> SiteStatic:
         loops = None if self.loops is None else tuple((n, not r) for n, r in self.loops)
@@ -390,10 +393,11 @@ class SowPrimitive(jc.core.Primitive):
     def bind(self, *args: Any, **params: Any) -> Any:
         site = params.get("site")
         if site is not None and "taken" not in site.extras:
-            taken = jc.batched_branch_predicate()
-            if taken is not None:
+            found = jc.batched_branch_predicate()
+            if found is not None:
+                taken, cond, branch = found
                 params = {**params, "site": dataclasses.replace(
-                    site, extras=(*site.extras, "taken"))}
+                    site, extras=(*site.extras, "taken"), branch=(cond, branch))}
                 args = (*args, taken)
         return super().bind(*args, **params)
 

@@ -86,6 +86,44 @@ def test_vmap_of_batched_cond_integer_site_is_zero_where_not_taken() -> None:
     np.testing.assert_array_equal(inter["k"]["primal"], np.where(PRED > 0, 7, 0))
 
 
+def test_vmap_of_batched_cond_joins_a_name_in_both_branches_into_one_site() -> None:
+    def f(x, p):
+        return jax.lax.cond(p > 0, lambda v: jnp.sum(sow(v + 1.0, "same") ** 2),
+                            lambda v: jnp.sum(sow(v * 2.0, "same") ** 2), x)
+
+    _, inter = save_intermediates(jax.vmap(jax.grad(f)))(XS, PRED)
+    value = np.where(PRED > 0, XS + 1.0, XS * 2.0)
+    assert list(inter) == ["same"]
+    np.testing.assert_allclose(inter["same"]["primal"], value, rtol=1e-6)
+    np.testing.assert_allclose(inter["same"]["cotangent"], 2.0 * value, rtol=1e-6)
+
+
+def test_vmap_of_batched_switch_and_of_scan_over_a_cond() -> None:
+    def g(x, i):
+        return jax.lax.switch(i, [lambda v: sow(v + 1.0, "a"), lambda v: v * 2.0,
+                                  lambda v: sow(v - 1.0, "b")], x)
+
+    index = np.array([0, 1, 2, 0])
+    _, inter = save_intermediates(jax.vmap(g))(XS, index)
+    np.testing.assert_allclose(inter["a"]["primal"], np.where(index == 0, XS + 1.0, np.nan))
+    np.testing.assert_allclose(inter["b"]["primal"], np.where(index == 2, XS - 1.0, np.nan))
+
+    ks = np.array([1.0, -1.0, 2.0], np.float32)
+
+    def f(x, p):
+        def body(c, k):
+            y = jax.lax.cond(p * k > 0, lambda v: sow(v * k, "t"), lambda v: v, x)
+            return c + y, None
+
+        return jax.lax.scan(body, 0.0, ks)[0]
+
+    _, inter = save_intermediates(jax.vmap(jax.grad(f)))(XS, PRED)
+    taken = (PRED[None, :] * ks[:, None]) > 0  # (iterations, batch)
+    np.testing.assert_allclose(inter["t"]["primal"],
+                               np.where(taken, XS[None, :] * ks[:, None], np.nan), rtol=1e-6)
+    np.testing.assert_allclose(inter["t"]["cotangent"], np.where(taken, 1.0, np.nan))
+
+
 def test_vmap_of_batched_cond_streams_nan_rows(transport: str) -> None:
     records = stream(jit(jax.vmap(jax.grad(batched_cond))), XS, PRED)
     by_mode = {r.mode: r for r in records}
