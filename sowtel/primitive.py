@@ -36,6 +36,7 @@ import itertools
 import math
 import re
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -812,6 +813,27 @@ def _site_summary(ctx: Any, values: list[Any], summary: str, bins: int) -> list[
     return [a for v in values for a in device_summary(v, summary, bins)]
 
 
+_warned_counted: set[str] = set()
+
+
+def _warn_counted_index(name: str) -> None:
+    """Warns once per name that a site in a cond inside a scan gets counted indices.
+
+    A host callback cannot read the iteration of the scan it runs in (JAX keeps the counter
+    inside its lowering of the loop), so the host numbers a site's occurrences as they arrive;
+    a branch that does not run in every iteration makes that count differ from the index.
+    ``sowtel.jit`` returns each site's summaries stacked over the iterations: exact indices.
+    """
+    if name in _warned_counted:
+        return
+    _warned_counted.add(name)
+    warnings.warn(
+        f"sow {name!r} is inside a cond inside a scan: with host callbacks its records are "
+        "indexed by counting the iterations in which its branch ran, not by the iteration "
+        "itself. Stream the step with sowtel.jit for exact indices (or move the sow out of "
+        "the cond)", stacklevel=2)
+
+
 def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
                   stream: StreamConfig | None, summary: str, every: int,
                   recompute: bool) -> list[Any]:
@@ -827,6 +849,8 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         bins=DEFAULT_BINS, loops=site.loops, extras=sent, order=next(_lowering_order),
     )
     naming.note_branches(ctx, info)
+    if site.loops and jc.branch_path(ctx):
+        _warn_counted_index(site.name)
 
     def on_device(*operands: Any) -> list[Any]:
         values, extras = _split(operands, site)

@@ -49,6 +49,48 @@ def hook(h: Any, name: str, eps: Any) -> Any:
     return sow(h, name) if eps is None else h + eps[name]
 
 
+# -- a cond inside a scan ---------------------------------------------------------------------
+
+
+def cond_in_scan(xs):
+    def body(c, x):
+        return c + jax.lax.cond(x > 0, lambda v: sow(v * 2.0, "pos"), lambda v: v, x), None
+
+    return jax.lax.scan(body, 0.0, xs)[0]
+
+
+COND_XS = np.array([1.0, -1.0, 2.0, -3.0, 4.0], np.float32)
+
+
+def test_cond_in_scan_records_carry_the_iteration_with_sowtel_jit() -> None:
+    records = stream(sowtel.jit(cond_in_scan), COND_XS, calls=2)
+    assert [(r.step, r.index) for r in records] == [
+        (0, 0), (0, 2), (0, 4), (1, 0), (1, 2), (1, 4)]
+    np.testing.assert_allclose([r.value for r in records], [2.0, 4.0, 8.0] * 2)
+
+
+@pytest.mark.parametrize("path", ["fast", "debug"])
+def test_cond_in_scan_with_host_callbacks_warns_that_indices_are_counted(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SOWTEL_CALLBACK", path)
+    monkeypatch.setattr(sowtel.primitive, "_warned_counted", set())
+    with pytest.warns(UserWarning, match="'pos' is inside a cond inside a scan"):
+        # A new function: lowered anew, with this callback path.
+        records = stream(jax.jit(lambda xs: cond_in_scan(xs)), COND_XS)
+    assert len(records) == 3  # every run of the branch is streamed, none dropped
+    np.testing.assert_allclose(sorted(r.value for r in records), [2.0, 4.0, 8.0])
+
+
+def test_scan_in_cond_does_not_warn(recwarn: pytest.WarningsRecorder) -> None:
+    def f(xs):
+        return jax.lax.cond(xs[0] > 0, lambda v: jax.lax.scan(
+            lambda c, x: (c + sow(x, "inner"), None), 0.0, v)[0], lambda v: 0.0, xs)
+
+    records = stream(jax.jit(f), COND_XS)
+    assert sorted(r.index for r in records) == [0, 1, 2, 3, 4]
+    assert not [w for w in recwarn if "inside a cond inside a scan" in str(w.message)]
+
+
 # -- vmap of a cond whose predicate is batched -----------------------------------------------
 
 XS = np.array([0.3, -0.5, 0.2, 0.9], np.float32)
