@@ -387,6 +387,7 @@ class SowEffect(jc.effects.Effect):
 sow_effect = SowEffect()
 jc.allow_effect(SowEffect)
 
+
 class SowPrimitive(jc.core.Primitive):
     """``sow_p``'s class: binding it in a branch that ``vmap`` runs for every row of a cond
     with a batched predicate adds, as a ``"taken"`` extra, the rows that take the branch."""
@@ -428,6 +429,7 @@ def taken_rows(leaves: list[Any], site: SiteStatic, extras: list[Any]) -> list[A
         m = jnp.reshape(mask, (*mask.shape, *(1,) * (leaf.ndim - mask.ndim)))
         out.append(jnp.where(m, leaf, fill_like(leaf.shape, leaf.dtype)))
     return out
+
 
 def jvp_mode(mode: str) -> str:
     return "tangent" if mode == "primal" else mode + ".tangent"
