@@ -7,9 +7,10 @@ current scope is part of the jit cache key, so a jitted function called under tw
 traced (and named) once under each.
 
 A name sown more than once in one traced program (a block called three times) is never merged
-into one series: ``save_intermediates(duplicates="number")`` and streaming both name the
-occurrences ``name_0``, ``name_1``, ... in trace order (cotangents carry the number of their
-primal), and streaming warns once per name. Occurrences of a sow inside one separately jitted
+into one series: ``save_intermediates(duplicates="number")``, ``sowtel.jit`` and the host
+callbacks all name the occurrences ``name_0``, ``name_1``, ... in trace order by one rule,
+:func:`occurrence_name` (cotangents carry the number of their primal), and streaming warns once
+per name. Occurrences of a sow inside one separately jitted
 function that is called several times share one compiled body: they cannot be told apart while
 streaming, so give them distinct names with :func:`scope`.
 
