@@ -11,7 +11,14 @@ when that is gone.
 - ``in_transpose``: whether user code runs inside a backward pass (custom_vjp ``bwd``), read from
   the name stack that JAX's ``backward_pass`` extends with ``transpose(...)``.
 - ``enclosing_loops``: the lengths of the ``lax.scan`` calls tracing the current code, read from
-  their frames, so host-side records can carry iteration indices.
+  their frames (and from those of the scan rules that call user code again: ``_scan_jvp``,
+  ``_scan_transpose``), so host-side records can carry iteration indices.
+- ``in_custom_vjp_bwd``: whether a ``custom_vjp`` ``bwd`` is traced, from the frame of
+  ``ad._custom_lin_transpose`` (0.12: also ``_custom_lin_transpose_fancy``); False if gone.
+- ``enclosing_map``: ``lax.map(batch_size=b)``'s length and batch size, from its frame.
+- ``batched_branch_predicate``: under ``vmap`` of a ``cond`` with a batched predicate, the rows
+  that take the branch being run, from the ``predicate`` local of ``_cond_batching_rule``; when
+  it is gone, every row reports the branch's values (as before).
 - ``traced_for``: what the innermost trace is tracing (``"while_cond"``, ``"scan"``, ...).
 - ``manual_axes``: the mesh axes that are manual here (inside ``shard_map`` / ``pmap``).
 - ``as_jaxpr`` / ``jaxpr_and_consts``: sub-jaxprs of an equation's parameters. JAX 0.10 wraps a
@@ -57,6 +64,7 @@ from jax._src.interpreters import ad as ad
 from jax._src.interpreters import batching as batching
 from jax._src.interpreters import mlir as mlir
 from jax._src.interpreters import partial_eval as pe
+from jax._src.lax.control_flow import conditionals as _conditionals
 from jax._src.lax.control_flow import loops as _loops
 
 try:  # The fast path; absent or renamed in other JAX versions.
@@ -70,7 +78,8 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
-    "allow_effect", "callback_path", "emit_host_callback", "enclosing_loops", "in_transpose",
+    "allow_effect", "batched_branch_predicate", "callback_path", "emit_host_callback",
+    "enclosing_loops", "enclosing_map", "in_custom_vjp_bwd", "in_transpose",
     "requires_devices", "global_devices",
     "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
     "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
@@ -234,32 +243,123 @@ _SCAN_NOCARRY_CODE = inspect.unwrap(_SCAN_NOCARRY).__code__ if _SCAN_NOCARRY els
 #: Whether a jax_scan3 loop honours ``reverse=True``: not on the JAX versions checked (its
 #: expansion walks the iterations in order), so records are indexed in the order that ran.
 SCAN3_REVERSES = False
+_MAP_CODE = inspect.unwrap(_loops.map).__code__
+
+
+def _codes(module: Any, *names: str) -> frozenset[Any]:
+    """The code objects of the functions of ``module`` that exist in this JAX version."""
+    found = (getattr(module, n, None) for n in names)
+    return frozenset(inspect.unwrap(f).__code__ for f in found if f is not None)
+
+
+# JAX rules that call user code again while transforming a scan or a while_loop: a custom_jvp
+# rule or custom_vjp fwd is traced when a scan's body is differentiated (_scan_jvp,
+# _scan_linearize), a custom_vjp bwd when it is transposed (_scan_transpose*), after the
+# lax.scan frame has gone.
+_SCAN_JVP = _codes(_loops, "_scan_jvp", "_scan_linearize")
+_SCAN_TRANSPOSE = _codes(_loops, "_scan_transpose", "_scan_transpose_fancy")
+_WHILE_RULES = _codes(_loops, "_while_loop_jvp")
+# A custom_vjp bwd runs inside these (0.10: _custom_lin_transpose; 0.12 also the _fancy one).
+_CUSTOM_BWD = _codes(ad, "_custom_lin_transpose", "_custom_lin_transpose_fancy")
 
 
 def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
-    """``((length, reverse), ...)`` of the scans tracing this code, outermost first.
+    """``((length, reverse), ...)`` of the scans the current code runs in, outermost first.
 
     ``None`` when a ``while_loop`` encloses the code (its iteration count is not static, so
-    records get no index). Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame.
+    records get no index). Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame,
+    and of the scan rules that call user code again (a ``custom_jvp`` rule under ``grad``, a
+    ``custom_vjp`` ``bwd`` in a transposed scan, which runs in reverse). A scan met twice (its
+    ``lax.scan`` frame and its jvp rule) is counted once: both hold the same ``jaxpr``.
     """
+    return _loops_from(sys._getframe(1))
+
+
+def _loops_from(frame: Any) -> tuple[tuple[int, bool], ...] | None:
     loops: list[tuple[int, bool]] = []
-    frame = sys._getframe(1)
+    seen: set[int] = set()
     in_scan3 = False  # inside scan_nocarry: the lax.scan frame above it is the same loop
     while frame is not None:
         code = frame.f_code
-        if code is _WHILE_CODE:
+        if code is _WHILE_CODE or code in _WHILE_RULES:
             return None
-        if code is _SCAN_NOCARRY_CODE or (code is _SCAN_CODE and not in_scan3):
-            length = frame.f_locals.get("length")
+        if code is _SCAN_CODE and in_scan3:
+            in_scan3 = False
+            frame = frame.f_back
+            continue
+        is_scan = code is _SCAN_CODE or code in _SCAN_JVP or code is _SCAN_NOCARRY_CODE
+        if is_scan or code in _SCAN_TRANSPOSE:
+            local = frame.f_locals
+            length = local.get("length")
             if not isinstance(length, int):
                 return None
-            in_scan3 = code is _SCAN_NOCARRY_CODE
-            reverse = bool(frame.f_locals.get("reverse", False))
-            loops.append((length, reverse and (SCAN3_REVERSES or not in_scan3)))
-        elif code is _SCAN_CODE:
-            in_scan3 = False
-        frame = frame.f_back  # type: ignore[assignment]
+            body = id(local["jaxpr"]) if "jaxpr" in local else id(frame)
+            if body not in seen:
+                seen.add(body)
+                reverse = bool(local.get("reverse", False))
+                if code is _SCAN_NOCARRY_CODE:
+                    in_scan3 = True
+                    reverse = reverse and SCAN3_REVERSES
+                loops.append((length, reverse if is_scan else not reverse))
+        frame = frame.f_back
     return tuple(reversed(loops))
+
+
+def in_custom_vjp_bwd() -> bool:
+    """True while a ``custom_vjp`` ``bwd`` is traced, wherever it sits (inside a scan, a cond or
+    a checkpoint, or jitted itself: there the name stack no longer says ``transpose``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CUSTOM_BWD:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def enclosing_map() -> tuple[int, int, int, bool, int] | None:
+    """``(key, length, batch_size, remainder, outer)`` when this code runs in
+    ``lax.map(batch_size=b)``.
+
+    ``lax.map`` runs ``n // b`` batches in a scan over a ``vmap``, then the ``n % b`` left in one
+    more ``vmap`` (``remainder``: its local ``scan_ys`` is set by then); ``key`` tells the call
+    apart from others, ``outer`` counts the scans around it. ``None`` outside such a map, or
+    with ``batch_size`` 0 or ``>= n``.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _MAP_CODE:
+            local = frame.f_locals
+            size, xs = local.get("batch_size"), jax.tree_util.tree_leaves(local.get("xs"))
+            if not size or not xs or local.get("scan_xs", 0) is None:
+                return None
+            outer = len(_loops_from(frame) or ())
+            return id(frame), int(xs[0].shape[0]), int(size), "scan_ys" in local, outer
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+# vmap of a cond whose predicate is batched runs every branch on every row, then selects:
+# while it runs branch i, its frame holds ``predicate`` (index == i, per row).
+_COND_BATCHING = _codes(_conditionals, "_cond_batching_rule")
+
+
+def batched_branch_predicate(depth: int = 8) -> tuple[Any, int, int] | None:
+    """``(taken, cond key, branch)`` while a vmapped cond runs one of its branches on every row:
+    ``taken`` says per row whether the row takes it. None elsewhere.
+
+    Looked for only a few frames up: the branch's equations are bound straight from the rule.
+    """
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code in _COND_BATCHING:
+            local = frame.f_locals
+            if "predicate" not in local or not isinstance(local.get("i"), int):
+                return None
+            return local["predicate"], id(frame), local["i"]
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def manual_axes() -> tuple[str, ...]:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sowtel.records import BASE_MODES, Record
+from sowtel.records import BASE_MODES, Index, Record, record_index
 from sowtel.summaries import check_summary, decode_device_summary, host_summary
 
 if TYPE_CHECKING:
@@ -38,13 +38,6 @@ if TYPE_CHECKING:
 
 __all__ = ["summary_records", "compiled_records", "records_from_intermediates", "leaf_name",
            "program_order"]
-
-Index = int | tuple[int, ...] | None
-
-
-def _index(parts: Sequence[int]) -> Index:
-    return None if not parts else int(parts[0]) if len(parts) == 1 else tuple(map(int, parts))
-
 
 def summary_records(site: StreamSite, arrays: Sequence[np.ndarray], *, step: int, index: Index,
                     seq: int, wall_time: float, process_index: int) -> list[Record]:
@@ -73,8 +66,8 @@ def compiled_records(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step
     ``sites`` are the program's ``SiteSummary`` entries, ``arrays`` its outputs in their order.
     Each site's arrays carry leading axes for the scans and shard_maps around it (outermost
     first); its last array says, per position, whether the site ran there (0 in the branches
-    of a cond that were not taken: no record). Indices list shard axes first, then scan axes,
-    as the callback transport gives them.
+    of a cond that were not taken: no record). Indices follow
+    :func:`sowtel.records.record_index`, as the callback transport's do.
 
     ``lowest`` (several processes, see :func:`sowtel.multihost.fetch`): per array, the lowest
     process holding each element; this process builds only the records it owns there.
@@ -89,8 +82,6 @@ def compiled_records(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step
         at += entry.n_arrays
         ran = np.asarray(mine[-1])
         kinds = [kind for kind, _ in entry.stacked]
-        order = [i for i, k in enumerate(kinds) if k == "shard"] + [
-            i for i, k in enumerate(kinds) if k != "shard"]
         # Positions in the order the program ran them: a reversed scan from its last iteration.
         reverse = iter([r for _, r in entry.site.loops or ()])
         backward = [k == "scan" and next(reverse, False) for k in kinds]
@@ -103,7 +94,8 @@ def compiled_records(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step
                 continue
             records.extend(summary_records(
                 entry.site, [np.asarray(a[pos]) for a in mine[:-1]], step=step,
-                index=_index([pos[i] for i in order]), seq=next(seqs), wall_time=wall_time,
+                index=record_index([(kind, n, p) for (kind, n), p in zip(
+                    entry.stacked, pos, strict=True)]), seq=next(seqs), wall_time=wall_time,
                 process_index=process_index))
     return records
 
@@ -229,24 +221,18 @@ def _stack_indices(
 ) -> list[tuple[tuple[int, ...], int | tuple[int, ...]]] | None:
     """``(position, record index)`` for each element of a stack, or None when not stacked.
 
-    The record index is the one streaming gives: the shard first (shard axes combined
-    row-major), then the scan iterations, outermost first; listed in index order. None when
-    ``shape`` does not start with the stacked axes (a ``vmap`` around ``save_intermediates``
-    puts its batch axis first).
+    The record index is the one streaming gives (:func:`sowtel.records.record_index`); listed
+    in index order. None when ``shape`` does not start with the stacked axes (a ``vmap``
+    around ``save_intermediates`` puts its batch axis first).
     """
     lengths = tuple(n for _, n in axes)
     if not axes or tuple(shape[:len(axes)]) != lengths:
         return None
     out: list[tuple[tuple[int, ...], int | tuple[int, ...]]] = []
     for pos in np.ndindex(*lengths):
-        shard, has_shard, loops = 0, False, []
-        for (kind, n), i in zip(axes, pos, strict=True):
-            if kind == "shard":
-                shard, has_shard = shard * n + i, True
-            else:
-                loops.append(i)
-        parts = ([shard] if has_shard else []) + loops
-        out.append((pos, parts[0] if len(parts) == 1 else tuple(parts)))
+        index = record_index([(kind, n, i) for (kind, n), i in zip(axes, pos, strict=True)])
+        assert index is not None  # axes is not empty
+        out.append((pos, index))
     return out
 
 

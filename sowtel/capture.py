@@ -10,17 +10,20 @@ construct                           what ``intermediates[name][mode]`` holds
 ==================================  ===================================================
 ``lax.scan`` / ``fori_loop`` (static bounds) / ``lax.map``
                                     every iteration, stacked on a new leading axis
-                                    (nested scans nest: ``[outer, inner, ...]``)
+                                    (nested scans nest: ``[outer, inner, ...]``);
+                                    ``lax.map(batch_size=b)``: one axis of ``len(xs)``
 ``lax.while_loop`` body             the last iteration's value (NaN / 0 if it never ran)
 ``lax.while_loop`` cond             not allowed: ``ValueError``
 ``lax.cond`` / ``lax.switch``       the taken branch's value; a site only in untaken
-                                    branches is NaN (floating) or 0 (other dtypes)
+                                    branches is NaN (floating) or 0 (other dtypes);
+                                    under ``vmap`` with a batched predicate, per row
 ``jax.checkpoint``                  the primal once (not per recomputation), each derivative once
 ``custom_jvp`` / ``custom_vjp``     sows in the primal / ``fwd``: primal;
                                     sows in ``bwd``: cotangent; both keep their rules where
                                     ``save_intermediates`` is differentiated from outside
 ``shard_map`` / ``pmap``            per-shard values stacked on a new leading axis of shards
-``vmap`` (inside or outside)        the batch axis leading
+``vmap`` (inside or outside)        the batch axis leading the value's own axes, after
+                                    the stacked ones: ``vmap`` of a scan is ``(T, B, ...)``
 ==================================  ===================================================
 
 Each site's ``{mode: value}`` dict records in ``stacked`` which leading axes scans and shard_maps
@@ -51,7 +54,15 @@ from jax.sharding import PartitionSpec
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
-from sowtel.primitive import CONTEXT, Context, check_tag, current_context, sow_p
+from sowtel.primitive import (
+    CONTEXT,
+    Context,
+    check_tag,
+    current_context,
+    fill_like,
+    sow_p,
+    taken_rows,
+)
 
 __all__ = ["Intermediates", "save_intermediates", "trace_flat"]
 
@@ -142,9 +153,7 @@ def _unflat(meta: list[_Captured], flat: list[Any]) -> list[_Captured]:
 
 def _fill_like(aval: Any) -> Any:
     """NaN for floating (and complex) dtypes, 0 otherwise: a site whose code did not run."""
-    if jnp.issubdtype(aval.dtype, jnp.inexact):
-        return jnp.full(aval.shape, jnp.nan, aval.dtype)
-    return jnp.zeros(aval.shape, aval.dtype)
+    return fill_like(aval.shape, aval.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +321,8 @@ def _eval_sow(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
         outs = sow_p.bind(*invals, **{**p, "capture": False})  # keeps streaming live
     if not p["capture"] or p["recompute"]:
         return list(outs), []
-    return list(outs), [_Captured(site.name, p["mode"], site.treedef, list(outs))]
+    captured = taken_rows(list(outs), site, list(invals[n:]))
+    return list(outs), [_Captured(site.name, p["mode"], site.treedef, captured, site=site)]
 
 
 def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[Any],
@@ -324,7 +334,7 @@ def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[An
         # The host callback in this program (the call's step comes from the host side).
         summary_pass.callbacks = True
         return list(sow_p.bind(*invals, **{**p, "capture": False})), []
-    reduced = summary_pass.reduce(p, leaves)
+    reduced = summary_pass.reduce(p, taken_rows(leaves, site, list(invals[n:])))
     if reduced is None:
         return leaves, []
     stream_site, arrays = reduced
@@ -556,11 +566,11 @@ def _cond_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
     per_branch_keys: list[list[tuple[str, str, int]]] = []
     for i, fn in enumerate(fns):
         flat_shapes = jax.eval_shape(fn, *operands)[1]
-        seen: collections.Counter[tuple[str, str]] = collections.Counter()
+        caps = _unflat(metas[i], flat_shapes)
+        slots = naming.occurrence_slots([(c.name, c.mode) for c in caps])
         keys = []
-        for c in _unflat(metas[i], flat_shapes):
-            k = (c.name, c.mode, seen[(c.name, c.mode)])
-            seen[(c.name, c.mode)] += 1
+        for c, slot in zip(caps, slots, strict=True):
+            k = (c.name, c.mode, slot)
             keys.append(k)
             if k in union:
                 prev_shapes = [(s.shape, s.dtype) for s in union[k][1]]
@@ -635,10 +645,90 @@ def _mode_rank(mode: str) -> tuple[int, int, str]:
     return (len(parts), base.get(parts[0], 3), mode)
 
 
+def _join_maps(caps: list[_Captured]) -> list[_Captured]:
+    """Gives a site in ``lax.map(f, xs, batch_size=b)`` one axis of the map's length ``n``.
+
+    ``lax.map`` runs ``vmap(f)`` in a scan over ``n // b`` batches, then once more on the
+    ``n % b`` left: the site is captured as a scan-stacked ``(n // b, ..., b, ...)`` and, with a
+    remainder, a second ``(..., n % b, ...)``. Both become one ``(n, ...)``, stacked as a scan
+    of length ``n`` where the map's scan was, as an unbatched ``lax.map`` gives it.
+    """
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, c in enumerate(caps):
+        mapped = getattr(c.site, "mapped", None)
+        if mapped is not None:
+            groups.setdefault((mapped[0], c.name, c.mode), []).append(i)
+    dropped: set[int] = set()
+    out = list(caps)
+    for members in groups.values():
+        parts = {caps[i].site.mapped[3]: i for i in members}
+        main = parts.get(False)
+        if main is None or len(parts) != len(members):
+            continue
+        c = caps[main]
+        _, n, _, _, outer = c.site.mapped
+        scans = [k for k, (kind, _) in enumerate(c.stacked) if kind == "scan"]
+        if len(scans) <= outer:
+            continue
+        k = scans[outer]  # the map's scan among the axes stacked around the site
+        # The map's vmap axis lies right after every stacked axis: it joins the scan's.
+        moved = [jnp.moveaxis(leaf, len(c.stacked), k + 1) for leaf in c.leaves]
+        leaves = [x.reshape(*x.shape[:k], -1, *x.shape[k + 2:]) for x in moved]
+        rest = parts.get(True)
+        if rest is not None:
+            r = caps[rest]
+            tails = [jnp.moveaxis(leaf, len(r.stacked), k) for leaf in r.leaves]
+            leaves = [jnp.concatenate([a, b], axis=k)
+                      for a, b in zip(leaves, tails, strict=True)]
+            dropped.add(rest)
+        stacked = (*c.stacked[:k], ("scan", n), *c.stacked[k + 1:])
+        out[main] = dataclasses.replace(c, leaves=leaves, stacked=stacked)
+    return [c for i, c in enumerate(out) if i not in dropped]
+
+
+def _join_branches(caps: list[_Captured]) -> list[_Captured]:
+    """Joins a name's sites in sibling branches of a ``vmap``-ped cond into one site.
+
+    With a batched predicate JAX runs every branch on every row, so each branch's site was
+    captured with the rows that did not take it filled (NaN / 0, see
+    :func:`sowtel.primitive.taken_rows`). A row takes one branch: where the first site holds a
+    fill, the other holds the row's value or a fill too, so one ``where`` joins them.
+    """
+    keyed = [(i, c) for i, c in enumerate(caps) if getattr(c.site, "branch", None) is not None]
+    if not keyed:
+        return caps
+    slots: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
+    first: dict[tuple[Any, ...], int] = {}
+    joined = list(caps)
+    dropped: set[int] = set()
+    for i, c in keyed:
+        cond, branch = c.site.branch
+        seen = slots.setdefault((cond, branch), [])
+        seen.append((c.name, c.mode))
+        key = (cond, c.name, c.mode, naming.occurrence_slots(seen)[-1])
+        if key not in first:
+            first[key] = i
+            continue
+        j = first[key]
+        kept = joined[j]
+        if [(x.shape, x.dtype) for x in kept.leaves] != [(x.shape, x.dtype) for x in c.leaves]:
+            raise ValueError(
+                f"sow {c.name!r} ({c.mode}) has different shapes or dtypes in the branches of "
+                "a cond/switch: give the sites distinct names")
+        leaves = [jnp.where(jnp.isnan(a) if jnp.issubdtype(a.dtype, jnp.inexact) else a == 0,
+                            b, a) for a, b in zip(kept.leaves, c.leaves, strict=True)]
+        joined[j] = kept.with_leaves(leaves)
+        dropped.add(i)
+    return [c for i, c in enumerate(joined) if i not in dropped]
+
+
 def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any]]:
-    by_key: collections.OrderedDict[tuple[str, str], list[_Captured]] = collections.OrderedDict()
-    for c in caps:
-        by_key.setdefault((c.name, c.mode), []).append(c)
+    caps = _join_maps(_join_branches(caps))
+    final = naming.occurrence_names([(c.name, c.mode) for c in caps])
+    by_key: collections.OrderedDict[tuple[str, str], list[tuple[str, _Captured]]] = (
+        collections.OrderedDict())
+    for c, key in zip(caps, final, strict=True):
+        by_key.setdefault((c.name, c.mode), []).append((key, c))
     names: list[str] = []
     for c in caps:
         if c.name not in names:
@@ -657,9 +747,8 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
                 f"{name}_0, {name}_1, ..."
             )
         for mode, group in modes:
-            ordered = list(reversed(group)) if naming.runs_backward(mode) else group
-            for i, c in enumerate(ordered):
-                key = naming.numbered(name, i) if repeated else name
+            # Occurrence order (a backward mode's sites ran last-first): name_0 first.
+            for key, c in (reversed(group) if naming.runs_backward(mode) else group):
                 value = jax.tree_util.tree_unflatten(c.treedef, c.leaves)
                 site = result.setdefault(key, Intermediates())
                 site[mode] = value

@@ -128,19 +128,11 @@ jax.tree_util.register_pytree_node(
 
 
 def _numbered(caps: list[Any]) -> list[str]:
-    """Final names of the captured sites, numbered as the callback transport numbers them: per
-    (name, mode), occurrences in trace order (backward modes in reverse), when there are several."""
-    groups: dict[tuple[str, str], list[int]] = {}
-    for i, c in enumerate(caps):
-        groups.setdefault((c.name, c.mode), []).append(i)
-    names = [c.name for c in caps]
-    for (name, mode), members in groups.items():
-        if len(members) < 2:
-            continue
-        naming.warn_repeated(name)
-        ordered = list(reversed(members)) if naming.runs_backward(mode) else members
-        for occurrence, i in enumerate(ordered):
-            names[i] = naming.numbered(name, occurrence)
+    """Final names of the captured sites (:func:`sowtel.naming.occurrence_names`)."""
+    names = naming.occurrence_names([(c.name, c.mode) for c in caps])
+    for c, name in zip(caps, names, strict=True):
+        if name != c.name:
+            naming.warn_repeated(c.name)
     return names
 
 

@@ -7,9 +7,10 @@ current scope is part of the jit cache key, so a jitted function called under tw
 traced (and named) once under each.
 
 A name sown more than once in one traced program (a block called three times) is never merged
-into one series: ``save_intermediates(duplicates="number")`` and streaming both name the
-occurrences ``name_0``, ``name_1``, ... in trace order (cotangents carry the number of their
-primal), and streaming warns once per name. Occurrences of a sow inside one separately jitted
+into one series: ``save_intermediates(duplicates="number")``, ``sowtel.jit`` and the host
+callbacks all name the occurrences ``name_0``, ``name_1``, ... in trace order by one rule,
+:func:`occurrence_name` (cotangents carry the number of their primal), and streaming warns once
+per name. Occurrences of a sow inside one separately jitted
 function that is called several times share one compiled body: they cannot be told apart while
 streaming, so give them distinct names with :func:`scope`.
 
@@ -29,9 +30,10 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +44,8 @@ from sowtel import _jax_compat as jc
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
 
-__all__ = ["scope", "scoped", "runs_backward", "numbered", "number_in_program"]
+__all__ = ["scope", "scoped", "runs_backward", "numbered", "number_in_program",
+           "occurrence_name", "occurrence_names", "occurrence_slots"]
 
 # The current prefix is part of every jit cache key: a jitted function called under two scopes
 # is traced once per scope, so its sites get both names rather than the first one twice.
@@ -126,6 +129,61 @@ def numbered(name: str, occurrence: int) -> str:
     return f"{name}_{occurrence}"
 
 
+def occurrence_name(name: str, mode: str, slot: int, counts: Mapping[str, int]) -> str:
+    """THE numbering of repeated names, for one site: the name it is reported under.
+
+    ``slot`` is the site's place among the sites of ``(name, mode)`` in trace order, ``counts``
+    the number of sites of ``name`` in each mode of the program. A name that occurs more than
+    once in any mode is numbered in every mode (``name_0``, ``name_1``, ...), in trace order;
+    modes that run backward count from the end, so a cotangent carries its primal's number.
+    ``save_intermediates(duplicates="number")``, ``sowtel.jit`` and the host callbacks all
+    name sites with it (see :func:`occurrence_names`).
+
+    Example:
+      >>> counts = {"primal": 2, "cotangent": 2}
+      >>> occurrence_name("h", "primal", 0, counts), occurrence_name("h", "cotangent", 0, counts)
+      ('h_0', 'h_1')
+      >>> occurrence_name("h", "primal", 0, {"primal": 1})
+      'h'
+    """
+    if all(n < 2 for n in counts.values()):
+        return name
+    count = counts.get(mode, 0)
+    return numbered(name, count - 1 - slot if runs_backward(mode) else slot)
+
+
+def occurrence_slots(keys: Sequence[tuple[str, str]]) -> list[int]:
+    """Per ``(name, mode)`` in trace order, how many sites of that name and mode came before.
+
+    Capture unites the sites of sibling cond branches that share a name, mode and slot.
+
+    Example:
+      >>> occurrence_slots([("h", "primal"), ("g", "primal"), ("h", "primal")])
+      [0, 0, 1]
+    """
+    seen: collections.Counter[tuple[str, str]] = collections.Counter()
+    slots = []
+    for key in keys:
+        slots.append(seen[key])
+        seen[key] += 1
+    return slots
+
+
+def occurrence_names(keys: Sequence[tuple[str, str]]) -> list[str]:
+    """The reported names of a program's sites, given their ``(name, mode)`` in trace order.
+
+    Example:
+      >>> occurrence_names([("h", "primal"), ("h", "primal"), ("h", "cotangent"),
+      ...                   ("h", "cotangent"), ("g", "primal")])
+      ['h_0', 'h_1', 'h_1', 'h_0', 'g']
+    """
+    counts: dict[str, collections.Counter[str]] = {}
+    for name, mode in keys:
+        counts.setdefault(name, collections.Counter())[mode] += 1
+    return [occurrence_name(name, mode, slot, counts[name])
+            for (name, mode), slot in zip(keys, occurrence_slots(keys), strict=True)]
+
+
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
@@ -154,12 +212,13 @@ class NumberedSite:
     then it is not known whether the name repeats.
     """
 
-    __slots__ = ("_site", "_slot", "_slots", "_resolved")
+    __slots__ = ("_site", "_slot", "_counts", "_resolved")
 
-    def __init__(self, site: StreamSite, slot: int, slots: list[int]) -> None:
+    def __init__(self, site: StreamSite, slot: int, counts: dict[str, list[int]]) -> None:
         self._site = site
         self._slot = slot
-        self._slots = slots  # [number of occurrences of the name in the program], shared
+        # {mode: [sites of the name in that mode]} of the program, shared by its sites
+        self._counts = counts
         self._resolved: StreamSite | None = None
 
     def __call__(self) -> StreamSite:
@@ -172,11 +231,10 @@ class NumberedSite:
         import dataclasses
 
         site = self._site
-        count = self._slots[0]
-        if count == 1:
+        counts = {mode: n[0] for mode, n in self._counts.items()}
+        name = occurrence_name(site.name, site.mode, self._slot, counts)
+        if name == site.name:
             return site
-        occurrence = count - 1 - self._slot if runs_backward(site.mode) else self._slot
-        name = numbered(site.name, occurrence)
         return dataclasses.replace(
             site, name=name,
             leaf_names=tuple(name + leaf[len(site.name):] for leaf in site.leaf_names))
@@ -210,7 +268,8 @@ def number_in_program(ctx: Any, site: StreamSite) -> NumberedSite:
     program = jc.module_state(ctx)
     path = program.pop(("branch_path", site), None) or ()
     earlier = program.setdefault((site.name, site.mode), [])
-    slots = program.setdefault(("slots", site.name, site.mode), [0])
+    modes = program.setdefault(("modes", site.name), {})
+    slots = modes.setdefault(site.mode, [0])
     counts, slot = _occurrence(earlier, path)
     if slot is None:
         slot = slots[0]
@@ -218,7 +277,7 @@ def number_in_program(ctx: Any, site: StreamSite) -> NumberedSite:
         if slot == 1:
             warn_repeated(site.name)
     earlier.append((path, counts, slot))
-    return NumberedSite(site, slot, slots)
+    return NumberedSite(site, slot, modes)
 
 
 def note_branches(ctx: Any, site: StreamSite) -> None:

@@ -36,6 +36,7 @@ import itertools
 import math
 import re
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -364,8 +365,15 @@ class SiteStatic:
     # ((length, reverse), ...) of enclosing scans, outermost first; None inside a while_loop.
     loops: tuple[tuple[int, bool], ...] | None
     # Extra operands after the leaves: "batch" (derivative sites: a zero-size slice of the
-    # primal, so vmap batches the derivative whenever it batches the primal), "step", "shard".
+    # primal, so vmap batches the derivative whenever it batches the primal), "step", "shard",
+    # "taken" (under vmap of a cond with a batched predicate: the rows that take the branch).
     extras: tuple[str, ...] = ()
+    # In lax.map(batch_size=b): (call key, length, b, remainder, scans around the map); capture
+    # joins the batches and the remainder into one axis of the map's length.
+    mapped: tuple[int, int, int, bool, int] | None = None
+    # With a "taken" extra: (key of the vmapped cond, branch index); capture joins a name's
+    # sites in sibling branches into one, as it does for an unbatched cond.
+    branch: tuple[int, int] | None = None
 
     def transposed(self) -> SiteStatic:
         loops = None if self.loops is None else tuple((n, not r) for n, r in self.loops)
@@ -379,8 +387,49 @@ class SowEffect(jc.effects.Effect):
 sow_effect = SowEffect()
 jc.allow_effect(SowEffect)
 
-sow_p = jc.core.Primitive("sow")
+
+class SowPrimitive(jc.core.Primitive):
+    """``sow_p``'s class: binding it in a branch that ``vmap`` runs for every row of a cond
+    with a batched predicate adds, as a ``"taken"`` extra, the rows that take the branch."""
+
+    def bind(self, *args: Any, **params: Any) -> Any:
+        site = params.get("site")
+        if site is not None and "taken" not in site.extras:
+            found = jc.batched_branch_predicate()
+            if found is not None:
+                taken, cond, branch = found
+                params = {**params, "site": dataclasses.replace(
+                    site, extras=(*site.extras, "taken"), branch=(cond, branch))}
+                args = (*args, taken)
+        return super().bind(*args, **params)
+
+
+sow_p = SowPrimitive("sow")
 sow_p.multiple_results = True
+
+
+def fill_like(shape: Any, dtype: Any) -> Any:
+    """What a site reports where its code did not run: NaN (floating, complex), else 0."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.full(shape, jnp.nan, dtype)
+    return jnp.zeros(shape, dtype)
+
+
+def taken_rows(leaves: list[Any], site: SiteStatic, extras: list[Any]) -> list[Any]:
+    """``leaves`` with the rows that did not take the site's branch filled (see ``fill_like``).
+
+    Only under ``vmap`` of a cond with a batched predicate (a ``"taken"`` extra), where every
+    branch runs on every row; the mask's axes are the leaves' leading (batch) axes.
+    """
+    if "taken" not in site.extras:
+        return leaves
+    mask = extras[site.extras.index("taken")]
+    out = []
+    for leaf in leaves:
+        m = jnp.reshape(mask, (*mask.shape, *(1,) * (leaf.ndim - mask.ndim)))
+        out.append(jnp.where(m, leaf, fill_like(leaf.shape, leaf.dtype)))
+    return out
+
 
 def jvp_mode(mode: str) -> str:
     return "tangent" if mode == "primal" else mode + ".tangent"
@@ -449,7 +498,8 @@ def sow(
       ``grad``, ``vjp``             primal, cotangent (during the backward pass)
       ``jvp``, ``linearize``        primal, tangent
       ``jax.hessian``               primal, tangent, cotangent, cotangent.tangent
-      ``vmap``                      the whole batch (batch axis leading)
+      ``vmap``                      the whole batch (batch axis leading the value's
+                                    own axes, after those of enclosing scans)
       ``scan`` / ``fori_loop``      every iteration (captured: stacked)
       ``custom_vjp`` ``bwd``        cotangent
       ============================  ==========================================
@@ -504,8 +554,11 @@ def sow(
     site = SiteStatic(
         name=name, tag=tag, treedef=treedef, summary=summary, every=every,
         loops=jc.enclosing_loops(), extras=tuple(kinds),
+        mapped=jc.enclosing_map() if capture else None,
     )
-    mode = "cotangent" if jc.in_transpose() else "primal"
+    # A custom_vjp bwd is traced in a backward pass; jitted, or in a scan, cond or checkpoint,
+    # its name stack no longer says so, but its caller's frame does.
+    mode = "cotangent" if jc.in_transpose() or jc.in_custom_vjp_bwd() else "primal"
     outs = _bind(leaves, extras, site, mode)
     return jax.tree_util.tree_unflatten(treedef, outs)
 
@@ -594,25 +647,31 @@ def _sow_batch(args: Any, dims: Any, *, site: SiteStatic, **params: Any) -> tupl
     leaf_dims, extra_dims = _split(dims, site)
     not_mapped = None
     if any(d is not not_mapped for k, d in zip(site.extras, extra_dims, strict=True)
-           if k != "batch"):
+           if k not in ("batch", "taken")):
         raise ValueError(
             f"sow {site.name!r}: the at_step step (or shard index) is batched by vmap; "
             "enter at_step outside the vmapped function"
         )
     sizes = [x.shape[d] for x, d in zip(leaves, leaf_dims, strict=True) if d is not not_mapped]
-    if "batch" in site.extras and not sizes:
-        # A derivative whose primal is batched carries the batch axis too (broadcast).
-        i = site.extras.index("batch")
-        if extra_dims[i] is not not_mapped:
-            sizes = [extras[i].shape[extra_dims[i]]]
+    for kind in ("batch", "taken"):
+        if kind in site.extras and not sizes:
+            # A derivative whose primal is batched carries the batch axis too (broadcast), as
+            # does a site whose rows take its branch or not.
+            i = site.extras.index(kind)
+            if extra_dims[i] is not not_mapped:
+                sizes = [extras[i].shape[extra_dims[i]]]
     if not sizes:
         return sow_p.bind(*args, site=site, **params), list(dims[: len(leaves)])
     size = sizes[0]
-    moved = [
-        jc.batching.moveaxis(x, d, 0) if d is not not_mapped
-        else jnp.broadcast_to(x, (size, *x.shape))
-        for x, d in zip(leaves, leaf_dims, strict=True)
-    ]
+
+    def leading(x: Any, d: Any) -> Any:
+        return (jc.batching.moveaxis(x, d, 0) if d is not not_mapped
+                else jnp.broadcast_to(x, (size, *x.shape)))
+
+    moved = [leading(x, d) for x, d in zip(leaves, leaf_dims, strict=True)]
+    # The "taken" mask keeps its axes in step with the leaves' leading (batch) axes.
+    extras = [leading(x, d) if k == "taken" else x
+              for k, x, d in zip(site.extras, extras, extra_dims, strict=True)]
     outs = sow_p.bind(*moved, *extras, site=site, **params)
     return outs, [0] * len(outs)
 
@@ -776,6 +835,27 @@ def _site_summary(ctx: Any, values: list[Any], summary: str, bins: int) -> list[
     return [a for v in values for a in device_summary(v, summary, bins)]
 
 
+_warned_counted: set[str] = set()
+
+
+def _warn_counted_index(name: str) -> None:
+    """Warns once per name that a site in a cond inside a scan gets counted indices.
+
+    A host callback cannot read the iteration of the scan it runs in (JAX keeps the counter
+    inside its lowering of the loop), so the host numbers a site's occurrences as they arrive;
+    a branch that does not run in every iteration makes that count differ from the index.
+    ``sowtel.jit`` returns each site's summaries stacked over the iterations: exact indices.
+    """
+    if name in _warned_counted:
+        return
+    _warned_counted.add(name)
+    warnings.warn(
+        f"sow {name!r} is inside a cond inside a scan: with host callbacks its records are "
+        "indexed by counting the iterations in which its branch ran, not by the iteration "
+        "itself. Stream the step with sowtel.jit for exact indices (or move the sow out of "
+        "the cond)", stacklevel=2)
+
+
 def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
                   stream: StreamConfig | None, summary: str, every: int,
                   recompute: bool | str) -> list[Any]:
@@ -783,16 +863,21 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
     if stream is None or recompute:
         return leaves
     leaf_avals, _ = _split(ctx.avals_in, site)
+    sent = tuple(k for k in site.extras if k != "taken")  # the mask stays on the device
     info = StreamSite(
         name=site.name, mode=mode, tag=site.tag, leaf_names=leaf_names(site),
         shapes=tuple(tuple(a.shape) for a in leaf_avals),
         dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
-        bins=DEFAULT_BINS, loops=site.loops, extras=site.extras, order=next(_lowering_order),
+        bins=DEFAULT_BINS, loops=site.loops, extras=sent, order=next(_lowering_order),
     )
     naming.note_branches(ctx, info)
+    if site.loops and jc.branch_path(ctx):
+        _warn_counted_index(site.name)
 
     def on_device(*operands: Any) -> list[Any]:
         values, extras = _split(operands, site)
+        values = taken_rows(values, site, extras)
+        extras = [x for k, x in zip(site.extras, extras, strict=True) if k != "taken"]
 
         def emit() -> None:
             arrays = _site_summary(ctx, values, summary, info.bins)
@@ -800,7 +885,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
                             export_process=stream.export_process)
 
         if every > 1 and "step" in site.extras:
-            step = extras[site.extras.index("step")]
+            step = extras[sent.index("step")]
             jax.lax.cond(step % every == 0, emit, lambda: None)
         else:
             emit()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,41 @@ BASE_MODES: tuple[str, ...] = ("primal", "tangent", "cotangent")
 #: number is ``stats["value"]``, its mode ``"primal"`` and its shape ``()``.
 SCALAR_SUMMARY = "scalar"
 LOG_TAG = "log"
+
+
+#: ``Record.index``: the scan iteration(s) and/or shard of an occurrence, or None.
+Index = int | tuple[int, ...] | None
+
+
+def record_index(axes: Sequence[tuple[str, int, int]]) -> Index:
+    """THE record-index rule, for every path: the shard first, then the scan iterations.
+
+    ``axes`` lists, outermost first, the ``(kind, size, position)`` of each axis a site is
+    repeated over: ``"shard"`` (a shard_map or pmap) or ``"scan"`` (a scan, ``fori_loop`` or
+    ``lax.map``; the position is the iteration's place in ``xs``, also in a reversed scan).
+    Several shard axes combine row-major into one shard number, as ``lax.axis_index`` over
+    the manual axes gives it; scan positions follow, outermost first. One part gives an int,
+    several a tuple, none ``None``.
+
+    Example:
+      >>> record_index([("shard", 4, 2), ("scan", 5, 3)])
+      (2, 3)
+      >>> record_index([("shard", 2, 1), ("shard", 4, 3)]), record_index([("scan", 5, 3)])
+      (7, 3)
+      >>> record_index([]) is None
+      True
+    """
+    shard: int | None = None
+    scans: list[int] = []
+    for kind, size, position in axes:
+        if kind == "shard":
+            shard = (0 if shard is None else shard * int(size)) + int(position)
+        else:
+            scans.append(int(position))
+    parts = ([] if shard is None else [shard]) + scans
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else tuple(parts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ from sowtel.primitive import (
     check_positive_int,
     sow_p,
 )
-from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record
+from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record, record_index
 from sowtel.summaries import check_summary
 
 __all__ = ["Session", "enable", "disable", "flush", "status", "export", "log", "active_session"]
@@ -280,23 +280,24 @@ class Session:
                     host_step: int | None, seq: int, wall_time: float) -> list[Record]:
         n_summary = site.arrays_per_leaf * len(site.leaf_names)
         extras = dict(zip(site.extras, arrays[n_summary:], strict=True))
-        index: list[int] = []
-        if "shard" in extras:
-            index.append(int(extras["shard"]))
+        axes: list[tuple[str, int, int]] = []
+        if "shard" in extras:  # already one number over the manual axes
+            axes.append(("shard", 0, int(extras["shard"])))
+        # The iterations, from the occurrence count: innermost scan fastest, a reversed scan
+        # from its last position.
         rest = occurrence
-        loop_index: list[int] = []
+        loops: list[tuple[str, int, int]] = []
         for length, reverse in reversed(site.loops or ()):
             i = rest % length if length else 0
             rest = rest // length if length else rest
-            loop_index.append(length - 1 - i if reverse else i)
-        index.extend(reversed(loop_index))
+            loops.append(("scan", length, length - 1 - i if reverse else i))
+        axes.extend(reversed(loops))
         if "step" in extras:
             step = int(extras["step"])
         else:
             step = host_step if host_step is not None else occurrence // site.period
-        idx: int | tuple[int, ...] | None = (
-            None if not index else index[0] if len(index) == 1 else tuple(index))
-        return summary_records(site, arrays[:n_summary], step=step, index=idx, seq=seq,
+        return summary_records(site, arrays[:n_summary], step=step, index=record_index(axes),
+                               seq=seq,
                                wall_time=wall_time, process_index=self.process_index)
 
     # -- lifecycle ---------------------------------------------------------------------------

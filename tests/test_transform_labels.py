@@ -1,0 +1,330 @@
+"""Labels, indices and layouts under transformations: what a site is called (its mode), which
+iteration a record belongs to, which rows of a batch ran its branch, and how captured values
+are laid out, under capture and the three streaming transports.
+
+Values are checked against hand-derived numbers, derivatives against ``jax.grad`` of an explicit
+perturbation at the site.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sowtel
+from sowtel import save_intermediates, sow
+from sowtel.records import Record
+
+# The jit the streaming cases compile with: jax.jit (host callbacks) or sowtel.jit.
+jit: Callable[..., Any] = jax.jit
+
+
+@pytest.fixture(params=["fast", "debug", "sowtel.jit"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "sowtel.jit":
+        monkeypatch.setitem(globals(), "jit", sowtel.jit)
+    else:
+        monkeypatch.setitem(globals(), "jit", jax.jit)
+        monkeypatch.setenv("SOWTEL_CALLBACK", request.param)
+    return str(request.param)
+
+
+def stream(fn: Callable[..., Any], *args: Any, calls: int = 1) -> list[Record]:
+    with sowtel.enable(exporter="memory", summary="full") as session:
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+        assert sowtel.flush(timeout=30)
+        status = sowtel.status()
+    assert status["dropped"] == 0 and not any(status["errors"].values())
+    return sorted(session.exporters[0].records, key=lambda r: (r.step, r.order, r.index or 0))
+
+
+def hook(h: Any, name: str, eps: Any) -> Any:
+    """``sow`` at the site, or with ``eps`` a dict, an explicit perturbation there instead."""
+    return sow(h, name) if eps is None else h + eps[name]
+
+
+# -- a cond inside a scan ---------------------------------------------------------------------
+
+
+def cond_in_scan(xs):
+    def body(c, x):
+        return c + jax.lax.cond(x > 0, lambda v: sow(v * 2.0, "pos"), lambda v: v, x), None
+
+    return jax.lax.scan(body, 0.0, xs)[0]
+
+
+COND_XS = np.array([1.0, -1.0, 2.0, -3.0, 4.0], np.float32)
+
+
+def test_cond_in_scan_records_carry_the_iteration_with_sowtel_jit() -> None:
+    records = stream(sowtel.jit(cond_in_scan), COND_XS, calls=2)
+    assert [(r.step, r.index) for r in records] == [
+        (0, 0), (0, 2), (0, 4), (1, 0), (1, 2), (1, 4)]
+    np.testing.assert_allclose([r.value for r in records], [2.0, 4.0, 8.0] * 2)
+
+
+@pytest.mark.parametrize("path", ["fast", "debug"])
+def test_cond_in_scan_with_host_callbacks_warns_that_indices_are_counted(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SOWTEL_CALLBACK", path)
+    monkeypatch.setattr(sowtel.primitive, "_warned_counted", set())
+    with pytest.warns(UserWarning, match="'pos' is inside a cond inside a scan"):
+        # A new function: lowered anew, with this callback path.
+        records = stream(jax.jit(lambda xs: cond_in_scan(xs)), COND_XS)
+    assert len(records) == 3  # every run of the branch is streamed, none dropped
+    np.testing.assert_allclose(sorted(r.value for r in records), [2.0, 4.0, 8.0])
+
+
+def test_scan_in_cond_does_not_warn(recwarn: pytest.WarningsRecorder) -> None:
+    def f(xs):
+        return jax.lax.cond(xs[0] > 0, lambda v: jax.lax.scan(
+            lambda c, x: (c + sow(x, "inner"), None), 0.0, v)[0], lambda v: 0.0, xs)
+
+    records = stream(jax.jit(f), COND_XS)
+    assert sorted(r.index for r in records) == [0, 1, 2, 3, 4]
+    assert not [w for w in recwarn if "inside a cond inside a scan" in str(w.message)]
+
+
+# -- vmap of a cond whose predicate is batched -----------------------------------------------
+
+XS = np.array([0.3, -0.5, 0.2, 0.9], np.float32)
+PRED = np.array([1.0, -1.0, 1.0, -1.0], np.float32)  # rows 0 and 2 take the true branch
+
+
+def batched_cond(x, p, eps=None):
+    return jax.lax.cond(p > 0, lambda v: jnp.sin(hook(v * 3.0, "t", eps)),
+                        lambda v: v * 2.0, x)
+
+
+def test_vmap_of_batched_cond_fills_rows_that_did_not_take_the_branch() -> None:
+    _, inter = save_intermediates(jax.vmap(jax.grad(batched_cond)))(XS, PRED)
+    taken = PRED > 0
+    primal = np.asarray(inter["t"]["primal"])
+    np.testing.assert_allclose(primal[taken], XS[taken] * 3.0, rtol=1e-6)
+    # The rows that took the branch: the cotangent d(sin(t))/dt = cos(t), as jax.grad of a
+    # perturbation at the site gives it for that row alone.
+    cot = np.asarray(inter["t"]["cotangent"])
+    for row in np.flatnonzero(taken):
+        expected = jax.grad(lambda e, r=row: batched_cond(XS[r], PRED[r], {"t": e}))(0.0)
+        np.testing.assert_allclose(cot[row], expected, rtol=1e-6)
+    # The others did not run the branch: NaN, as the unbatched program reports them.
+    assert np.isnan(primal[~taken]).all() and np.isnan(cot[~taken]).all()
+    _, row1 = save_intermediates(jax.grad(batched_cond))(XS[1], PRED[1])
+    assert np.isnan(row1["t"]["primal"]) and np.isnan(row1["t"]["cotangent"])
+
+
+def test_vmap_of_batched_cond_integer_site_is_zero_where_not_taken() -> None:
+    def f(x, p):
+        return jax.lax.cond(p > 0, lambda v: sow(v.astype(jnp.int32) + 7, "k").sum() * 1.0,
+                            lambda v: 0.0, x)
+
+    _, inter = save_intermediates(jax.vmap(f))(XS, PRED)
+    np.testing.assert_array_equal(inter["k"]["primal"], np.where(PRED > 0, 7, 0))
+
+
+def test_vmap_of_batched_cond_joins_a_name_in_both_branches_into_one_site() -> None:
+    def f(x, p):
+        return jax.lax.cond(p > 0, lambda v: jnp.sum(sow(v + 1.0, "same") ** 2),
+                            lambda v: jnp.sum(sow(v * 2.0, "same") ** 2), x)
+
+    _, inter = save_intermediates(jax.vmap(jax.grad(f)))(XS, PRED)
+    value = np.where(PRED > 0, XS + 1.0, XS * 2.0)
+    assert list(inter) == ["same"]
+    np.testing.assert_allclose(inter["same"]["primal"], value, rtol=1e-6)
+    np.testing.assert_allclose(inter["same"]["cotangent"], 2.0 * value, rtol=1e-6)
+
+
+def test_vmap_of_batched_switch_and_of_scan_over_a_cond() -> None:
+    def g(x, i):
+        return jax.lax.switch(i, [lambda v: sow(v + 1.0, "a"), lambda v: v * 2.0,
+                                  lambda v: sow(v - 1.0, "b")], x)
+
+    index = np.array([0, 1, 2, 0])
+    _, inter = save_intermediates(jax.vmap(g))(XS, index)
+    np.testing.assert_allclose(inter["a"]["primal"], np.where(index == 0, XS + 1.0, np.nan))
+    np.testing.assert_allclose(inter["b"]["primal"], np.where(index == 2, XS - 1.0, np.nan))
+
+    ks = np.array([1.0, -1.0, 2.0], np.float32)
+
+    def f(x, p):
+        def body(c, k):
+            y = jax.lax.cond(p * k > 0, lambda v: sow(v * k, "t"), lambda v: v, x)
+            return c + y, None
+
+        return jax.lax.scan(body, 0.0, ks)[0]
+
+    _, inter = save_intermediates(jax.vmap(jax.grad(f)))(XS, PRED)
+    taken = (PRED[None, :] * ks[:, None]) > 0  # (iterations, batch)
+    np.testing.assert_allclose(inter["t"]["primal"],
+                               np.where(taken, XS[None, :] * ks[:, None], np.nan), rtol=1e-6)
+    np.testing.assert_allclose(inter["t"]["cotangent"], np.where(taken, 1.0, np.nan))
+
+
+def test_vmap_of_batched_cond_streams_nan_rows(transport: str) -> None:
+    records = stream(jit(jax.vmap(jax.grad(batched_cond))), XS, PRED)
+    by_mode = {r.mode: r for r in records}
+    assert set(by_mode) == {"primal", "cotangent"}
+    taken = PRED > 0
+    for r in by_mode.values():
+        assert r.shape == (4,)
+        assert np.isnan(r.value[~taken]).all() and np.isfinite(r.value[taken]).all()
+    np.testing.assert_allclose(by_mode["primal"].value[taken], XS[taken] * 3.0, rtol=1e-6)
+    np.testing.assert_allclose(by_mode["cotangent"].value[taken], np.cos(XS[taken] * 3.0),
+                               rtol=1e-5)
+
+
+# -- custom_vjp backward sows are cotangents, wherever the bwd runs ---------------------------
+
+
+def _clip_vjp(jit_bwd: bool) -> Callable[[Any], Any]:
+    @jax.custom_vjp
+    def clip(x):
+        return x * 2.0
+
+    def fwd(x):
+        return sow(x * 2.0, "fwd"), None
+
+    def bwd(_, ct):
+        return (sow(ct * 0.5, "bwd"),)
+
+    clip.defvjp(fwd, jax.jit(bwd) if jit_bwd else bwd)
+    return clip
+
+
+WRAPPERS: dict[str, Callable[[Callable[[Any], Any], Any], Any]] = {
+    "plain": lambda g, x: jnp.sum(g(x) * 3.0),
+    "jit": lambda g, x: jax.jit(lambda v: jnp.sum(g(v) * 3.0))(x),
+    "checkpoint": lambda g, x: jax.checkpoint(lambda v: jnp.sum(g(v) * 3.0))(x),
+    "cond": lambda g, x: jax.lax.cond(True, lambda v: jnp.sum(g(v) * 3.0),
+                                      lambda v: jnp.sum(v), x),
+    "scan": lambda g, x: jax.lax.scan(lambda c, v: (c + g(v) * 3.0, None), 0.0, x)[0],
+    "fori": lambda g, x: jax.lax.fori_loop(
+        0, 4, lambda i, c: c + g(x[i]) * 3.0, 0.0),
+}
+
+
+@pytest.mark.parametrize("jit_bwd", [False, True], ids=["bwd", "jitted_bwd"])
+@pytest.mark.parametrize("where", list(WRAPPERS))
+def test_custom_vjp_bwd_sow_is_a_cotangent(where: str, jit_bwd: bool) -> None:
+    loss = WRAPPERS[where]
+    g = _clip_vjp(jit_bwd)
+    grads, inter = save_intermediates(jax.grad(lambda x: loss(g, x)))(XS)
+    assert list(inter["fwd"]) == ["primal"] and list(inter["bwd"]) == ["cotangent"]
+    # bwd gets the cotangent 3 of each output and returns half of it.
+    np.testing.assert_allclose(inter["bwd"]["cotangent"], np.full(4, 1.5), rtol=1e-6)
+    np.testing.assert_allclose(inter["fwd"]["primal"], XS * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(grads, np.full(4, 1.5), rtol=1e-6)
+
+
+def test_custom_vjp_bwd_in_scan_streams_cotangents_with_their_index(transport: str) -> None:
+    g = _clip_vjp(jit_bwd=True)
+    records = stream(jit(jax.grad(lambda x: WRAPPERS["scan"](g, x))), XS)
+    bwd = [r for r in records if r.name == "bwd"]
+    assert {r.mode for r in bwd} == {"cotangent"}
+    assert sorted(r.index for r in bwd) == [0, 1, 2, 3]
+    assert all(r.step == 0 for r in bwd)
+    for r in bwd:
+        np.testing.assert_allclose(r.value, 1.5, rtol=1e-6)
+    fwd = sorted((r for r in records if r.name == "fwd"), key=lambda r: r.index)
+    assert [(r.mode, r.index) for r in fwd] == [("primal", i) for i in range(4)]
+    np.testing.assert_allclose([r.value for r in fwd], XS * 2.0, rtol=1e-6)
+
+
+# -- a custom_jvp function inside fori_loop(scan(...)) under grad ------------------------------
+
+
+def test_custom_jvp_in_fori_of_scan_streams_iteration_pairs(transport: str) -> None:
+    @jax.custom_jvp
+    def h(x):
+        return sow(jnp.sin(x), "cj")
+
+    h.defjvp(lambda p, t: (h(p[0]), jnp.cos(p[0]) * t[0]))
+    xs = jnp.array([0.1, 0.2, 0.3])
+
+    def f(x):
+        def outer(i, c):
+            return c + jax.lax.scan(lambda cc, xx: (cc + h(xx * (i + 1.0)), None), 0.0, x)[0]
+
+        return jax.lax.fori_loop(0, 2, outer, 1.0)
+
+    records = stream(jit(jax.grad(f)), xs)
+    got = sorted((r.index, r.step, float(r.value)) for r in records)
+    expected = [((i, j), 0, float(np.sin(np.float32(xs[j]) * (i + 1))))
+                for i in range(2) for j in range(3)]
+    assert [(i, s) for i, s, _ in got] == [(i, s) for i, s, _ in expected]
+    np.testing.assert_allclose([v for *_, v in got], [v for *_, v in expected], rtol=1e-6)
+    _, inter = save_intermediates(jax.grad(f))(xs)
+    assert inter["cj"].stacked == {"primal": (("scan", 2), ("scan", 3))}
+
+
+# -- lax.map(batch_size=b): one leading axis of the map's length -----------------------------
+
+
+def mapped(x, b, eps=None):
+    ys = jax.lax.map(lambda v: hook(jnp.stack([v * 2.0, jnp.sin(v)]), "m", None if eps is None
+                                    else {"m": v * 0.0 + eps["m"][jnp.int32(v)]}),
+                     x, batch_size=b)
+    return jnp.sum(ys ** 2)
+
+
+@pytest.mark.parametrize("b", [2, 3, 4, 7], ids=lambda b: f"batch{b}")
+def test_map_with_batch_size_has_one_leading_axis(b: int) -> None:
+    x = jnp.arange(7.0)
+    _, inter = save_intermediates(jax.grad(mapped), duplicates="number")(x, b)
+    assert list(inter) == ["m"]
+    expected = np.stack([np.arange(7.0) * 2.0, np.sin(np.arange(7.0))], axis=1)
+    np.testing.assert_allclose(inter["m"]["primal"], expected, rtol=1e-6)
+    assert inter["m"].stacked == {"primal": (("scan", 7),), "cotangent": (("scan", 7),)}
+    # The cotangent at element i: jax.grad of a perturbation added there.
+    eps = jax.grad(lambda e: mapped(x, b, {"m": e}))(jnp.zeros((7, 2)))
+    np.testing.assert_allclose(inter["m"]["cotangent"], eps, rtol=1e-6)
+
+
+def test_map_with_batch_size_inside_a_scan_keeps_the_outer_axis() -> None:
+    def f(x):
+        def outer(c, k):
+            ys = jax.lax.map(lambda v: sow(v * k, "m"), x, batch_size=3)
+            return c + ys.sum(), None
+
+        return jax.lax.scan(outer, 0.0, jnp.array([1.0, 2.0]))[0]
+
+    _, inter = save_intermediates(f)(jnp.arange(7.0))
+    np.testing.assert_allclose(inter["m"]["primal"],
+                               np.outer([1.0, 2.0], np.arange(7.0)), rtol=1e-6)
+    assert inter["m"].stacked == {"primal": (("scan", 2), ("scan", 7))}
+
+
+# -- vmap of a scan: the scan axis leads, the batch axis follows -----------------------------
+
+
+def scanned(x):
+    return jax.lax.scan(lambda c, v: (c + sow(v * 2.0, "s"), None), 0.0, x)[0]
+
+
+def test_vmap_of_scan_stacks_iterations_then_batch() -> None:
+    xs = np.arange(10.0, dtype=np.float32).reshape(2, 5)  # batch 2, 5 iterations
+    for fn in (jax.vmap(scanned),
+               lambda x: jax.lax.scan(lambda c, v: (c + jax.vmap(
+                   lambda u: sow(u * 2.0, "s"))(v), None), jnp.zeros(2), x.T)[0]):
+        _, inter = save_intermediates(fn)(xs)
+        np.testing.assert_allclose(inter["s"]["primal"], xs.T * 2.0)  # (T, B)
+        assert inter["s"].stacked == {"primal": (("scan", 5),)}
+        records = sowtel.build.records_from_intermediates(inter, step=0, summary="full")
+        assert [r.index for r in records] == list(range(5))
+        assert all(r.shape == (2,) for r in records)
+        np.testing.assert_allclose(records[3].value, xs[:, 3] * 2.0)
+
+
+def test_vmap_of_scan_streams_one_record_per_iteration_with_the_batch(transport: str) -> None:
+    xs = np.arange(10.0, dtype=np.float32).reshape(2, 5)
+    records = stream(jit(jax.vmap(scanned)), xs)
+    assert sorted(r.index for r in records) == list(range(5))
+    for r in records:
+        assert r.shape == (2,)
+        np.testing.assert_allclose(r.value, xs[:, r.index] * 2.0)
