@@ -43,6 +43,8 @@ import json
 import math
 import os
 import re
+import secrets
+import socket
 import stat
 import time
 import zipfile
@@ -77,6 +79,8 @@ __all__ = [
     "leaf_name",
     "program_order",
     "MAX_DEPTH",
+    "MAX_CONTAINERS",
+    "count_containers",
 ]
 
 FORMAT = "sowtel.dump"
@@ -119,6 +123,11 @@ _SUPPORTED_NAMES = set(_NAME_TO_DTYPE)
 #: How deeply a dump's pytrees and metadata may nest (containers above a leaf). dump() refuses
 #: deeper values and load() deeper files, so no reader ever recurses without bound.
 MAX_DEPTH = 100
+
+#: How many JSON arrays and objects a dump's header may hold (see :func:`count_containers`):
+#: dump() refuses to write more and readers refuse to parse more, so a crafted header costs at
+#: most a few hundred MB however it is built. A leaf takes about four.
+MAX_CONTAINERS = 1_000_000
 
 # A header larger than this is not something dump() writes (it is the safetensors library's own
 # limit); refusing it keeps a corrupted length field from making load() allocate gigabytes.
@@ -408,6 +417,208 @@ def _target(path: str | os.PathLike[str], step: int | None) -> Path:
     return p
 
 
+
+# ----------------------------------------------------------------------------- writing the file
+
+
+_DTYPE_TO_CODE = {dt.name: code for code, dt in _CODE_TO_DTYPE.items()}
+# Where the platform has them (POSIX): open without following a link, open a folder only, and
+# name files relative to an open folder.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FD = {os.open, os.stat, os.unlink, os.rename}.issubset(os.supports_dir_fd)
+# A dump's temporary file: .<name>.<host>.<pid>.<random>.tmp, beside the final file. The host and
+# the process say whose it is (so stale ones of dead processes can be removed); the random part
+# makes the name unguessable. Older versions wrote .<name>.<pid>.tmp.
+_TMP_FILE = re.compile(r"^\..*\.([A-Za-z0-9-]{1,40})\.(\d{1,10})\.[0-9a-f]{16}\.tmp$", re.DOTALL)
+_OLD_TMP_FILE = re.compile(r"^\..*\.safetensors\.(\d{1,10})\.tmp$", re.DOTALL)
+# A temporary file of the old form is removed only once this old: its name does not say which
+# machine wrote it, and a folder may be shared between machines.
+_OLD_TMP_AGE = 3600.0
+
+
+def count_containers(text: bytes | str) -> int:
+    """An upper bound on the JSON arrays and objects in ``text``, counted without parsing it.
+
+    Every array or object opens with ``[`` or ``{``; brackets inside strings are counted too,
+    which only over-counts. A dump's header holds at most :data:`MAX_CONTAINERS`, checked by
+    ``dump`` before writing and by every reader before parsing, so a crafted header of millions
+    of ``[]`` is refused before it becomes millions of Python objects.
+
+    Example:
+      >>> count_containers(b'{"a": [1, [2]], "b": "[x"}')
+      4
+    """
+    if isinstance(text, str):
+        return text.count("[") + text.count("{")
+    return text.count(b"[") + text.count(b"{")
+
+
+def _safetensors_header(tensors: dict[str, np.ndarray], fields: dict[str, str]) -> bytes:
+    """The length field and JSON header of a safetensors file holding ``tensors`` in order."""
+    header: dict[str, Any] = {"__metadata__": fields}
+    at = 0
+    for key, arr in tensors.items():
+        header[key] = {"dtype": _DTYPE_TO_CODE[arr.dtype.name], "shape": list(arr.shape),
+                       "data_offsets": [at, at + arr.nbytes]}
+        at += arr.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if len(text) > _MAX_HEADER or count_containers(text) > MAX_CONTAINERS:
+        raise ValueError(
+            f"this dump's header would be {len(text)} bytes with {count_containers(text)} JSON "
+            f"containers, over the limits of {_MAX_HEADER} bytes and {MAX_CONTAINERS} "
+            "containers that load() reads: dump fewer leaves per file (split the sites over "
+            "several dumps), or shorter metadata")
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a process id: never treated as a dead writer's
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        return True
+    return True
+
+
+def _remove_stale_temporaries(folder: Path, at: dict[str, Any]) -> None:
+    """Removes temporary files of dumps into ``folder`` whose writing process has died.
+
+    A process killed while writing a dump leaves its hidden temporary file behind (a dump of
+    gigabytes leaves gigabytes). Only files named as this machine's dumps name them, of
+    processes that no longer exist, are removed; a file of the old name form (no machine
+    named) only once it is an hour old. Removing is best effort: a file that cannot be removed
+    is left.
+    """
+    host = _host_tag()
+    try:
+        names = os.listdir(at.get("dir_fd", folder))
+    except OSError:
+        return
+    for name in names:
+        if not name.endswith(".tmp") or not name.startswith("."):
+            continue
+        new, old = _TMP_FILE.match(name), _OLD_TMP_FILE.match(name)
+        where = name if at else folder / name
+        try:
+            if new:
+                stale = new.group(1) == host and not _alive(int(new.group(2)))
+            else:
+                stale = bool(old) and not _alive(int(old.group(1))) and (
+                    time.time() - os.stat(where, follow_symlinks=False, **at).st_mtime
+                    >= _OLD_TMP_AGE)
+            if stale:
+                os.unlink(where, **at)
+        except OSError:
+            continue
+
+
+def _write_file(target: Path, header: bytes, tensors: dict[str, np.ndarray]) -> None:
+    """Writes the dump file at ``target`` through a temporary file that no one else can steer.
+
+    The temporary file gets an unguessable name and is created exclusively without following
+    a link, relative to the opened folder; it is written through its descriptor only (its mode
+    is the umask's, as for any new file: nothing is ever changed by path) and renamed into
+    place only if the name still holds the file written, checked again after the rename. A
+    file or link swapped in under the temporary name is never written through, never
+    changed, and never becomes the dump.
+    """
+    folder = target.parent
+    at: dict[str, Any] = {}
+    if _DIR_FD:
+        at = {"dir_fd": os.open(folder, os.O_RDONLY | _DIRECTORY | _CLOEXEC)}
+    try:
+        _remove_stale_temporaries(folder, at)
+        for _ in range(100):
+            tmp = (f".{target.name[:100]}.{_host_tag()}.{os.getpid()}."
+                   f"{secrets.token_hex(8)}.tmp")
+            try:
+                fd = os.open(tmp if at else folder / tmp,
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC,
+                             0o666, **at)
+                break
+            except FileExistsError:  # someone made that name first: draw another
+                continue
+        else:
+            raise FileExistsError(f"no free temporary name for a dump in {str(folder)!r}")
+        ours = os.fstat(fd)
+        try:
+            try:
+                _write_all(fd, header)
+                for arr in tensors.values():
+                    if arr.dtype.byteorder == ">":  # safetensors is little-endian
+                        arr = arr.astype(arr.dtype.newbyteorder("<"))
+                    if arr.size:
+                        _write_all(fd, arr.reshape(-1).view(np.uint8))
+            finally:
+                os.close(fd)
+            _replace_if_ours(folder, tmp, target.name, ours, at)
+        except BaseException:
+            _unlink_if_ours(folder, tmp, ours, at)
+            raise
+    finally:
+        if at:
+            os.close(at["dir_fd"])
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) and stat.S_ISREG(b.st_mode)
+
+
+def _lstat(folder: Path, name: str, at: dict[str, Any]) -> os.stat_result | None:
+    try:
+        return os.stat(name if at else folder / name, follow_symlinks=False, **at)
+    except FileNotFoundError:
+        return None
+
+
+def _replace_if_ours(folder: Path, tmp: str, name: str, ours: os.stat_result,
+                     at: dict[str, Any]) -> None:
+    found = _lstat(folder, tmp, at)
+    if found is None or not _same_file(ours, found):
+        raise ValueError(
+            f"the temporary file {tmp!r} of a dump into {str(folder)!r} was replaced by "
+            "something else while it was written (another user who can write to that folder?): "
+            "nothing was written through it and no dump was made; dump into a folder only you "
+            "can write to")
+    rename = {"src_dir_fd": at["dir_fd"], "dst_dir_fd": at["dir_fd"]} if at else {}
+    os.replace(tmp if at else folder / tmp, name if at else folder / name, **rename)
+    found = _lstat(folder, name, at)
+    if found is None or not _same_file(ours, found):
+        # Swapped between the check and the rename: what was moved into place is not the dump.
+        if found is not None and not stat.S_ISDIR(found.st_mode):
+            os.unlink(name if at else folder / name, **at)
+        raise ValueError(
+            f"the temporary file of the dump {str(folder / name)!r} was replaced while it was "
+            "renamed (another user who can write to that folder?): what was moved into place "
+            "was removed and no dump was made; dump into a folder only you can write to")
+
+
+def _unlink_if_ours(folder: Path, tmp: str, ours: os.stat_result, at: dict[str, Any]) -> None:
+    found = _lstat(folder, tmp, at)
+    if found is not None and _same_file(ours, found):
+        try:
+            os.unlink(tmp if at else folder / tmp, **at)
+        except OSError:
+            pass
+
+
+
 def dump(
     intermediates: Mapping[str, Mapping[str, Any]],
     path: str | os.PathLike[str],
@@ -448,13 +659,6 @@ def dump(
     if not isinstance(metadata, dict):
         raise TypeError(f"metadata must be a dict (JSON object), got {type(metadata).__name__}")
     _check_json(metadata, "")
-    try:
-        from safetensors.numpy import save_file
-    except ImportError as e:
-        raise ImportError(
-            f"sowtel.dump needs safetensors: pip install 'sowtel[dumps]' ({e})"
-        ) from e
-
     encoder = _Encoder()
     sites = [
         [name, [[mode, encoder.node(value, name, mode, ())] for mode, value in modes.items()]]
@@ -493,27 +697,10 @@ def dump(
     table = {k: (a.dtype.name, list(a.shape)) for k, a in encoder.tensors.items()}
     checksums = {"header": _header_crc(fields, table),
                  "tensors": {k: _array_crc(a) for k, a in encoder.tensors.items()}}
+    header = _safetensors_header(encoder.tensors,
+                                 {**fields, "checksums": json.dumps(checksums)})
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        # safetensors makes its file private (0600); a dump gets the permissions the umask
-        # gives any new file, learnt from a file created the ordinary way.
-        # Created exclusively: a link planted under the temporary name is removed (unlink
-        # removes the link, never its target), never written through.
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-        try:
-            fd = os.open(tmp, flags, 0o666)
-        except FileExistsError:  # that, or the leftover of a dump that crashed
-            os.unlink(tmp)
-            fd = os.open(tmp, flags, 0o666)
-        os.close(fd)
-        permissions = os.stat(tmp).st_mode & 0o777
-        save_file(encoder.tensors, tmp, metadata={**fields, "checksums": json.dumps(checksums)})
-        os.chmod(tmp, permissions)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    _write_file(target, header, encoder.tensors)
     return target
 
 
@@ -683,6 +870,12 @@ class _DumpFile:
             f.seek(8)
             raw = _read_exactly(f, n)
         self.data_start = 8 + n
+        containers = count_containers(raw)
+        if containers > MAX_CONTAINERS:
+            raise ValueError(
+                f"{str(p)!r} is corrupted or crafted: its header holds {containers} JSON arrays "
+                f"and objects, more than the {MAX_CONTAINERS} sowtel.dump ever writes; refused "
+                "before parsing it")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
