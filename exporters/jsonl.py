@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from sowtel.exporters import check_logdir
 from sowtel.records import Record
 
 __all__ = ["JsonlExporter", "read_records", "record_to_json"]
@@ -174,6 +175,7 @@ class JsonlExporter:
             )
         if not isinstance(logdir, (str, os.PathLike)) or not os.fspath(logdir):
             raise ValueError(f"logdir={logdir!r} must be a folder path such as 'runs/exp1'")
+        check_logdir(logdir)
         self.logdir = Path(logdir)
         if self.logdir.exists() and not self.logdir.is_dir():
             raise ValueError(

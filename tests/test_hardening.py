@@ -37,11 +37,17 @@ def full_record(step: int, name: str = "h") -> Record:
                   value=np.array([step, step + 1], np.float32))
 
 
-def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def run_python(code: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
                           **kwargs)
 
 
@@ -339,7 +345,7 @@ def test_read_records_refuses_a_fifo_sidecar_at_once(tmp_path):
         except ValueError as e:
             print(e)
     """
-    result = run_python(code)
+    result = run_python(code, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "records.jsonl:1" in result.stdout and "not a regular file" in result.stdout
     assert sidecar.name in result.stdout
@@ -377,5 +383,163 @@ def test_jsonl_refuses_a_records_file_with_another_hard_link(tmp_path):
 
 def test_jsonl_refuses_a_fifo_planted_as_its_file_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "records.jsonl")
-    with pytest.raises(ValueError, match="cannot write|not a regular file"):
-        JsonlExporter(logdir=tmp_path)
+    # In a child with a deadline: opening a FIFO to write blocks until someone reads it.
+    code = f"""
+        from sowtel.exporters.jsonl import JsonlExporter
+        try:
+            JsonlExporter(logdir={str(tmp_path)!r})
+        except ValueError as e:
+            print(e)
+    """
+    result = run_python(code, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "cannot write" in result.stdout or "not a regular file" in result.stdout
+
+
+# ----------------------------------------------------------------------------- deleted logdir
+
+
+def test_jsonl_notices_a_deleted_logdir_warns_once_and_writes_on_into_a_new_one(tmp_path, caplog):
+    import shutil
+
+    logdir = tmp_path / "run"
+    exporter = JsonlExporter(logdir=logdir)
+    exporter.write([stats_record(0), full_record(1)])
+    for round_ in range(2):
+        shutil.rmtree(logdir)  # rmtree while training
+        with caplog.at_level("WARNING", logger="sowtel"):
+            exporter.write([stats_record(10 + round_), full_record(20 + round_)])
+    exporter.close()
+    assert exporter.recreated == 2
+    assert sum("was deleted" in r.getMessage() for r in caplog.records) == 1
+    records = read_records(logdir / "records.jsonl")
+    assert [r.step for r in records] == [11, 21]
+    assert records[1].value.tolist() == [21.0, 22.0]
+
+
+def test_a_deleted_logdir_under_a_session_counts_only_what_reached_a_file(tmp_path):
+    import shutil
+
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    import sowtel
+
+    logdir = tmp_path / "run"
+    with sowtel.enable(exporter=["jsonl", "tensorboard"], logdir=str(logdir)):
+        for step in range(50):
+            sowtel.log({"loss": float(step)}, step=step)
+        sowtel.flush()
+        shutil.rmtree(logdir)
+        for step in range(50, 120):
+            sowtel.log({"loss": float(step)}, step=step)
+        final = sowtel.disable()
+    assert final["accounts"]["jsonl"]["exported"] == 120
+    assert final["accounts"]["tensorboard"]["exported"] == 120
+    # What was exported after the deletion is in files that exist: 70 lines, 70 points.
+    assert [r.step for r in read_records(logdir / "records.jsonl")] == list(range(50, 120))
+    acc = ea.EventAccumulator(str(logdir), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == list(range(50, 120))
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+@pytest.mark.parametrize("exporter", ["jsonl", "tensorboard"])
+@pytest.mark.parametrize("logdir, rule", [
+    ("runs/a\0b", r"logdir='runs/a\\x00b' holds a NUL character .* remove it"),
+    ("x" * 5000, r"logdir='x+'\.\.\.'x+' is \d+ bytes long .* limit of \d+ bytes per path: "
+                 "choose a shorter logdir"),
+    ("runs/" + "y" * 300, r"has a folder name of 300 bytes .* limit of \d+ bytes per name: "
+                          "choose a shorter logdir"),
+])
+def test_an_impossible_logdir_is_a_value_error_naming_option_value_and_rule(
+        in_tmp, exporter, logdir, rule):
+    import sowtel
+
+    with pytest.raises(ValueError, match=rule):
+        sowtel.enable(exporter=exporter, logdir=logdir)
+    assert not sowtel.status()["enabled"] and os.listdir(".") == []
+
+
+def test_a_file_planted_under_the_event_file_name_is_named(tmp_path, monkeypatch):
+    import socket
+    import time
+
+    from sowtel.exporters import tensorboard
+
+    # Plant a file under every name the exporter could pick in the next seconds.
+    now, counter = int(time.time()), next(tensorboard._file_counter) + 1
+    for t in range(now, now + 30):
+        name = (f"events.out.tfevents.{t:010d}.{socket.gethostname()}.{os.getpid()}."
+                f"{counter:04d}.sowtel")
+        (tmp_path / name).write_text("planted")
+    with pytest.raises(ValueError, match=r"logdir=.*a file named 'events\.out\.tfevents\..*' is "
+                                         "already there.*remove that file, or choose another "
+                                         "logdir"):
+        tensorboard.TensorBoardExporter(logdir=tmp_path)
+    assert all(p.read_text() == "planted" for p in tmp_path.iterdir())
+
+
+def test_a_prometheus_port_in_use_is_a_value_error_and_leaves_no_thread():
+    import socket
+    import threading
+
+    import sowtel
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(ValueError, match=rf"prometheus='127\.0\.0\.1:{port}': the metrics "
+                                             "server cannot listen there .* choose another port"):
+            sowtel.enable(exporter="otel", prometheus=f"127.0.0.1:{port}")
+    finally:
+        taken.close()
+    assert not sowtel.status()["enabled"]
+    assert {t for t in threading.enumerate() if t.is_alive()} - before == set()
+
+
+# ----------------------------------------------------------------------------- failed enable()
+
+
+def test_enable_with_stderr_closed_works_and_disable_leaves_nothing(tmp_path):
+    code = f"""
+        import sys, threading
+        import sowtel
+        sys.stderr.close()
+        before = threading.active_count()
+        session = sowtel.enable(exporter="tensorboard", logdir={str(tmp_path / "run")!r})
+        sowtel.log({{"loss": 1.0}}, step=0)
+        final = sowtel.disable()
+        print(final["accounts"]["tensorboard"]["exported"], threading.active_count() - before,
+              sowtel.status()["enabled"])
+    """
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "0", "False"]
+
+
+def test_an_enable_that_fails_after_starting_undoes_everything():
+    import threading
+    import warnings
+
+    import sowtel
+
+    first = sowtel.enable(exporter="memory")  # not scoped: a second enable() warns
+    try:
+        before = threading.active_count()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # as under python -W error
+            with pytest.raises(RuntimeWarning, match="still active"):
+                sowtel.enable(exporter="memory")
+        assert sowtel.status()["enabled"]
+        from sowtel.session import active_session
+
+        assert active_session() is first
+        assert threading.active_count() == before
+    finally:
+        sowtel.disable()
+    assert not sowtel.status()["enabled"]
