@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import sowtel
-from sowtel import dumps
+from sowtel import _dump_format, dumps
 from sowtel.cli import main
 from sowtel.dispatcher import Dispatcher
 from sowtel.dumps import dump, load
@@ -74,9 +74,9 @@ def forged(path: Path, out: Path, **fields: str) -> Path:
     meta.pop("checksums")
     checksums = json.loads(_header(path)[0]["__metadata__"]["checksums"])
     meta.update(fields)
-    table = {k: (dumps._CODE_TO_DTYPE[v["dtype"]].name, v["shape"])
+    table = {k: (_dump_format.CODE_TO_DTYPE[v["dtype"]].name, v["shape"])
              for k, v in header.items() if k != "__metadata__"}
-    checksums["header"] = dumps._header_crc(meta, table)
+    checksums["header"] = _dump_format.header_crc(meta, table)
     meta["checksums"] = json.dumps(checksums)
     return _write(out, json.dumps(header).encode(), data)
 
