@@ -173,6 +173,12 @@ class JsonlExporter:
                 f"filename={filename!r} must be a bare file name such as 'records.jsonl' "
                 "(no folders); put folders in logdir="
             )
+        if "\0" in filename or len(os.fsencode(filename)) > 240:
+            raise ValueError(
+                f"filename={filename[:60]!r}{'...' if len(filename) > 60 else ''} holds a NUL "
+                "character or is over 240 bytes (a file name, and its <stem>_values folder, "
+                "must fit this system's 255): choose a short file name such as 'records.jsonl'"
+            )
         if not isinstance(logdir, (str, os.PathLike)) or not os.fspath(logdir):
             raise ValueError(f"logdir={logdir!r} must be a folder path such as 'runs/exp1'")
         check_logdir(logdir)
@@ -203,7 +209,6 @@ class JsonlExporter:
         for planted in (self.path, self._values_dir):
             if planted.is_symlink():
                 raise ValueError(_link_refused(logdir, planted.name))
-        self._fd = -1
         self._fd = _open_records_file(self.logdir, filename)
         # Where the file ends once every line written is whole; None when it is.
         self._cut_at: int | None = None
@@ -370,9 +375,9 @@ def _open_records_file(logdir: Path, filename: str) -> int:
             raise ValueError(_link_refused(logdir, filename)) from e
         if e.errno == errno.ENAMETOOLONG:
             raise ValueError(
-                f"logdir={os.fspath(logdir)!r} ({len(os.fspath(path))} characters with the file "
-                "name) is longer than this system allows a path or a file name to be: choose a "
-                "shorter logdir") from e
+                f"logdir={os.fspath(logdir)!r} with filename={filename!r} is longer than this "
+                "system allows a path or a file name to be: choose a shorter logdir or "
+                "filename=") from e
         raise ValueError(
             f"logdir={os.fspath(logdir)!r}: cannot write {filename!r} there "
             f"({e.strerror or e}): pass a folder you can write to"

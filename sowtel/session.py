@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import logging
 import math
@@ -487,9 +486,9 @@ def _announce(exporters: list[Exporter]) -> None:
         logdir = getattr(e, "logdir", None)
         if getattr(e, "label", None) == "tensorboard" and isinstance(logdir, str):
             try:
-                print(f"sowtel: streaming to TensorBoard in {logdir}; view it with: "
-                      f"{dashboard_command(logdir)}", file=sys.stderr or io.StringIO(),
-                      flush=True)
+                if sys.stderr is not None:  # None under pythonw: nowhere to print
+                    print(f"sowtel: streaming to TensorBoard in {logdir}; view it with: "
+                          f"{dashboard_command(logdir)}", file=sys.stderr, flush=True)
             except (OSError, ValueError):
                 pass  # stderr closed or broken: the line is a courtesy, never a reason to fail
 

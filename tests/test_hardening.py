@@ -462,6 +462,14 @@ def test_an_impossible_logdir_is_a_value_error_naming_option_value_and_rule(
     assert not sowtel.status()["enabled"] and os.listdir(".") == []
 
 
+@pytest.mark.parametrize("filename", ["r" * 300, "a\0b"])
+def test_an_impossible_jsonl_filename_is_a_value_error_naming_it(tmp_path, filename):
+    with pytest.raises(ValueError, match=r"filename='[ra].*NUL character or is over 240 bytes.*"
+                                         "choose a short file name"):
+        JsonlExporter(logdir=tmp_path, filename=filename)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_file_planted_under_the_event_file_name_is_named(tmp_path, monkeypatch):
     import socket
     import time
