@@ -446,7 +446,7 @@ def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> l
     """
     path = Path(path)
     base = path.parent.resolve()
-    out = []
+    out: list[Record] = []
     with _open_regular(path, "a jsonl file") as f:
         for number, raw in enumerate(f, 1):
             if not raw.strip():

@@ -596,11 +596,14 @@ def build_tree(f: DumpReader, lazy: bool) -> Any:
     # The same container save_intermediates returns, so the site order survives jit too.
     from sowtel.capture import Intermediates
 
+    def value(name: str, mode: str, node: Any) -> Any:
+        def leaf(kind: str, body: Any, path: tuple[Any, ...]) -> np.ndarray:
+            return read(entries[(name, mode, path)])
+
+        return rebuild(node, leaf, name)
+
     out = Intermediates()
     for name, modes in f.sites:
-        site = out[name] = Intermediates(
-            (mode, rebuild(node, lambda kind, body, path, name=name, mode=mode:
-                           read(entries[(name, mode, path)]), name))
-            for mode, node in modes)
+        site = out[name] = Intermediates((mode, value(name, mode, node)) for mode, node in modes)
         site.stacked = dict(f.stacked.get(name, {}))
     return out

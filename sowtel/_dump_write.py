@@ -242,10 +242,12 @@ def remove_stale_temporaries(folder: Path, at: dict[str, Any]) -> None:
         try:
             if new:
                 stale = new.group(1) == host and not _alive(int(new.group(2)))
-            else:
-                stale = bool(old) and not _alive(int(old.group(1))) and (
+            elif old:
+                stale = not _alive(int(old.group(1))) and (
                     time.time() - os.stat(where, follow_symlinks=False, **at).st_mtime
                     >= _OLD_TMP_AGE)
+            else:
+                continue
             if stale:
                 os.unlink(where, **at)
         except OSError:
