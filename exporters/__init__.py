@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from sowtel.records import Record
 
-__all__ = ["Exporter", "register", "known_names", "resolve", "check_exporter"]
+__all__ = ["Exporter", "register", "known_names", "resolve", "check_exporter", "check_logdir"]
+
+# Path limits where the system does not say (Linux's): a whole path, one file or folder name.
+_PATH_MAX, _NAME_MAX = 4096, 255
 
 
 @runtime_checkable
@@ -171,3 +175,49 @@ def resolve(spec: Any, **options: Any) -> list[Exporter]:
                 pass
         raise
     return out
+
+
+def check_logdir(logdir: Any, option: str = "logdir") -> str:
+    r"""``logdir`` as a path string, or a ``ValueError`` naming the option, value and rule.
+
+    The rules the operating system would otherwise report as bare ``OSError``s: no NUL
+    character, no folder name longer than the system allows (255 bytes), no path longer than
+    it allows (4,096 bytes), checked on the text alone before anything is created. Room is left
+    for the file names an exporter adds.
+
+    Example:
+        >>> check_logdir("runs/exp1")
+        'runs/exp1'
+        >>> check_logdir("runs/a\x00b")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: logdir='runs/a\x00b' holds a NUL character (\x00), which no path may ...
+    """
+    text = os.fspath(logdir)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    shown = repr(text) if len(text) <= 120 else f"{text[:60]!r}...{text[-20:]!r}"
+    if "\0" in text:
+        raise ValueError(
+            f"{option}={shown} holds a NUL character (\\x00), which no path may hold: remove it")
+    try:
+        path_max = os.pathconf(os.path.dirname(os.path.abspath(text)) or "/", "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):
+        path_max = _PATH_MAX
+    try:
+        name_max = os.pathconf("/", "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        name_max = _NAME_MAX
+    # 100 bytes for the files and folders written inside (event files, sidecar folders).
+    length = len(os.fsencode(os.path.abspath(text)))
+    if length + 100 > path_max:
+        raise ValueError(
+            f"{option}={shown} is {length} bytes long as an absolute path; with the files "
+            f"written inside it, it would pass this system's limit of {path_max} bytes per "
+            f"path: choose a shorter {option}")
+    longest = max(text.replace(os.sep, "/").split("/"), key=lambda c: len(os.fsencode(c)))
+    if len(os.fsencode(longest)) > name_max:
+        raise ValueError(
+            f"{option}={shown} has a folder name of {len(os.fsencode(longest))} bytes "
+            f"({longest[:40]!r}...), over this system's limit of {name_max} bytes per name: "
+            f"choose a shorter {option}")
+    return text

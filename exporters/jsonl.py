@@ -15,14 +15,19 @@ Dtypes numpy cannot store without pickling (``bfloat16``, ``float8_*``) are stor
 with ``value_dtype`` naming what was stored. Record names never choose paths: sidecar names are
 sanitised to letters, digits, ``_ - .`` and numbered, so every file stays inside ``logdir``.
 
-The file is opened in append mode, so runs logged to the same place accumulate. ``flush()``
-hands buffered lines to the operating system (no fsync).
+The file is opened in append mode, so runs logged to the same place accumulate. Each
+``write()`` hands its lines to the operating system at once, whole or not at all: a write cut
+short (a full disk) is truncated away and raised, so the lines on disk are exactly the records
+counted as exported. A file deleted while the exporter runs (the logdir removed) is noticed
+before the next write, warned about once, and created again. A file with more than one hard
+link is refused like a symbolic link.
 
 Symbolic links inside ``logdir`` are never followed: a ``<filename>`` or ``<stem>_values``
 that is a link (planted to make the exporter write elsewhere) is refused with ``ValueError``
 when the exporter is made, and files are opened with ``O_NOFOLLOW`` and sidecars created
 exclusively inside the opened ``<stem>_values`` folder, so a link planted later is not followed
-either (the write fails and is counted as an exporter error). ``logdir`` itself may be a link:
+either (that value is not saved: its line says ``value_error``, and ``values_not_saved``
+counts it). ``logdir`` itself may be a link:
 it is the folder you chose.
 
 Example:
@@ -44,15 +49,19 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import re
+import stat
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from sowtel.exporters import check_logdir
 from sowtel.records import Record
 
 __all__ = ["JsonlExporter", "read_records", "record_to_json"]
@@ -61,7 +70,10 @@ _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 # Where the platform has them (POSIX): open without following a link, and open a folder only.
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FD = os.open in os.supports_dir_fd
+logger = logging.getLogger("sowtel")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -161,8 +173,15 @@ class JsonlExporter:
                 f"filename={filename!r} must be a bare file name such as 'records.jsonl' "
                 "(no folders); put folders in logdir="
             )
+        if "\0" in filename or len(os.fsencode(filename)) > 240:
+            raise ValueError(
+                f"filename={filename[:60]!r}{'...' if len(filename) > 60 else ''} holds a NUL "
+                "character or is over 240 bytes (a file name, and its <stem>_values folder, "
+                "must fit this system's 255): choose a short file name such as 'records.jsonl'"
+            )
         if not isinstance(logdir, (str, os.PathLike)) or not os.fspath(logdir):
             raise ValueError(f"logdir={logdir!r} must be a folder path such as 'runs/exp1'")
+        check_logdir(logdir)
         self.logdir = Path(logdir)
         if self.logdir.exists() and not self.logdir.is_dir():
             raise ValueError(
@@ -177,23 +196,22 @@ class JsonlExporter:
                 "folder path you can write to"
             ) from e
         self.path = self.logdir / filename
+        self._filename = filename
         self._values_name = f"{Path(filename).stem or 'records'}_values"
         self._values_dir = self.logdir / self._values_name
         self._values_fd: int | None = None
         self._next_value: int | None = None
+        #: Full values whose sidecar could not be saved (their lines say ``value_error``).
+        self.values_not_saved = 0
+        #: How often the logdir was found deleted while writing, and re-created.
+        self.recreated = 0
+        self._warned: set[str] = set()
         for planted in (self.path, self._values_dir):
             if planted.is_symlink():
                 raise ValueError(_link_refused(logdir, planted.name))
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
-        except OSError as e:
-            if e.errno == errno.ELOOP:  # a link planted since the check above
-                raise ValueError(_link_refused(logdir, filename)) from e
-            raise ValueError(
-                f"logdir={os.fspath(logdir)!r}: cannot write {filename!r} there "
-                f"({e.strerror or e}): pass a folder you can write to"
-            ) from e
-        self._file = os.fdopen(fd, "a", encoding="utf-8")
+        self._fd = _open_records_file(self.logdir, filename)
+        # Where the file ends once every line written is whole; None when it is.
+        self._cut_at: int | None = None
 
     def _open_values_dir(self) -> int | None:
         """The sidecar folder, created if missing and opened without following a link."""
@@ -238,8 +256,8 @@ class JsonlExporter:
         return f"{self._values_name}/{name}", extra
 
     def write(self, records: Sequence[Record]) -> None:
+        self._check_still_there()
         lines = []
-        failure: OSError | None = None
         for record in records:
             value_file: str | None = None
             extra: dict[str, Any] = {}
@@ -247,27 +265,163 @@ class JsonlExporter:
                 try:
                     value_file, extra = self._save_value(record)
                 except OSError as e:
-                    # The line is still written; the error reaches the dispatcher's counters.
-                    failure = failure or e
+                    # The line is still written, saying what was lost: the record is exported,
+                    # its value is not (counted in values_not_saved, warned about once).
                     extra = {"value_error": f"not saved: {e}"}
+                    self.values_not_saved += 1
+                    self._warn_once("value", "sowtel jsonl: the value of %r (%s, step %s) could "
+                                    "not be saved to a sidecar file (%s); its line says "
+                                    "value_error, and later such values are only counted in "
+                                    "values_not_saved", record.name, record.mode, record.step, e)
             obj = record_to_json(record, value_file)
             obj.update(extra)
             lines.append(json.dumps(obj, allow_nan=False, separators=(",", ":")))
         if lines:
-            self._file.write("\n".join(lines) + "\n")
-        if failure is not None:
-            raise failure
+            self._append("\n".join(lines) + "\n")
 
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
+    # -- the file layer: whole lines or nothing, a deleted logdir noticed, links never followed
 
-    def close(self) -> None:
+    def _append(self, text: str) -> None:
+        """Appends ``text`` (whole lines) to the file, all of it or none of it.
+
+        A write cut short (a full disk, a file size limit) is undone by truncating the file back
+        to where it ended, and the error raised, so the lines on disk are exactly those of the
+        writes that succeeded. If even the truncation fails, it is tried again before the next
+        write and on close.
+        """
+        if self._cut_at is not None:
+            os.ftruncate(self._fd, self._cut_at)
+            self._cut_at = None
+        data = memoryview(text.encode("utf-8"))
+        start = os.fstat(self._fd).st_size
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(self._fd, data[written:])
+        except OSError:
+            if written:
+                try:
+                    os.ftruncate(self._fd, start)
+                except OSError:
+                    self._cut_at = start
+            raise
+
+    def _check_still_there(self) -> None:
+        """Re-creates the file (and logdir) if they were deleted while the exporter ran.
+
+        A deleted file has no links left: writing on into it would count records as exported
+        that no one can ever read. One ``fstat`` per write notices it.
+        """
+        if self._values_fd is not None and os.fstat(self._values_fd).st_nlink == 0:
+            # The sidecar folder was deleted: made again (or found missing) at the next value.
+            self._close_values_dir()
+            self._next_value = None
+        if os.fstat(self._fd).st_nlink != 0:
+            return
+        self._warn_once("deleted", "sowtel jsonl: %s was deleted while records were written to "
+                        "it; re-creating it (and its folder), records from now on go there",
+                        self.path)
+        self.recreated += 1
+        self._close_values_dir()
+        self._next_value = None
+        try:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            fd = _open_records_file(self.logdir, self._filename)
+        except (OSError, ValueError) as e:
+            raise OSError(f"{self.path} was deleted and cannot be created again: {e}") from e
+        os.close(self._fd)
+        self._fd, self._cut_at = fd, None
+
+    def _warn_once(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(message, *args)
+
+    def _close_values_dir(self) -> None:
         if self._values_fd is not None:
             fd, self._values_fd = self._values_fd, None
             os.close(fd)
-        if not self._file.closed:
-            self._file.close()
+
+    def flush(self) -> None:
+        """Nothing to do: every ``write`` hands its lines to the operating system at once."""
+
+    def close(self) -> None:
+        self._close_values_dir()
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            try:
+                if self._cut_at is not None:
+                    os.ftruncate(fd, self._cut_at)
+            finally:
+                os.close(fd)
+
+
+def _open_records_file(logdir: Path, filename: str) -> int:
+    """Opens ``logdir/filename`` for appending; refuses a link, a non-file, a file of two names.
+
+    Opened without following a link and without blocking (a FIFO planted under the name is
+    refused, not waited on). A file with more than one hard link is refused as a symbolic link
+    is: the other name may be anywhere, outside the logdir. A cut last line left by a process
+    that died while writing is removed (with a warning), so the next line starts on a line of
+    its own.
+    """
+    path = logdir / filename
+    # Read and write: a cut last line is looked for (pread) before appending.
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a link planted since the check above
+            raise ValueError(_link_refused(logdir, filename)) from e
+        if e.errno == errno.ENAMETOOLONG:
+            raise ValueError(
+                f"logdir={os.fspath(logdir)!r} with filename={filename!r} is longer than this "
+                "system allows a path or a file name to be: choose a shorter logdir or "
+                "filename=") from e
+        raise ValueError(
+            f"logdir={os.fspath(logdir)!r}: cannot write {filename!r} there "
+            f"({e.strerror or e}): pass a folder you can write to"
+        ) from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(
+                f"logdir={os.fspath(logdir)!r}: {filename!r} there is not a regular file (a "
+                "FIFO, a device?), and the jsonl exporter appends only to regular files: remove "
+                "it, or choose another logdir or filename=")
+        if st.st_nlink > 1:
+            raise ValueError(
+                f"logdir={os.fspath(logdir)!r}: {filename!r} there has {st.st_nlink} hard links, "
+                "and the jsonl exporter never writes to a file that is also known by another "
+                "name (it may be outside the logdir): remove that file, or choose another "
+                "logdir or filename=")
+        _remove_cut_last_line(fd, path, st.st_size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _remove_cut_last_line(fd: int, path: Path, size: int) -> None:
+    if size == 0:
+        return
+    # Read backwards in blocks until the last newline: lines are short, one block is typical.
+    end = size
+    while end > 0:
+        start = max(0, end - 65536)
+        block = os.pread(fd, end - start, start)
+        if end == size and block.endswith(b"\n"):
+            return
+        at = block.rfind(b"\n")
+        if at >= 0:
+            keep = start + at + 1
+            break
+        end = start
+    else:
+        keep = 0
+    os.ftruncate(fd, keep)
+    logger.warning("sowtel jsonl: %s ended in a cut line (%d bytes, left by a write that did not "
+                   "finish); removed it before appending", path, size - keep)
 
 
 def _link_refused(logdir: str | os.PathLike[str], name: str) -> str:
@@ -280,7 +434,11 @@ def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> l
     """Reads a file written by :class:`JsonlExporter` back into records.
 
     Sidecar values are loaded with ``allow_pickle=False`` and only from inside the JSON file's
-    folder; a ``value_file`` pointing elsewhere raises ``ValueError``.
+    folder, and only from regular files whose ``.npy`` header matches their size; anything
+    else (a ``value_file`` pointing elsewhere, a FIFO, a header claiming more data than the
+    file holds) raises ``ValueError`` naming the file and the rule. A last line cut short (a
+    write that did not finish) is left out with a warning naming the file and line; a bad line
+    elsewhere raises ``ValueError`` naming its line number.
 
     Example:
         >>> read_records("runs/records.jsonl")  # doctest: +SKIP
@@ -288,12 +446,23 @@ def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> l
     """
     path = Path(path)
     base = path.parent.resolve()
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
+    out: list[Record] = []
+    with _open_regular(path, "a jsonl file") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
-            obj = json.loads(line)
+            try:
+                obj = json.loads(raw)
+            except ValueError as e:
+                if not raw.endswith(b"\n"):
+                    warnings.warn(
+                        f"{path}: line {number}, the last, is cut short (a write that did not "
+                        f"finish); read the {len(out)} records before it", stacklevel=2)
+                    break
+                where = (f" ({e.msg}, column {e.colno})"
+                         if isinstance(e, json.JSONDecodeError) else f" ({e})")
+                raise ValueError(f"{path}: line {number} is not a JSON object{where}: "
+                                 "this is not a file the jsonl exporter wrote whole") from None
             value = None
             if load_values and obj.get("value_file"):
                 file = (base / obj["value_file"]).resolve()
@@ -302,7 +471,7 @@ def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> l
                         f"{path}:{number}: value_file={obj['value_file']!r} points outside "
                         f"{base}; refusing to read it"
                     )
-                value = np.load(file, allow_pickle=False)
+                value = _load_sidecar(file, f"{path}:{number}")
                 if obj.get("value_dtype") and obj["value_dtype"] != obj["dtype"]:
                     try:
                         value = value.astype(np.dtype(obj["dtype"]))
@@ -323,3 +492,52 @@ def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> l
                 process_index=obj.get("process_index", 0), seq=obj.get("seq", 0),
             ))
     return out
+
+
+def _open_regular(path: Path, what: str) -> Any:
+    """``path`` opened for reading in binary, refusing (without blocking) all but a regular file."""
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(
+                f"{str(path)!r} is not a regular file (a FIFO, a device or a folder?): "
+                f"{what} is read only from a regular file, as a pipe or a device could block "
+                "forever; copy it to a file first")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _load_sidecar(file: Path, where: str) -> np.ndarray:
+    """A sidecar ``.npy``, checked before anything is allocated: header and size must agree."""
+    try:
+        f = _open_regular(file, "a sidecar value")
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    with f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f".npy format version {version} is not one numpy.save writes "
+                                 "for these values")
+        except ValueError as e:
+            raise ValueError(f"{where}: the sidecar {str(file)!r} is not a valid .npy file "
+                             f"({e})") from None
+        if dtype.hasobject:
+            raise ValueError(f"{where}: the sidecar {str(file)!r} holds Python objects, which "
+                             "are never unpickled")
+        need = math.prod(shape) * dtype.itemsize
+        have = os.fstat(f.fileno()).st_size - f.tell()
+        if need != have:
+            raise ValueError(
+                f"{where}: the sidecar {str(file)!r} claims a {dtype} array of shape {shape} "
+                f"({need} bytes) but holds {have} bytes of data: it is truncated or crafted, "
+                "and is not read")
+        f.seek(0)
+        return np.load(f, allow_pickle=False)

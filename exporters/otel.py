@@ -674,6 +674,9 @@ class OTelExporter:
                 "process.index": self._process_index,
                 "process.count": process_count,
             })
+        # Before any thread is started: a port in use then leaves nothing running behind.
+        prometheus_reader = (self._start_prometheus(*prometheus_address)
+                             if own_meter and prometheus_address else None)
         if own_tracer:
             tracer_provider = TracerProvider(resource=resource)
             for processor in processors:
@@ -705,8 +708,8 @@ class OTelExporter:
                         export_timeout_millis=self._timeout_s * 1000,
                     )
                 )
-            if prometheus_address:
-                readers.append(self._start_prometheus(*prometheus_address))
+            if prometheus_reader is not None:
+                readers.append(prometheus_reader)
             meter_provider = MeterProvider(metric_readers=readers, resource=resource)
         if own_tracer and own_meter and not configures_own:
             _log.warning(
@@ -787,7 +790,14 @@ class OTelExporter:
         # A registry of its own, so two exporters in one process never share or clash.
         registry = CollectorRegistry(auto_describe=True)
         reader = PrometheusMetricReader(registry=registry)
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            server, thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise ValueError(
+                f"prometheus={shown!r}: the metrics server cannot listen there "
+                f"({e.strerror or e}; a port is served by one process at a time): choose "
+                "another port, or port 0 for a free one (see prometheus_url)") from e
         self._prometheus_server, self._prometheus_thread = server, thread
         shown_host = f"[{host}]" if ":" in host else host
         self.prometheus_url = f"http://{shown_host}:{server.server_port}/metrics"

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import math
 import os
 import re
@@ -65,6 +66,7 @@ from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 from tensorboardX.summary import custom_scalars, histogram_raw, text
 
+from sowtel.exporters import check_logdir
 from sowtel.records import STAT_KEYS, Record
 from sowtel.summaries import host_summary
 
@@ -87,6 +89,7 @@ LOG_CATEGORY = "logged scalars"
 _CHART_ORDER = {k: i for i, k in enumerate(STAT_KEYS)}
 # Unique event-file names even for several exporters in one process within the same second.
 _file_counter = itertools.count()
+logger = logging.getLogger("sowtel")
 
 
 def _frame(event: Event) -> bytes:
@@ -188,6 +191,16 @@ class _EventFile:
     def add(self, event: Event) -> None:
         self._pending += _frame(event)
 
+    def deleted(self) -> bool:
+        """Whether the event file lost its name (its run folder deleted while training)."""
+        return self._fd >= 0 and os.fstat(self._fd).st_nlink == 0
+
+    def recreate(self) -> None:
+        """Starts a new event file in a re-created run folder; pending events go there."""
+        self._close_fd()
+        os.makedirs(self.run_dir, exist_ok=True)
+        self._open()
+
     def write_out(self, sync: bool) -> None:
         """Hands pending events to the OS (and to the disk if ``sync``); raises OSError."""
         if self._rotate:
@@ -288,7 +301,7 @@ class TensorBoardExporter:
         self.stats = _check_stats(stats)
         self._counts_once_nonzero = stats == "default"
         self.scalar_derivatives = scalar_derivatives
-        self.logdir = os.path.abspath(os.fspath(logdir))
+        self.logdir = os.path.abspath(check_logdir(logdir))
         self.errors = 0
         self.last_error: str | None = None
         self._process_index, process_count = _jax_process()
@@ -301,6 +314,9 @@ class TensorBoardExporter:
         self._alerted: set[int] = set()
         self._last_sync = time.monotonic()
         self._closed = False
+        #: How often a deleted run folder was found and created again.
+        self.recreated = 0
+        self._warned_deleted = False
         _check_logdir(self.logdir)
         self._file(self._process_index)
 
@@ -322,6 +338,13 @@ class TensorBoardExporter:
             try:
                 os.makedirs(run_dir, exist_ok=True)
                 f = _EventFile(run_dir)
+            except FileExistsError as e:
+                raise ValueError(
+                    f"logdir={run_dir!r}: a file named {os.path.basename(e.filename or '')!r} "
+                    "is already there, under the name of the event file this exporter was about "
+                    "to create, and it never writes into a file it did not create (it may be a "
+                    "link planted to redirect it): remove that file, or choose another logdir"
+                ) from e
             except OSError as e:
                 raise ValueError(
                     f"logdir {run_dir!r} is not writable ({e.strerror or e}): pass a directory "
@@ -423,9 +446,33 @@ class TensorBoardExporter:
                 chosen += [k for k in COUNT_STATS if k in stats]
         return chosen
 
+    def _recreate_deleted(self) -> None:
+        """Notices event files whose run folder was deleted, and writes on in a new one.
+
+        Writing on into a deleted file would count events as exported that no TensorBoard can
+        ever read. One ``fstat`` per file and batch notices it; a warning is logged once.
+        """
+        for process_index, f in self._files.items():
+            if not f.deleted():
+                continue
+            if not self._warned_deleted:
+                self._warned_deleted = True
+                logger.warning("sowtel tensorboard: the event file %s was deleted while "
+                               "training (its logdir removed?); re-creating the run folder, "
+                               "events from now on go to a new event file there", f.path)
+            self.recreated += 1
+            f.recreate()
+            if process_index in self._layouts:  # the layout went with the deleted file
+                f.add(Event(wall_time=time.time(), step=0,
+                            summary=_layout_summary(self._layouts[process_index])))
+
     def _write_out(self, sync: bool) -> None:
         failures = []
         self._layout_due = set()
+        try:
+            self._recreate_deleted()
+        except OSError as e:
+            failures.append(f"{self.logdir} (deleted, and not created again): {e.strerror or e}")
         for process_index, f in self._files.items():
             try:
                 f.write_out(sync)
@@ -456,6 +503,10 @@ class TensorBoardExporter:
             return
         self._closed = True
         failures = []
+        try:
+            self._recreate_deleted()
+        except OSError as e:
+            failures.append(f"{self.logdir} (deleted, and not created again): {e.strerror or e}")
         for f in self._files.values():
             try:
                 f.close()

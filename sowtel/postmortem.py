@@ -37,11 +37,10 @@ import numpy as np
 from sowtel.dumps import (
     DumpEntry,
     DumpInfo,
-    _DumpFile,
-    _DumpSet,
-    _fspath,
-    _open,
+    DumpReader,
+    check_path,
     find_dumps,
+    open_dump,
     program_order,
 )
 from sowtel.records import STAT_KEYS
@@ -164,7 +163,7 @@ def _execution_keys(info: DumpInfo) -> dict[tuple[str, str], tuple[int, int, int
 
 
 def _iter_arrays(
-    f: _DumpFile | _DumpSet, entries: Sequence[DumpEntry]
+    f: DumpReader, entries: Sequence[DumpEntry]
 ) -> Iterator[tuple[DumpEntry, np.ndarray]]:
     # Checksums are checked first, streaming through the file, so a corrupted dump is refused
     # before anything is summarised; then the arrays are memory-mapped, so a dump larger than
@@ -200,7 +199,7 @@ def inspect_dump(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
       >>> r.rows[0].stats["l2"], r.rows[0].stats["zeros"]
       (5.0, 0.0)
     """
-    f = _open(path)
+    f = open_dump(path)
     info = f.info()
     rows = []
     for e, arr in _iter_arrays(f, info.entries):
@@ -335,7 +334,7 @@ def plot_histograms(path: str | os.PathLike[str] | Sequence[str | os.PathLike[st
         raise ImportError(f"--plot needs matplotlib: pip install 'sowtel[dumps]' ({e})") from e
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins={bins!r} must be a positive number of histogram buckets")
-    f = _open(path)
+    f = open_dump(path)
     info = f.info()
     panels: dict[tuple[str, str], list[np.ndarray]] = {}
     for entry, arr in _iter_arrays(f, info.entries):
@@ -532,22 +531,19 @@ class DiffReport:
                 "entries": [e.to_json() for e in self.entries]}
 
 
-def _signature(f: _DumpFile | _DumpSet, site: str, mode: str) -> str:
-    node = next(n for s, modes in f.sites if s == site for m, n in modes if m == mode)
-
+def _signature(f: DumpReader, site: str, mode: str) -> str:
     def render(n: Any) -> str:
         if n is None:
             return "None"
-        ((kind, body),) = n.items()
-        if kind in ("leaf", "global"):
+        if n is ...:
             return "*"
-        if kind == "list":
-            return "[" + ", ".join(render(c) for c in body) + "]"
-        if kind == "tuple":
-            return "(" + ", ".join(render(c) for c in body) + (",)" if len(body) == 1 else ")")
-        return "{" + ", ".join(f"{k!r}: {render(c)}" for k, c in body) + "}"
+        if isinstance(n, list):
+            return "[" + ", ".join(render(c) for c in n) + "]"
+        if isinstance(n, tuple):
+            return "(" + ", ".join(render(c) for c in n) + (",)" if len(n) == 1 else ")")
+        return "{" + ", ".join(f"{k!r}: {render(c)}" for k, c in n.items()) + "}"
 
-    return render(node)
+    return render(f.structure(site, mode))
 
 
 def _compare_values(a: np.ndarray, b: np.ndarray, rtol: float, atol: float
@@ -568,7 +564,7 @@ def _compare_values(a: np.ndarray, b: np.ndarray, rtol: float, atol: float
 
 def _diff_files(pa: Path, pb: Path, rtol: float, atol: float, step: int | None,
                 structural: list[str], entries: list[EntryDiff]) -> None:
-    fa, fb = _open(pa), _open(pb)
+    fa, fb = open_dump(pa), open_dump(pb)
     ia, ib = fa.info(), fb.info()
     at = f"step {step}: " if step is not None else ""
     sites_b = set(ib.sites)
@@ -584,8 +580,7 @@ def _diff_files(pa: Path, pb: Path, rtol: float, atol: float, step: int | None,
         structural += [f"{at}{site!r} mode {m} only in A" for m in modes_a if m not in modes_b]
         structural += [f"{at}{site!r} mode {m} only in B" for m in modes_b if m not in modes_a]
         # A mode with no array leaves (a None value) has no entries but still has a structure.
-        names_a = [m for m, _ in next(v for s, v in fa.sites if s == site)]
-        names_b = [m for m, _ in next(v for s, v in fb.sites if s == site)]
+        names_a, names_b = list(fa.modes(site)), list(fb.modes(site))
         for mode in (m for m in names_a if m in names_b):
             sig_a = _signature(fa, site, mode)
             sig_b = _signature(fb, site, mode)
@@ -651,7 +646,7 @@ def diff_dumps(a: str | os.PathLike[str], b: str | os.PathLike[str], *,
     """
     rtol = _check_tolerance(rtol, "rtol")
     atol = _check_tolerance(atol, "atol")
-    pa, pb = Path(_fspath(a, "a")), Path(_fspath(b, "b"))
+    pa, pb = Path(check_path(a, "a")), Path(check_path(b, "b"))
     for p in (pa, pb):
         if not p.exists():
             raise FileNotFoundError(f"{str(p)!r} does not exist: give two sowtel dumps to diff")

@@ -459,16 +459,22 @@ def enable(
         below = _stack[-1] if _stack else None
         _stack.append(session)
         _activate(session)
-    if below is not None and not below.scoped:
-        warnings.warn(
-            f"sowtel.enable(): {below!r} is still active, so the new session stacks on it and it "
-            "resumes when the new one is disabled; call sowtel.disable() first to replace it, "
-            "or use `with sowtel.enable(...):` for a temporary one", RuntimeWarning, stacklevel=2)
-    unhandled = sigterm_unhandled()
-    if unhandled is not None:
-        warnings.warn(unhandled, RuntimeWarning, stacklevel=2)
-    specs = list(exporter) if isinstance(exporter, (list, tuple)) else [exporter]
-    _announce([e for e, spec in zip(exporters, specs, strict=True) if isinstance(spec, str)])
+    try:
+        if below is not None and not below.scoped:
+            warnings.warn(
+                f"sowtel.enable(): {below!r} is still active, so the new session stacks on it and "
+                "it resumes when the new one is disabled; call sowtel.disable() first to replace "
+                "it, or use `with sowtel.enable(...):` for a temporary one", RuntimeWarning,
+                stacklevel=2)
+        unhandled = sigterm_unhandled()
+        if unhandled is not None:
+            warnings.warn(unhandled, RuntimeWarning, stacklevel=2)
+        specs = list(exporter) if isinstance(exporter, (list, tuple)) else [exporter]
+        _announce([e for e, spec in zip(exporters, specs, strict=True) if isinstance(spec, str)])
+    except BaseException:
+        # A warning turned into an error (-W error), say: nothing enable() started stays running.
+        session.close(5.0)
+        raise
     return session
 
 
@@ -480,8 +486,12 @@ def _announce(exporters: list[Exporter]) -> None:
     for e in exporters:
         logdir = getattr(e, "logdir", None)
         if getattr(e, "label", None) == "tensorboard" and isinstance(logdir, str):
-            print(f"sowtel: streaming to TensorBoard in {logdir}; view it with: "
-                  f"{dashboard_command(logdir)}", file=sys.stderr, flush=True)
+            try:
+                if sys.stderr is not None:  # None under pythonw: nowhere to print
+                    print(f"sowtel: streaming to TensorBoard in {logdir}; view it with: "
+                          f"{dashboard_command(logdir)}", file=sys.stderr, flush=True)
+            except (OSError, ValueError):
+                pass  # stderr closed or broken: the line is a courtesy, never a reason to fail
 
 
 def active_session() -> Session | None:

@@ -17,7 +17,7 @@ import pytest
 from reference import numpy_stats
 from test_hostile import forged
 
-from sowtel import dumps
+from sowtel import _dump_read, dumps
 from sowtel.cli import main
 from sowtel.dumps import dump, find_dumps, info, load
 from sowtel.postmortem import diff_dumps, inspect_dump
@@ -67,7 +67,7 @@ def test_info_of_a_part_is_that_part_and_the_combined_info_lists_every_shard(tmp
     (entry,) = i1.entries
     assert (entry.name, entry.shape, entry.dtype, entry.key) == ("h", (6, 4), "float32", "")
     assert entry.shards == ((1, "b0::primal", ((2, 6), (0, 4))),)
-    whole = dumps._open(p1).info()
+    whole = dumps.open_dump(p1).info()
     assert whole.process is None and whole.parts == (p0, p1)
     assert [(k, box) for k, _, box in whole.entries[0].shards] == [
         (0, ((0, 1), (0, 4))), (0, ((1, 2), (0, 4))), (1, ((2, 6), (0, 4)))]
@@ -183,6 +183,6 @@ def test_the_command_names_what_is_wrong_with_a_set_and_exits_2(tmp_path, capsys
 
 def test_a_part_read_alone_never_gives_a_partial_value(tmp_path):
     p0, _ = write_parts(tmp_path)
-    f = dumps._DumpFile(p0)
+    f = _dump_read.DumpFile(p0)
     with pytest.raises(ValueError, match="one process's part of a multi-process dump"):
         f.tree(lazy=False)

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import sowtel
-from sowtel import dumps
+from sowtel import _dump_format, dumps
 from sowtel.capture import Intermediates
 from sowtel.dumps import dump, find_dumps, info, load, records_from_intermediates
 from sowtel.records import STAT_KEYS
@@ -438,10 +438,11 @@ def test_malformed_stacked_axes_are_refused_even_with_a_valid_checksum(tmp_path,
         fields = header["__metadata__"]
         fields.pop("checksums")
         fields["stacked"] = stacked
-        table = {k: (dumps._CODE_TO_DTYPE[v["dtype"]].name, v["shape"])
+        table = {k: (_dump_format.CODE_TO_DTYPE[v["dtype"]].name, v["shape"])
                  for k, v in header.items() if k != "__metadata__"}
-        fields["checksums"] = json.dumps({"header": dumps._header_crc(fields, table), "tensors": {
-            k: dumps._array_crc(np.arange(3.0)) for k in table}})
+        fields["checksums"] = json.dumps({
+            "header": _dump_format.header_crc(fields, table),
+            "tensors": {k: _dump_format.array_crc(np.arange(3.0)) for k in table}})
 
     path = dump({"h": {"primal": np.arange(3.0)}}, tmp_path / "ok.safetensors")
     forged = _rewritten(path, tmp_path / "forged.safetensors", forge)
