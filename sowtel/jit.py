@@ -58,7 +58,7 @@ from sowtel.primitive import (
     host_step,
     leaf_names,
 )
-from sowtel.summaries import DEFAULT_BINS, device_summary
+from sowtel.summaries import DEFAULT_BINS, device_summary, flatten
 
 __all__ = ["jit", "Jitted", "CompiledSummaries"]
 
@@ -105,7 +105,7 @@ class CompiledSummaries:
             group = groups.setdefault(key, [])
             layout.append((list(groups).index(key), sizes.get(key, 0), tuple(a.shape)))
             sizes[key] = sizes.get(key, 0) + int(np.prod(a.shape, dtype=np.int64))
-            group.append(jnp.ravel(a))
+            group.append(flatten(a))
         buffers = [jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups.values()]
         return buffers, tuple(layout)
 
