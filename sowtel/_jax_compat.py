@@ -278,6 +278,29 @@ def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
     return tuple(reversed(loops))
 
 
+def in_flax_broadcast_trace() -> bool:
+    """True while Flax's ``nn.scan`` traces its body once to find the loop-invariant
+    (broadcast) outputs, not the loop itself.
+
+    Flax 0.12.12 (``flax.core.axes_scan.scan``, ``body_fn(..., init_mode=True)``) traces that
+    body to a jaxpr, removes dead code and refuses any equation left that reads the carry or the
+    scanned inputs: an effectful sow is never dead, so it would be refused. Read from the
+    frame's ``init_mode`` local; False when Flax is absent or changed (then such a sow fails as
+    before, in Flax's check).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name == "body_fn" and code.co_filename.endswith(_FLAX_AXES_SCAN)
+                and frame.f_locals.get("init_mode") is True):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+_FLAX_AXES_SCAN = os.path.join("flax", "core", "axes_scan.py")
+
+
 def manual_axes() -> tuple[str, ...]:
     """Mesh axes that are manual where this code is traced (inside shard_map or pmap)."""
     mesh = jax.sharding.get_abstract_mesh()

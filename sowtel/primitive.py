@@ -483,6 +483,10 @@ def sow(
     streams = not ctx.quiet and ctx.stream is not None and ctx.stream.selects(name, tag)
     if not (capture or streams):
         return value
+    if jc.in_flax_broadcast_trace():
+        # A trace Flax's nn.scan discards (it keeps only the loop-invariant outputs): the loop
+        # body's own trace sows.
+        return value
     leaves = [_as_array_leaf(leaf) for leaf in leaves]
     if not leaves:
         return value
