@@ -165,6 +165,44 @@ def _callback_sharding(ctx: Any, process: int = 0) -> tuple[Any, bool]:
     return None, False
 
 
+def _partial_auto_axes(ctx: Any) -> tuple[str, ...]:
+    """The mesh axes not manual here, inside a partially manual shard_map; else ``()``."""
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, _sharding_impls.SPMDAxisContext):
+        return ()
+    manual = set(axis_context.manual_axes)
+    return tuple(a for a in axis_context.mesh.axis_names if a not in manual)
+
+
+def _on_first_of(auto: tuple[str, ...], emit: Callable[..., list[Any]]) -> Callable[..., Any]:
+    """``emit`` run once per manual shard, on the first device along the ``auto`` axes.
+
+    JAX's own lowering of ``jax.debug.callback`` there does the same but closes over the
+    operands in an inner shard_map, which JAX refuses for values on ``Explicit`` mesh axes
+    (checked on 0.10.2 and 0.12): here they are passed in, replicated first.
+    """
+    from jax.sharding import PartitionSpec
+
+    def run(*args: Any) -> list[Any]:
+        args = tuple(jax.sharding.reshard(a, PartitionSpec()) if _explicitly_sharded(a) else a
+                     for a in args)
+
+        def body(*a: Any) -> list[Any]:
+            first = jax.lax.axis_index(auto) == 0
+            jax.lax.cond(first, lambda: emit(*a), lambda: [])
+            return []
+
+        specs = tuple(PartitionSpec() for _ in args)
+        return jax.shard_map(body, in_specs=specs, out_specs=[], axis_names=set(auto))(*args)
+
+    return run
+
+
+def _explicitly_sharded(x: Any) -> bool:
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec is not None and any(p is not None for p in spec)
+
+
 _warned_fallback_process = False
 
 
@@ -199,6 +237,9 @@ def emit_host_callback(
             jax.debug.callback(callback, *args)
             return []
 
+        auto = _partial_auto_axes(ctx)
+        if auto:
+            via_debug_callback = _on_first_of(auto, via_debug_callback)
         mlir.lower_fun(via_debug_callback, multiple_results=True)(ctx, *operands)
         return
 
@@ -316,6 +357,26 @@ def in_custom_vjp_bwd() -> bool:
     return False
 
 
+def in_flax_broadcast_trace() -> bool:
+    """True while Flax's ``nn.scan`` traces its body once to find the loop-invariant
+    (broadcast) outputs, not the loop itself.
+
+    Flax 0.12.12 (``flax.core.axes_scan.scan``, ``body_fn(..., init_mode=True)``) traces that
+    body to a jaxpr, removes dead code and refuses any equation left that reads the carry or the
+    scanned inputs: an effectful sow is never dead, so it would be refused. Read from the
+    frame's ``init_mode`` local; False when Flax is absent or changed (then such a sow fails as
+    before, in Flax's check).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name == "body_fn" and code.co_filename.endswith(_FLAX_AXES_SCAN)
+                and frame.f_locals.get("init_mode") is True):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def enclosing_map() -> tuple[int, int, int, bool, int] | None:
     """``(key, length, batch_size, remainder, outer)`` when this code runs in
     ``lax.map(batch_size=b)``.
@@ -360,6 +421,7 @@ def batched_branch_predicate(depth: int = 8) -> tuple[Any, int, int] | None:
             return local["predicate"], id(frame), local["i"]
         frame = frame.f_back  # type: ignore[assignment]
     return None
+_FLAX_AXES_SCAN = os.path.join("flax", "core", "axes_scan.py")
 
 
 def manual_axes() -> tuple[str, ...]:

@@ -39,7 +39,9 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +60,7 @@ from sowtel.primitive import (
     host_step,
     leaf_names,
 )
-from sowtel.summaries import DEFAULT_BINS, device_summary
+from sowtel.summaries import DEFAULT_BINS, device_summary, flatten
 
 __all__ = ["jit", "Jitted", "CompiledSummaries"]
 
@@ -105,7 +107,7 @@ class CompiledSummaries:
             group = groups.setdefault(key, [])
             layout.append((list(groups).index(key), sizes.get(key, 0), tuple(a.shape)))
             sizes[key] = sizes.get(key, 0) + int(np.prod(a.shape, dtype=np.int64))
-            group.append(jnp.ravel(a))
+            group.append(flatten(a))
         buffers = [jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups.values()]
         return buffers, tuple(layout)
 
@@ -136,6 +138,38 @@ def _numbered(caps: list[Any]) -> list[str]:
     return names
 
 
+class _Programs:
+    """The logging programs of one function under one set of ``jax.jit`` options, and what
+    their traces taught, shared by every :func:`jit` of that function: ``jax.jit`` keeps each
+    program's trace, lowering and executable per argument shapes, so a second ``sowtel.jit`` of
+    the same function (a new session with the same settings included) traces nothing again."""
+
+    def __init__(self) -> None:
+        self.programs: dict[Any, Any] = {}  # (stream settings, due strides, gather) -> jax.jit
+        self.traced: set[Any] = set()  # keys of the programs traced whole once
+        self.strides: dict[StreamConfig, set[int]] = {}
+        # Per stream setting: whether the function has sites in while_loop bodies, which keep
+        # their host callbacks (and take the call's step from the host).
+        self.callbacks: dict[StreamConfig, bool] = {}
+
+
+_SHARED: weakref.WeakKeyDictionary[Any, dict[Any, _Programs]] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_programs(fun: Callable[..., Any], options: dict[str, Any]) -> _Programs:
+    try:
+        key = tuple(sorted(options.items()))
+        hash(key)
+        with _SHARED_LOCK:
+            return _SHARED.setdefault(fun, {}).setdefault(key, _Programs())
+    except TypeError:  # an unhashable option, or a function that takes no weak reference
+        return _Programs()
+
+
+_log = logging.getLogger("sowtel")
+
+
 class Jitted:
     """What :func:`jit` returns: call it as the ``jax.jit`` function it wraps."""
 
@@ -143,13 +177,17 @@ class Jitted:
         self._fun = fun
         self._options = dict(options)
         self._plain = jax.jit(fun, **options)  # unknown options fail here, as in jax.jit
-        self._programs: dict[Any, Any] = {}
-        self._strides: dict[StreamConfig, set[int]] = {}
+        shared = _shared_programs(fun, self._options)
+        self._programs = shared.programs
+        self._strides = shared.strides
+        self._callbacks = shared.callbacks
+        self._traced = shared.traced
         self._steps: tuple[int, itertools.count[int]] | None = None  # (session id, counter)
-        # Per stream setting: whether the function has sites in while_loop bodies, which keep
-        # their host callbacks (and take the call's step from the host).
-        self._callbacks: dict[StreamConfig, bool] = {}
         self._lock = threading.Lock()
+        # Argument signatures whose plain program compiles in the background (see _warm_plain),
+        # and all those it was started for.
+        self._warming: dict[Any, threading.Thread] = {}
+        self._warmed: set[Any] = set()
         functools.update_wrapper(self, fun)  # __wrapped__, __name__, __doc__ as jax.jit's
 
     # -- what jax.jit functions have -------------------------------------------------------------
@@ -220,14 +258,26 @@ class Jitted:
             step = calls
         config = ctx.stream
         if config not in self._strides:
-            self._discover(config, args, kwargs)
+            self._strides[config] = {config.every}
+            self._callbacks[config] = False
+            if not self._due(config, step):
+                self._discover(config, args, kwargs)
         while True:
             due = self._due(config, step)
             if not due:
+                if self._warming:
+                    self._join_warming(args, kwargs)
                 with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                     return self._plain(*args, **kwargs)
             gather = multihost.replicated_sharding((args, kwargs))  # several processes only
             try:
+                if (config, due, gather) not in self._traced:
+                    if any(e > 1 for e in self._strides[config]):
+                        self._warm_plain(args, kwargs)  # other steps will run it
+                    # Traced before the call (jax.jit keeps the trace for it): the trace finds
+                    # new every= strides and sites in while_loop bodies.
+                    self._program(config, due, gather).trace(*args, **kwargs)
+                    self._traced.add((config, due, gather))
                 if self._callbacks.get(config):
                     # Its while-body sites call back later: they read this step on the host.
                     with session.host_step_block(step):
@@ -251,11 +301,50 @@ class Jitted:
 
     def _discover(self, config: StreamConfig, args: Any, kwargs: Any) -> None:
         # One trace (no compilation) to learn the every= of the function's sites, and whether
-        # some are in while_loop bodies.
+        # some are in while_loop bodies: needed only when the first call's step is due at none
+        # of the strides known so far (a logging program's own trace learns them otherwise).
         self._strides.setdefault(config, {config.every})
-        self._callbacks[config] = False
+        self._callbacks.setdefault(config, False)
         with CONTEXT(Context(stream=config)):
             self._program(config, None).trace(*args, **kwargs)
+
+    @staticmethod
+    def _signature(args: Any, kwargs: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        return treedef, tuple((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else x
+                              for x in leaves)
+
+    def _warm_plain(self, args: Any, kwargs: Any) -> None:
+        """Compiles the plain program for these arguments in a thread, while the first logging
+        step compiles and runs (XLA compiles without the GIL), so that ``every=N`` reaches
+        steady state in about the time of one compilation. The next plain step waits for it."""
+        try:
+            key = self._signature(args, kwargs)
+            hash(key)
+        except TypeError:  # an unhashable static argument: jax.jit would refuse it anyway
+            return
+        if key in self._warmed:
+            return
+        self._warmed.add(key)
+
+        def compile_plain() -> None:
+            try:
+                with self._quiet():
+                    self._plain.lower(*args, **kwargs).compile()
+            except Exception as e:  # only a warm-up: the step itself compiles it if need be
+                _log.debug("sowtel.jit: compiling the plain program ahead failed: %r", e)
+
+        thread = threading.Thread(target=compile_plain, name="sowtel-compile", daemon=True)
+        self._warming[key] = thread
+        thread.start()
+
+    def _join_warming(self, args: Any, kwargs: Any) -> None:
+        try:
+            thread = self._warming.pop(self._signature(args, kwargs), None)
+        except TypeError:
+            return
+        if thread is not None:
+            thread.join()
 
     def _logging_program(self, config: StreamConfig, step: int, args: Any,
                          kwargs: Any) -> Any:

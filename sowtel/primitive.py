@@ -538,6 +538,10 @@ def sow(
     streams = not ctx.quiet and ctx.stream is not None and ctx.stream.selects(name, tag)
     if not (capture or streams):
         return value
+    if jc.in_flax_broadcast_trace():
+        # A trace Flax's nn.scan discards (it keeps only the loop-invariant outputs): the loop
+        # body's own trace sows.
+        return value
     leaves = [_as_array_leaf(leaf) for leaf in leaves]
     if not leaves:
         return value
@@ -620,7 +624,9 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str, recomp
     chosen = [jc.ad.instantiate_zeros(t) for t, d in zip(leaves_t, differentiable, strict=True)
               if d]
     if "batch" not in site_t.extras:
-        witness = jax.lax.slice(jnp.ravel(primals[differentiable.index(True)]), (0,), (0,))
+        # Sliced, not flattened: a value with an explicit sharding cannot always be flattened.
+        primal = jnp.atleast_1d(primals[differentiable.index(True)])
+        witness = jax.lax.slice(primal, (0,) * primal.ndim, (0,) * primal.ndim)
         extras = [witness, *extras]
         site_t = dataclasses.replace(site_t, extras=("batch", *site_t.extras))
     reported = iter(_bind(chosen, extras, site_t, jvp_mode(mode), _SILENT_JVP[recompute]))

@@ -249,3 +249,85 @@ def test_reused_block_without_names_streams_numbered_like_capture() -> None:
 def test_docstring_examples() -> None:
     result = doctest.testmod(sowtel.flax, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted >= 4
+
+
+class ScanLayer(nn.Module):
+    """One layer of a scan-over-layers stack: h -> tanh(h W + b), sown as ``act``."""
+
+    @nn.compact
+    def __call__(self, h, _):
+        h = sowtel.sow(jnp.tanh(nn.Dense(4)(h)), "act")
+        return h, None
+
+
+class ScanStack(nn.Module):
+    """Three ScanLayers under ``nn.scan``: per-layer parameters, or one set broadcast."""
+
+    broadcast: bool
+
+    @nn.compact
+    def __call__(self, x):
+        if self.broadcast:
+            stack = nn.scan(ScanLayer, variable_broadcast="params",
+                            split_rngs={"params": False}, length=3)
+        else:
+            stack = nn.scan(ScanLayer, variable_axes={"params": 0},
+                            split_rngs={"params": True}, length=3)
+        h, _ = stack(name="layers")(x, None)
+        return jnp.sum(h * h)
+
+
+def _scan_stack_reference(params, x, perturbations):
+    """ScanStack by hand (jnp only), with ``perturbations[l]`` added to layer l's output."""
+    dense = params["layers"]["Dense_0"]
+    h = x
+    for layer in range(3):
+        kernel, bias = dense["kernel"], dense["bias"]
+        if kernel.ndim == 3:
+            kernel, bias = kernel[layer], bias[layer]
+        h = jnp.tanh(h @ kernel + bias) + perturbations[layer]
+    return jnp.sum(h * h)
+
+
+@pytest.mark.parametrize("transport", ["capture", "callback", "sowtel.jit"])
+@pytest.mark.parametrize("broadcast", [True, False], ids=["variable_broadcast", "variable_axes"])
+def test_sow_in_nn_scan_body_with_capture_and_streaming(broadcast: bool, transport: str) -> None:
+    model = ScanStack(broadcast=broadcast)
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    params = model.init(jax.random.key(1), x)["params"]
+
+    def loss(params):
+        return model.apply({"params": params}, x)
+
+    zero = jnp.zeros((3, 2, 4))
+    want_primal = []
+    h = x
+    dense = params["layers"]["Dense_0"]
+    for layer in range(3):
+        kernel, bias = dense["kernel"], dense["bias"]
+        if not broadcast:
+            kernel, bias = kernel[layer], bias[layer]
+        h = np.tanh(np.asarray(h, np.float64) @ np.asarray(kernel, np.float64) + bias)
+        want_primal.append(h)
+    want_cot = jax.grad(_scan_stack_reference, argnums=2)(params, x, zero)
+    want_grad = jax.grad(loss)(params)
+    if transport == "capture":
+        grad, inter = jax.jit(sowtel.save_intermediates(jax.grad(loss)))(params)
+        primal, cot = inter["act"]["primal"], inter["act"]["cotangent"]
+    else:
+        step = jax.jit(jax.grad(loss)) if transport == "callback" else sowtel.jit(jax.grad(loss))
+        with sowtel.enable(exporter="memory", summary="full") as session:
+            grad = step(params)
+            sowtel.flush()
+        records = session.exporters[0].records
+
+        def stacked(mode):
+            got = sorted((r for r in records if r.mode == mode), key=lambda r: r.index)
+            assert [(r.name, r.index) for r in got] == [("act", i) for i in range(3)]
+            return np.stack([r.value for r in got])
+
+        primal, cot = stacked("primal"), stacked("cotangent")
+    np.testing.assert_allclose(np.asarray(primal), np.stack(want_primal), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(cot), want_cot, rtol=1e-5, atol=1e-6)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), grad, want_grad)

@@ -1,0 +1,113 @@
+"""Startup of ``sowtel.jit``: what is traced and compiled, and where.
+
+- a function's logging program is traced once per (function, settings, shapes): a second
+  ``sowtel.jit`` of it, or a new session with the same settings, traces nothing again;
+- with ``every=N`` the plain program is traced and compiled in a background thread while the
+  first logging step runs, and the first plain step uses it;
+- with JAX's persistent compilation cache, a second process compiles nothing (JAX's own
+  cache-hit and cache-miss events, counted in a fresh process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax.numpy as jnp
+
+import sowtel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _counting_step() -> tuple[object, list[str]]:
+    traced_in: list[str] = []
+
+    def step(w, x):
+        traced_in.append(threading.current_thread().name)
+        h = sowtel.sow(jnp.tanh(x @ w), "h")
+        return (h ** 2).sum()
+
+    return step, traced_in
+
+
+def test_logging_program_traced_once_per_function_settings_and_shapes() -> None:
+    step, traced_in = _counting_step()
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    with sowtel.enable(exporter="memory") as session:
+        for _ in range(3):
+            sowtel.jit(step)(w, x)  # a new sowtel.jit of the same function each call
+        sowtel.flush()
+    assert len(traced_in) == 1
+    # Each sowtel.jit counts its own calls: three first calls.
+    assert [r.step for r in session.exporters[0].records] == [0, 0, 0]
+    with sowtel.enable(exporter="memory") as session:  # same settings, a new session
+        sowtel.jit(step)(w, x)
+        sowtel.flush()
+    assert len(traced_in) == 1
+    assert len(session.exporters[0].records) == 1
+    with sowtel.enable(exporter="memory") as session:
+        sowtel.jit(step)(w, jnp.ones((5, 3)))  # new shapes: traced again
+        sowtel.flush()
+    assert len(traced_in) == 2
+    assert session.exporters[0].records[0].shape == (5, 2)
+
+
+def test_every_n_compiles_the_plain_program_in_the_background() -> None:
+    step, traced_in = _counting_step()
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    jitted = sowtel.jit(step)
+    with sowtel.enable(exporter="memory", every=3) as session:
+        losses = [float(jitted(w, x)) for _ in range(4)]
+        sowtel.flush()
+    # One trace of the logging program (no separate discovery trace), in this thread; one of
+    # the plain program, in the background compile thread; none after.
+    assert sorted(traced_in) == sorted([threading.current_thread().name, "sowtel-compile"])
+    assert [r.step for r in session.exporters[0].records] == [0, 3]
+    assert losses == [losses[0]] * 4 == [float(((jnp.tanh(x @ w)) ** 2).sum())] * 4
+
+
+_WORKER = """
+import json, sys
+import jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+events = []
+jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
+import jax.numpy as jnp, sowtel
+
+@sowtel.jit
+def step(w, x):
+    h = sowtel.sow(jnp.tanh(x @ w), "h")
+    return (h ** 2).sum()
+
+w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+with sowtel.enable(exporter="memory", every=2) as session:
+    for _ in range(3):
+        step(w, x)
+    sowtel.flush()
+print(json.dumps({"hits": events.count("/jax/compilation_cache/cache_hits"),
+                  "misses": events.count("/jax/compilation_cache/cache_misses"),
+                  "steps": [r.step for r in session.exporters[0].records]}))
+"""
+
+
+def test_second_process_with_persistent_cache_compiles_nothing(tmp_path: Path) -> None:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cache = tmp_path / "jax-cache"
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", _WORKER, str(cache)], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["misses"] >= 2 and first["steps"] == [0, 2]  # the logging and plain programs
+    second = run()
+    assert second == {"hits": first["misses"], "misses": 0, "steps": [0, 2]}
