@@ -48,9 +48,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sowtel.records import Record
+from sowtel.to_records import RecordBatch, first_nonfinite, record_nbytes
 
 __all__ = [
     "Dispatcher", "ON_FULL", "EXIT_TIMEOUT", "DROP_REASONS", "WRITE_RECORDS", "WRITE_BYTES",
+    "BATCH_RECORDS",
     "accounts", "close_all", "sigterm_unhandled",
 ]
 
@@ -68,6 +70,9 @@ EXIT_TIMEOUT: float = 10.0
 WRITE_RECORDS = 1024
 #: See :data:`WRITE_RECORDS`.
 WRITE_BYTES = 16 << 20
+#: The dispatcher thread takes at most this many records off the queue at a time (plus one
+#: item: a ``sowtel.jit`` step is never cut), converts them and offers them to every exporter.
+BATCH_RECORDS = 4096
 # The first write of an exporter, before its pace is known, holds at most this many records.
 _FIRST_WRITE = 64
 # Writes are sized to last about this fraction of exporter_timeout at the exporter's pace.
@@ -94,21 +99,7 @@ def _check_seconds(value: Any, name: str) -> float:
     return float(value)
 
 
-def _record_nbytes(record: Record) -> int:
-    value = record.value
-    return int(getattr(value, "nbytes", 0)) if value is not None else 0
-
-
-def _is_nonfinite(record: Record) -> bool:
-    stats = record.stats
-    if "nan" in stats:
-        return bool(stats["nan"] or stats.get("posinf", 0) or stats.get("neginf", 0))
-    value = record.value
-    if value is not None and getattr(value, "dtype", None) is not None and value.dtype.kind in "fc":
-        import numpy as np
-
-        return not bool(np.isfinite(value).all())
-    return False
+_record_nbytes = record_nbytes
 
 
 class _Token:
@@ -126,7 +117,7 @@ class _Batch:
 
     __slots__ = ("records", "nbytes")
 
-    def __init__(self, records: Sequence[Record], nbytes: int) -> None:
+    def __init__(self, records: RecordBatch, nbytes: int) -> None:
         self.records = records
         self.nbytes = nbytes
 
@@ -135,17 +126,27 @@ class _ExporterWorker:
     """One exporter, its bounded backlog, and the only thread that ever calls it.
 
     Every record offered ends in exactly one of ``exported``, ``failed`` (its write raised) or
-    ``dropped`` (by reason), or is still ``pending``. ``release`` is called with the records the
-    worker is done with (written, failed or dropped), so the dispatcher can free their bytes;
-    it is never called while this worker's lock is held.
+    ``dropped`` (by reason), or is still ``pending``. ``held_bytes`` counts the full values the
+    worker holds; ``release(nbytes)`` is called whenever it let go of records (written, failed
+    or dropped), so the dispatcher can wake producers waiting for room; it is never called
+    while this worker's lock is held.
+
+    An exporter with a ``write_batch(batch)`` method gets each write as a
+    :class:`~sowtel.to_records.RecordBatch`; one with only ``write(records)`` gets a list of
+    records, built then.
     """
 
     def __init__(
         self, exporter: Any, label: str, *, max_records: int, flush_interval: float,
-        timeout: float, release: Callable[[Sequence[Record]], None],
+        timeout: float, release: Callable[[int], None],
     ) -> None:
         self.exporter = exporter
         self.label = label
+        batch_method = getattr(exporter, "write_batch", None)
+        self._write: Callable[[RecordBatch], Any] = (
+            batch_method if callable(batch_method)
+            else lambda batch: exporter.write(batch.records()))
+        self.held_bytes = 0
         self.exported = 0
         self.failed = 0
         self.errors = 0
@@ -158,7 +159,8 @@ class _ExporterWorker:
         # A Condition over an RLock: the SIGTERM handler may run on a thread that holds it.
         self._cond = threading.Condition()
         self._queue: deque[_Batch | _Token] = deque()
-        self._writing: Sequence[Record] | None = None  # the records of the write in progress
+        self._writing: RecordBatch | None = None  # the records of the write in progress
+        self._writing_bytes = 0
         self._busy_since: float | None = None
         self._busy_in = ""
         self._seconds_per_record: float | None = None
@@ -194,7 +196,7 @@ class _ExporterWorker:
         The first time it is seen, everything queued for the exporter and the records of the
         call it is stuck in are counted as dropped (reason ``"stalled"``) and released.
         """
-        released: list[Sequence[Record]] = []
+        released = 0
         with self._cond:
             if self._abandoned:
                 return True
@@ -212,29 +214,32 @@ class _ExporterWorker:
                     "['stalled']", self.label, self._timeout, self._busy_in or "a call",
                     WRITE_RECORDS, self.label,
                 )
-        for records in released:
-            self._release(records)
+        self._release(released)
         return True
 
-    def _abandon(self, reason: str) -> list[Sequence[Record]]:
-        """Counts the backlog and the write in progress as dropped; returns them (lock held)."""
-        released: list[Sequence[Record]] = []
+    def _abandon(self, reason: str) -> int:
+        """Counts the backlog and the write in progress as dropped; returns their bytes (lock
+        held)."""
+        n = nbytes = 0
         tokens: deque[_Batch | _Token] = deque()
         for entry in self._queue:
             if isinstance(entry, _Token):
                 tokens.append(entry)
             else:
-                released.append(entry.records)
+                n += len(entry.records)
+                nbytes += entry.nbytes
         self._queue = tokens
         if self._writing is not None:
-            released.append(self._writing)
+            n += len(self._writing)
+            nbytes += self._writing_bytes
             self._writing = None
-        n = sum(len(r) for r in released)
+            self._writing_bytes = 0
         self.pending -= n
+        self.held_bytes -= nbytes
         self._drop(reason, n)
         self._abandoned = True
         self._cond.notify_all()
-        return released
+        return nbytes
 
     def give_up(self) -> None:
         """Called by a close() whose time ran out: drops what is left, takes nothing more.
@@ -253,15 +258,14 @@ class _ExporterWorker:
                     entry.done = True
             self._queue.clear()
             self._cond.notify_all()
-        for records in released:
-            self._release(records)
+        self._release(released)
 
     # -- called from the dispatcher thread -------------------------------------------------
 
-    def offer(self, batch: Sequence[Record], nbytes: int, block: bool) -> bool:
+    def offer(self, batch: RecordBatch, nbytes: int, block: bool) -> bool:
         """Appends ``batch`` to the backlog; when it is full, drops it or waits for room.
 
-        Returns False if the batch was dropped (and counted); the caller then releases it.
+        Returns False if the batch was dropped (and counted).
         """
         while True:
             stalled = self.stalled() if block else False
@@ -277,6 +281,7 @@ class _ExporterWorker:
                 if self.pending < self._max_records:
                     self._queue.append(_Batch(batch, nbytes))
                     self.pending += len(batch)
+                    self.held_bytes += nbytes
                     self._cond.notify_all()
                     return True
                 if not block:
@@ -370,49 +375,50 @@ class _ExporterWorker:
             return WRITE_RECORDS
         return max(1, min(WRITE_RECORDS, int(self._timeout * _WRITE_SHARE / per_record)))
 
-    def _take(self) -> Sequence[Record] | _Token:
-        """The next token, or the next records to write, within the write bounds (lock held)."""
+    def _take(self) -> tuple[RecordBatch, int] | _Token:
+        """The next token, or the next records to write and their bytes, within the write
+        bounds (lock held)."""
         first = self._queue[0]
         if isinstance(first, _Token):
             self._queue.popleft()
             return first
         limit = self._write_limit()
-        chunk: list[Record] = []
-        nbytes = 0
-        while self._queue and len(chunk) < limit:
+        parts: list[Any] = []
+        taken = nbytes = 0
+        while self._queue and taken < limit:
             entry = self._queue[0]
             if isinstance(entry, _Token):
                 break
             records = entry.records
-            room = limit - len(chunk)
-            if entry.nbytes == 0:
-                k = min(room, len(records))
-            else:
-                k = 0
-                while k < min(room, len(records)):
-                    b = _record_nbytes(records[k])
-                    if (chunk or k) and nbytes + b > WRITE_BYTES:
-                        room = k  # the byte bound ends this write here
-                        break
-                    nbytes += b
-                    k += 1
-            if k == len(records):
+            if len(records) <= limit - taken and (
+                    entry.nbytes == 0 or not parts or nbytes + entry.nbytes <= WRITE_BYTES):
                 self._queue.popleft()
-                chunk.extend(records)
+                parts.extend(records.parts)
+                taken += len(records)
+                nbytes += entry.nbytes
+                continue
+            room_bytes = WRITE_BYTES - nbytes if parts else WRITE_BYTES
+            head, rest = records.split(limit - taken, room_bytes, started=bool(parts))
+            if not len(head):
+                break  # the byte bound ends this write here
+            head_bytes = head.nbytes() if entry.nbytes else 0
+            parts.extend(head.parts)
+            taken += len(head)
+            nbytes += head_bytes
+            if rest is None:
+                self._queue.popleft()
             else:
-                chunk.extend(records[:k])
-                rest = records[k:]
                 entry.records = rest
-                entry.nbytes = sum(_record_nbytes(r) for r in rest) if entry.nbytes else 0
-                break
-        return chunk
+                entry.nbytes -= head_bytes
+            break
+        return RecordBatch(parts), nbytes
 
     def _run(self) -> None:
         last_flush = time.monotonic()
         dirty = False
         while True:
             with self._cond:
-                entry: Sequence[Record] | _Token | None = None
+                entry: tuple[RecordBatch, int] | _Token | None = None
                 while not self._queue and not self._given_up:
                     wait: float | None = None
                     if dirty:
@@ -426,7 +432,7 @@ class _ExporterWorker:
                 elif self._queue:
                     entry = self._take()
                     if not isinstance(entry, _Token):
-                        self._writing = entry
+                        self._writing, self._writing_bytes = entry
             if entry is None or isinstance(entry, _Token):
                 kind = "flush" if entry is None else entry.kind
                 if kind == "flush":
@@ -448,27 +454,30 @@ class _ExporterWorker:
                 if kind == "close":
                     return
                 continue
+            batch, nbytes = entry
             t0 = time.monotonic()
-            ok = self._call("write", self.exporter.write, entry)
+            ok = self._call("write", self._write, batch)
             took = time.monotonic() - t0
             counted = False
             with self._cond:
-                if self._writing is entry:  # else it was given up on and already counted
+                if self._writing is batch:  # else it was given up on and already counted
                     self._writing = None
+                    self._writing_bytes = 0
                     counted = True
-                    self.pending -= len(entry)
+                    self.pending -= len(batch)
+                    self.held_bytes -= nbytes
                     if ok:
-                        self.exported += len(entry)
+                        self.exported += len(batch)
                     else:
-                        self.failed += len(entry)
+                        self.failed += len(batch)
                 # A slow-down shows at once; a speed-up is believed half at a time.
-                per_record = took / max(1, len(entry))
+                per_record = took / max(1, len(batch))
                 old = self._seconds_per_record
                 self._seconds_per_record = (
                     per_record if old is None or per_record > old else (old + per_record) / 2)
                 self._cond.notify_all()
             if counted:
-                self._release(entry)
+                self._release(nbytes)
             dirty = True
             if self._given_up:
                 continue  # only close() is called now
@@ -565,7 +574,7 @@ class Dispatcher:
         self._on_full = on_full
         self._flush_interval = float(flush_interval)
         self._exporter_timeout = float(exporter_timeout)
-        # The queue drains as soon as this many items wait, else every flush_interval.
+        # The queue drains as soon as this many records wait, else every flush_interval.
         self._wake_at = max(1, min(512, queue_size // 4))
 
         # One RLock under every condition: the SIGTERM handler runs on the main thread, which may
@@ -575,9 +584,11 @@ class Dispatcher:
         self._wake_cond = threading.Condition(self._lock)
         self._space_cond = threading.Condition(self._lock)
         self._progress_cond = threading.Condition(self._lock)
-        self._items: list[Any] = []
-        self._multi: dict[int, int] = {}  # position in _items -> records, where not 1
-        self._nbytes = 0  # bytes given to put() for the items in _items
+        self._block = on_full == "block"
+        # Queued (item, records, nbytes), and the records they hold.
+        self._items: deque[tuple[Any, int, int]] = deque()
+        self._queued = 0
+        self._batch_records = min(queue_size, BATCH_RECORDS)
         # In records, as put() declared them: accepted, taken off the queue, and dealt with.
         self._accepted = 0
         self._taken = 0
@@ -601,9 +612,9 @@ class Dispatcher:
         self._logged_convert = False
         self._first_nonfinite: tuple[int, str, str] | None = None
         # max_bytes bounds every byte of full values from put() until the last exporter is
-        # done with the record: queued, in the dispatcher's hands and in every backlog.
+        # done with the record: queued and in the dispatcher's hands (here), and in every
+        # backlog (each worker's held_bytes).
         self._live_bytes = 0
-        self._held: dict[int, list[int]] = {}  # id(record) -> [workers not done, nbytes]
         self._hand: list[Any] | None = None  # the batch being converted: [records, nbytes, lost]
 
         self._workers = [
@@ -624,11 +635,14 @@ class Dispatcher:
         """Enqueues one raw item for ``convert``; safe from any thread. Returns True if accepted.
 
         Only appends to the queue: no conversion, no I/O. ``nbytes`` is the size of the full
-        values the item holds, ``records`` how many records ``convert`` will make of it (for
-        the accounting of an item that is lost before it is converted). When the queue is full
-        (``queue_size`` items, or ``max_bytes`` bytes of full values held anywhere in the
-        dispatcher), ``on_full="drop"`` counts a drop and returns False at once, ``"block"``
-        waits for room. After :meth:`close`, returns False.
+        values the item holds, ``records`` how many records ``convert`` will make of it (a
+        ``sowtel.jit`` step counts as every record it makes). The queue is full when
+        ``queue_size`` records wait (with ``on_full="block"``: anywhere between put and the
+        exporters, backlogs included), or ``max_bytes`` bytes of full values are held anywhere
+        in the dispatcher; an item is taken while fewer wait, so at most ``queue_size`` records
+        plus one item wait. When full, ``on_full="drop"`` counts the item's records as dropped
+        and returns False at once, ``"block"`` waits for room. After :meth:`close`, returns
+        False.
 
         Example:
             >>> d = Dispatcher([], convert=lambda items: [])
@@ -639,49 +653,60 @@ class Dispatcher:
             False
         """
         with self._lock:
-            n = len(self._items)
-            if (n < self._queue_size and not self._closed
-                    and (nbytes == 0 or self._live_bytes == 0
-                         or self._live_bytes + nbytes <= self._max_bytes)):
-                self._items.append(item)
-                if records != 1:
-                    self._multi[n] = records
+            if not self._closed and self._has_room(nbytes):
+                self._items.append((item, records, nbytes))
+                before = self._queued
+                self._queued = before + records
                 self._accepted += records
                 if nbytes:
-                    self._nbytes += nbytes
                     self._live_bytes += nbytes
-                    if self._nbytes * 4 >= self._max_bytes:  # full values: move them early
+                    if self._live_bytes * 4 >= self._max_bytes:  # full values: move them early
                         self._wake_cond.notify()
-                if n + 1 == self._wake_at:
+                if before < self._wake_at <= self._queued:
                     self._wake_cond.notify()
                 return True
         return self._put_full(item, nbytes, records)
+
+    def _waiting(self) -> int:
+        """Records waiting in the queue; under "block" also in the largest backlog, so that
+        back-pressure reaches the producer. The batch being converted (at most
+        :data:`BATCH_RECORDS` records and one item) is not counted (lock held)."""
+        if self._block:
+            return self._queued + max((w.pending for w in self._workers), default=0)
+        return self._queued
+
+    def held_bytes(self) -> int:
+        """Bytes of full values held now: queued, being converted, and by the exporters' workers
+        (the largest holder: every worker is given the same records)."""
+        return self._live_bytes + max((w.held_bytes for w in self._workers), default=0)
+
+    def _has_room(self, nbytes: int) -> bool:
+        if self._waiting() >= self._queue_size:
+            return False
+        if nbytes == 0:
+            return True
+        held = self.held_bytes()
+        return held == 0 or held + nbytes <= self._max_bytes
 
     def _put_full(self, item: Any, nbytes: int, records: int) -> bool:
         with self._lock:
             if self._closed:
                 return self._refuse("closed", records)
-            if self._on_full == "block" and threading.get_ident() not in self._own_threads:
+            if self._block and threading.get_ident() not in self._own_threads:
                 self._space_waiters += 1
                 try:
-                    while True:
-                        n = len(self._items)
+                    while not self._has_room(nbytes):
                         if self._closed:
                             return self._refuse("closed", records)
-                        if n < self._queue_size and (
-                            nbytes == 0 or self._live_bytes == 0
-                            or self._live_bytes + nbytes <= self._max_bytes
-                        ):
-                            break
                         self._urgent = True
                         self._wake_cond.notify()
                         self._space_cond.wait(_POLL)
+                    if self._closed:
+                        return self._refuse("closed", records)
                 finally:
                     self._space_waiters -= 1
-                if records != 1:
-                    self._multi[len(self._items)] = records
-                self._items.append(item)
-                self._nbytes += nbytes
+                self._items.append((item, records, nbytes))
+                self._queued += records
                 self._live_bytes += nbytes
                 self._accepted += records
                 return True
@@ -693,10 +718,11 @@ class Dispatcher:
             if not self._logged_full:
                 self._logged_full = True
                 logger.warning(
-                    "sowtel queue is full (%d items, %d bytes of full values held): dropping "
-                    "records and counting them in status()['dropped']; raise queue_size / "
-                    "max_bytes, stream less (summary, every=) or use on_full='block' to lose "
-                    "nothing", len(self._items), self._live_bytes,
+                    "sowtel queue is full (%d records waiting, %d bytes of full values held): "
+                    "dropping whole items (a sowtel.jit step at a time) and counting their "
+                    "records in status()['dropped']; raise queue_size / max_bytes, stream less "
+                    "(summary, every=) or use on_full='block' to lose nothing",
+                    self._waiting(), self.held_bytes(),
                 )
             return False
 
@@ -731,40 +757,35 @@ class Dispatcher:
         for record in records:
             self.put(record, _record_nbytes(record))
 
-    def _release(self, records: Sequence[Record]) -> None:
-        """A worker is done with ``records``: frees the bytes of those no worker holds now."""
-        if not self._held:  # no full values anywhere: nothing to free
-            return
-        freed = 0
-        with self._lock:
-            held = self._held
-            for r in records:
-                if r.value is not None:
-                    entry = held.get(id(r))
-                    if entry is not None:
-                        entry[0] -= 1
-                        if entry[0] <= 0:
-                            del held[id(r)]
-                            freed += entry[1]
-            if freed:
-                self._live_bytes -= freed
-                if self._space_waiters:
-                    self._space_cond.notify_all()
+    def _release(self, nbytes: int) -> None:
+        """A worker let go of records (``nbytes`` of full values): producers may have room."""
+        if self._space_waiters:
+            with self._lock:
+                self._space_cond.notify_all()
 
     # -- the dispatcher thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        more = False
         while True:
             with self._lock:
-                if not (self._stop or self._urgent or len(self._items) >= self._wake_at):
+                if not (more or self._stop or self._urgent or self._queued >= self._wake_at):
                     self._wake_cond.wait(self._flush_interval)
-                self._urgent = False
-                items, self._items = self._items, []
-                multi, self._multi = self._multi, {}
-                declared = len(items) + sum(multi.values()) - len(multi)
+                items: list[tuple[Any, int]] = []
+                declared = nbytes = 0
+                # One batch at a time, of whole items: at most BATCH_RECORDS records plus one
+                # item, so a backlog, a conversion and a write never grow with the queue.
+                while self._items and (not items or declared < self._batch_records):
+                    item, n, b = self._items.popleft()
+                    items.append((item, n))
+                    declared += n
+                    nbytes += b
+                self._queued -= declared
                 self._taken += declared
-                self._hand = [declared, self._nbytes, False] if items else None
-                self._nbytes = 0
+                self._hand = [declared, nbytes, False] if items else None
+                more = bool(self._items)
+                if not more:
+                    self._urgent = False
                 stop = self._stop
                 if self._space_waiters:
                     self._space_cond.notify_all()
@@ -772,7 +793,7 @@ class Dispatcher:
                 worker.stalled()  # gives up on a hung exporter even when nobody waits for it
             if items:
                 try:
-                    self._dispatch(items, multi)
+                    self._dispatch(items)
                 except BaseException:  # the dispatcher thread must outlive any bug below it
                     with self._lock:
                         hand, self._hand = self._hand, None
@@ -788,47 +809,59 @@ class Dispatcher:
             with self._lock:
                 self._dispatched += declared
                 self._progress_cond.notify_all()
-            if stop and not items:
+                if self._space_waiters:
+                    self._space_cond.notify_all()
+            if stop and not items and not more:
                 return
 
-    def _to_records(
-        self, items: list[Any], multi: dict[int, int],
-    ) -> tuple[list[Record], int, int, int]:
+    def _to_batch(
+        self, items: list[tuple[Any, int]],
+    ) -> tuple[RecordBatch, int, int, int]:
         """The records of ``items``; how many more records than declared the converted items
         made; and the items and declared records of runs that failed to convert.
 
         Records from put_records pass through; runs of raw items between them are converted,
         so the order of everything accepted is kept.
         """
-        out: list[Record] = []
+        parts: list[Any] = []
+        passed: list[Record] = []
         extra = failed_items = failed_records = 0
         start = 0
-        for i, item in enumerate([*items, None]):
-            if i < len(items) and not isinstance(item, Record):
+        for i, entry in enumerate([*items, None]):
+            if entry is not None and not isinstance(entry[0], Record):
                 continue
             if start < i:
                 run = items[start:i]
-                declared = len(run) + sum(multi[k] - 1 for k in multi if start <= k < i)
-                made = self._convert_raw(run)
+                declared = sum(n for _, n in run)
+                made = self._convert_raw([item for item, _ in run])
                 if made is not None:
-                    out.extend(made)
+                    if passed:
+                        parts.append(tuple(passed))
+                        passed = []
+                    parts.extend(made.parts)
                     extra += len(made) - declared
                 else:
                     failed_items += len(run)
                     failed_records += declared
-            if i < len(items):
-                out.append(item)
+            if entry is not None:
+                passed.append(entry[0])
             start = i + 1
-        return out, extra, failed_items, failed_records
+        if passed:
+            parts.append(tuple(passed))
+        return RecordBatch(parts), extra, failed_items, failed_records
 
-    def _convert_raw(self, raw: list[Any]) -> Sequence[Record] | None:
+    def _convert_raw(self, raw: list[Any]) -> RecordBatch | None:
         try:
-            records = list(self._convert(raw))
+            made = self._convert(raw)
+            if isinstance(made, RecordBatch):
+                return made
+            records = tuple(made)
             for record in records:
                 if not isinstance(record, Record):
                     raise TypeError(f"convert() returned {type(record).__name__} {record!r} "
-                                    "among its records; it must return sowtel Record objects")
-            return records
+                                    "among its records; it must return sowtel Record objects "
+                                    "or a sowtel.to_records.RecordBatch")
+            return RecordBatch([records])
         except Exception:
             with self._lock:
                 self._convert_errors += 1
@@ -841,41 +874,30 @@ class Dispatcher:
                 )
             return None
 
-    def _dispatch(self, items: list[Any], multi: dict[int, int]) -> None:
-        made, extra, failed_items, failed_records = self._to_records(items, multi)
-        records = tuple(made)
-        sizes = [(r, _record_nbytes(r)) for r in records if r.value is not None]
-        nbytes = sum(b for _, b in sizes)
+    def _dispatch(self, items: list[tuple[Any, int]]) -> None:
+        batch, extra, failed_items, failed_records = self._to_batch(items)
+        nbytes = batch.nbytes()
         with self._lock:
             hand, self._hand = self._hand, None
             if hand is None or hand[2]:
                 return  # close() gave up on this batch and counted it as dropped
-            declared_bytes = hand[1]
             # Converted items count as the records they became; failed ones as declared.
             self._extra += extra
             if failed_items:
                 self._unconverted += failed_items
                 self._unconverted_records += failed_records
-            self._records += len(records)
-            self._live_bytes += nbytes - declared_bytes
-            if self._workers:
-                for r, b in sizes:
-                    self._held[id(r)] = [len(self._workers), b]
-            else:
-                self._live_bytes -= nbytes
-        if not records:
+            self._records += len(batch)
+            # From here the workers hold the full values (each its own count).
+            self._live_bytes -= hand[1]
+        if not len(batch):
             return
         if self._first_nonfinite is None:
-            for r in records:
-                if _is_nonfinite(r):
-                    self._first_nonfinite = (r.step, r.name, r.mode)
-                    logger.warning("sowtel: first non-finite value at step %s in %s (%s)",
-                                   r.step, r.name, r.mode)
-                    break
-        block = self._on_full == "block"
+            found = first_nonfinite(batch)
+            if found is not None:
+                self._first_nonfinite = found
+                logger.warning("sowtel: first non-finite value at step %s in %s (%s)", *found)
         for worker in self._workers:
-            if not worker.offer(records, nbytes, block):
-                self._release(records)
+            worker.offer(batch, nbytes, self._block)
 
     # -- flush, close, status -------------------------------------------------------------------
 
@@ -976,8 +998,9 @@ class Dispatcher:
                 self._hand[2] = True  # the dispatcher thread will not deliver it
                 self._live_bytes -= self._hand[1]
                 self._hand = None
-            self._live_bytes -= self._nbytes
-            self._items, self._multi, self._nbytes = [], {}, 0
+            self._live_bytes -= sum(b for _, _, b in self._items)
+            self._items.clear()
+            self._queued = 0
             if n:
                 self._queue_drops["close_timeout"] = self._queue_drops.get("close_timeout", 0) + n
         for worker in self._workers:
@@ -989,9 +1012,13 @@ class Dispatcher:
     def status(self, late: int = 0) -> dict[str, Any]:
         """Counters for ``sowtel.status()``, in records.
 
+        One snapshot: every count is read at one moment, so ``exported`` never exceeds
+        ``received`` and ``pending`` is never negative.
+
         Keys: ``received`` (records of the items offered to put/put_records), ``dropped``
         (refused: queue full or closed, or given up on at close), ``queued`` (items waiting
-        now), ``records`` (made by convert or given to put_records), ``convert_errors`` and
+        now), ``queued_records`` (the records they hold, and those being converted),
+        ``records`` (made by convert or given to put_records), ``convert_errors`` and
         ``unconverted`` (failed convert calls, items they lost), ``late`` (records whose
         callback came after the session ended: given by the session); per exporter label:
         ``exported`` (records written), ``failed`` (records of writes that raised),
@@ -1023,12 +1050,15 @@ class Dispatcher:
             records = self._records
             unconverted_records = self._unconverted_records
             closed = self._closed
-            held_bytes = self._live_bytes
-        counts = {w.label: w.counts() for w in workers}
+            held_bytes = self.held_bytes()
+            # Under the dispatcher's lock (the lock order allows it): records move from the
+            # queue to the workers only under it, so the counts below match the ones above.
+            counts = {w.label: w.counts() for w in workers}
         status: dict[str, Any] = {
             "received": received,
             "dropped": sum(queue_drops.values()),
             "queued": queued,
+            "queued_records": queued_records,
             "records": records,
             "convert_errors": self._convert_errors,
             "unconverted": self._unconverted,

@@ -41,7 +41,7 @@ import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel import multihost
-from sowtel.build import compiled_records, records_from_intermediates, summary_records
+from sowtel.build import records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
@@ -57,6 +57,7 @@ from sowtel.primitive import (
 )
 from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record
 from sowtel.summaries import check_summary
+from sowtel.to_records import CompiledConverter, RecordBatch
 
 __all__ = ["Session", "enable", "disable", "flush", "status", "export", "log", "active_session"]
 
@@ -181,6 +182,7 @@ class Session:
         self._late_lock = threading.Lock()
         self._final: dict[str, Any] | None = None
         self._seq = itertools.count()
+        self._compiled = CompiledConverter()
         self._closed = False
         self._effect_errors = 0
         self.scoped = False  # entered as a context manager
@@ -261,20 +263,28 @@ class Session:
 
     # -- the dispatcher thread ---------------------------------------------------------------
 
-    def _convert(self, items: list[Any]) -> list[Record]:
+    def _convert(self, items: list[Any]) -> RecordBatch:
+        """Received items to one batch: a ``sowtel.jit`` step's summaries decoded into one
+        table a site (see :mod:`sowtel.to_records`), a callback's arrays into its records."""
+        parts: list[Any] = []
         records: list[Record] = []
         for item in items:
             if isinstance(item, _Compiled):
+                if records:
+                    parts.append(tuple(records))
+                    records = []
                 # Waits for the device, here: one transfer a buffer.
                 fetched, lowest = multihost.fetch(item.summaries.buffers,
                                                   self.config.export_process)
                 host = item.summaries.unpack(fetched)
-                records.extend(compiled_records(
+                parts.extend(self._compiled.columns(
                     item.summaries.sites, host, step=item.step, seqs=self._seq,
                     wall_time=item.wall_time, process_index=self.process_index, lowest=lowest))
             else:
                 records.extend(self._records_of(*item))
-        return records
+        if records:
+            parts.append(tuple(records))
+        return RecordBatch(parts)
 
     def _records_of(self, site: StreamSite, arrays: tuple[np.ndarray, ...], occurrence: int,
                     host_step: int | None, seq: int, wall_time: float) -> list[Record]:
