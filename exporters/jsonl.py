@@ -182,7 +182,7 @@ def columns_lines(columns: SiteColumns) -> str:
             "wall_time": _float(columns.wall_time), "summary": columns.summary,
             "shape": [int(d) for d in columns.shapes[leaf]], "dtype": columns.dtypes[leaf],
         })[1:-1] + ',"stats":'
-        tail = ',"process_index":%d,"seq":' % int(columns.process_index)
+        tail = f',"process_index":{int(columns.process_index)},"seq":'
         frames.append((head, middle, tail))
     out: list[str] = []
     for p, (index, seq) in enumerate(zip(columns.index, columns.seqs, strict=True)):
@@ -190,7 +190,8 @@ def columns_lines(columns: SiteColumns) -> str:
         for leaf, (head, middle, tail) in enumerate(frames):
             hist = "null" if edges is None or counts is None else dumps(
                 {"edges": edges[p][leaf], "counts": counts[p][leaf]})
-            out.append(f'{head}{plain_index}{middle}{dumps(dict(zip(keys, stats[p][leaf])))}'
+            row = dumps(dict(zip(keys, stats[p][leaf], strict=True)))
+            out.append(f'{head}{plain_index}{middle}{row}'
                        f',"histogram":{hist}{tail}{int(seq)},"value_file":null}}\n')
     return "".join(out)
 
