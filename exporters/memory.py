@@ -70,6 +70,12 @@ class MemoryExporter:
         self._evicted = 0
         self._logged = False
         self._lock = threading.Lock()
+        from sowtel import _exit
+
+        _exit.after_fork(self)  # readable in a forked child, whatever a parent thread held
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
 
     @property
     def evicted(self) -> int:

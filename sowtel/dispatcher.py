@@ -37,16 +37,15 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sowtel import _exit
+from sowtel._exit import EXIT_TIMEOUT, close_all, sigterm_unhandled
 from sowtel.records import Record
 from sowtel.to_records import RecordBatch, first_nonfinite, record_nbytes
 
@@ -61,9 +60,6 @@ logger = logging.getLogger("sowtel")
 #: What :meth:`Dispatcher.put` does when the queue is full.
 ON_FULL: tuple[str, ...] = ("drop", "block")
 
-#: Seconds the exit hooks (``atexit`` and SIGTERM) spend, in all, flushing and closing every
-#: live dispatcher before the process goes on exiting.
-EXIT_TIMEOUT: float = 10.0
 
 #: One ``write()`` gets at most this many records, and at most :data:`WRITE_BYTES` bytes of full
 #: values (always at least one record): bounded calls let a stall be told from slow progress.
@@ -183,6 +179,16 @@ class _ExporterWorker:
     @property
     def dropped(self) -> int:
         return sum(self.drop_reasons.values())
+
+    def _after_fork(self) -> None:
+        # In a forked child this worker's thread does not exist: a fresh lock, and nothing to
+        # wait for (flush and close answer at once).
+        self._cond = threading.Condition()
+        self._accepting = False
+        self._finished = True
+        for entry in self._queue:
+            if isinstance(entry, _Token):
+                entry.done = True
 
     def _drop(self, reason: str, n: int) -> None:
         if n:
@@ -627,7 +633,10 @@ class Dispatcher:
         self._thread = threading.Thread(target=self._run, name="sowtel-dispatcher", daemon=True)
         self._thread.start()
         self._own_threads = {self._thread.ident} | {w.ident for w in self._workers}
-        _register(self)
+        _exit.register(self)
+        _exit.after_fork(self)
+        for worker in self._workers:
+            _exit.after_fork(worker)
 
     # -- the hot path ---------------------------------------------------------------------------
 
@@ -887,17 +896,22 @@ class Dispatcher:
                 self._unconverted += failed_items
                 self._unconverted_records += failed_records
             self._records += len(batch)
-            # From here the workers hold the full values (each its own count).
-            self._live_bytes -= hand[1]
-        if not len(batch):
-            return
-        if self._first_nonfinite is None:
-            found = first_nonfinite(batch)
-            if found is not None:
-                self._first_nonfinite = found
-                logger.warning("sowtel: first non-finite value at step %s in %s (%s)", *found)
-        for worker in self._workers:
-            worker.offer(batch, nbytes, self._block)
+        try:
+            if not len(batch):
+                return
+            if self._first_nonfinite is None:
+                found = first_nonfinite(batch)
+                if found is not None:
+                    self._first_nonfinite = found
+                    logger.warning("sowtel: first non-finite value at step %s in %s (%s)",
+                                   *found)
+            for worker in self._workers:
+                worker.offer(batch, nbytes, self._block)
+        finally:
+            with self._lock:
+                # Now the workers hold the full values (each its own count): counted here
+                # until then, so that no moment counts them nowhere.
+                self._live_bytes -= hand[1]
 
     # -- flush, close, status -------------------------------------------------------------------
 
@@ -984,7 +998,7 @@ class Dispatcher:
                 for worker in self._workers:
                     worker.join(_POLL)
         finally:
-            _unregister(self)
+            _exit.unregister(self)
 
     def _give_up(self) -> None:
         """Counts whatever close() could not deliver in time as dropped (``close_timeout``)."""
@@ -1092,8 +1106,14 @@ class Dispatcher:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _forget_threads(self) -> None:
-        # In a forked child the threads do not exist: refuse items and never wait for them.
+    def _after_fork(self) -> None:
+        # In a forked child the threads do not exist and a lock one of them held stays held:
+        # fresh locks; refuse items, and never wait for the threads.
+        self._lock = threading.RLock()
+        self._wake_cond = threading.Condition(self._lock)
+        self._space_cond = threading.Condition(self._lock)
+        self._progress_cond = threading.Condition(self._lock)
+        self._space_waiters = 0
         self._closed = self._stop = self._close_started = True
 
 
@@ -1132,120 +1152,3 @@ def accounts(status: dict[str, Any]) -> dict[str, dict[str, int]]:
     keys = ("received", "exported", "dropped", "failed", "late", "pending")
     per["total"] = {k: sum(a[k] for a in per.values()) for k in keys}
     return per
-
-
-# -- process exit ---------------------------------------------------------------------------------
-
-_live: dict[int, Dispatcher] = {}
-_hooks_lock = threading.RLock()
-_atexit_installed = False
-_previous_sigterm: Any = None
-_warned_sigterm = False
-
-
-def _register(dispatcher: Dispatcher) -> None:
-    global _atexit_installed
-    with _hooks_lock:
-        _live[id(dispatcher)] = dispatcher
-        if not _atexit_installed:
-            atexit.register(close_all)
-            os.register_at_fork(after_in_child=_after_fork_in_child)
-            _atexit_installed = True
-    _install_sigterm()
-
-
-def _install_sigterm() -> None:
-    """Puts the SIGTERM handler in place, chaining whatever handler is there now.
-
-    Signal handlers can only be set from the main thread: this runs when sowtel is imported
-    there and again whenever a dispatcher is made there (in case a handler was set since), so
-    a session enabled later in any thread is flushed on SIGTERM.
-    """
-    global _previous_sigterm
-    if threading.current_thread() is not threading.main_thread():
-        return
-    with _hooks_lock:
-        try:
-            current = signal.getsignal(signal.SIGTERM)
-            if current is _on_sigterm:
-                return
-            signal.signal(signal.SIGTERM, _on_sigterm)
-        except (ValueError, OSError):
-            return
-        _previous_sigterm = current
-
-
-def sigterm_unhandled() -> str | None:
-    """Once per process, when SIGTERM would not flush sessions: why, and what to do instead.
-
-    That is the case when sowtel was first imported outside the main thread and no dispatcher
-    was made on it since, or when a SIGTERM handler set later replaced sowtel's.
-
-    Example:
-        >>> sigterm_unhandled() is None  # imported on the main thread
-        True
-    """
-    global _warned_sigterm
-    try:
-        ours = signal.getsignal(signal.SIGTERM) is _on_sigterm
-    except (ValueError, OSError):
-        ours = False
-    with _hooks_lock:
-        if ours or _warned_sigterm:
-            return None
-        _warned_sigterm = True
-    return ("sowtel cannot flush this session on SIGTERM: its handler could not be installed "
-            "(signal handlers can only be set from the main thread, and sowtel was imported "
-            "elsewhere, or a handler set since replaced it). Import sowtel on the main thread "
-            "before starting threads, or call sowtel.disable() (or "
-            "sowtel.dispatcher.close_all()) from your own handler; normal exit and Ctrl-C "
-            "still flush")
-
-
-def _unregister(dispatcher: Dispatcher) -> None:
-    with _hooks_lock:
-        _live.pop(id(dispatcher), None)
-
-
-def _after_fork_in_child() -> None:
-    for dispatcher in list(_live.values()):
-        dispatcher._forget_threads()
-    _live.clear()
-
-
-def close_all(timeout: float | None = None) -> None:
-    """Flushes and closes every live dispatcher within ``timeout`` seconds in all.
-
-    Runs at interpreter exit and on SIGTERM (with :data:`EXIT_TIMEOUT`); safe to call any time.
-
-    Example:
-        >>> close_all(timeout=5.0)
-    """
-    if timeout is None:
-        timeout = EXIT_TIMEOUT
-    deadline = time.monotonic() + timeout
-    with _hooks_lock:
-        dispatchers = list(_live.values())
-    for dispatcher in dispatchers:
-        try:
-            dispatcher.close(max(0.0, deadline - time.monotonic()))
-        except Exception:  # SystemExit from a chained SIGTERM handler must go through
-            logger.exception("sowtel could not close a dispatcher at exit")
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    close_all()
-    previous = _previous_sigterm
-    if callable(previous):
-        previous(signum, frame)
-        return
-    if previous == signal.SIG_IGN:
-        return
-    # There was no Python handler: terminate the way SIGTERM would have without us.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(1.0)
-    os._exit(128 + signal.SIGTERM)
-
-
-_install_sigterm()

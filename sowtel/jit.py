@@ -47,8 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sowtel import _exit, capture, multihost, naming
 from sowtel import _jax_compat as jc
-from sowtel import capture, multihost, naming
 from sowtel.primitive import (
     CONTEXT,
     Context,
@@ -158,7 +158,11 @@ class Jitted:
         # their host callbacks (and take the call's step from the host).
         self._callbacks: dict[StreamConfig, bool] = {}
         self._lock = threading.Lock()
+        _exit.after_fork(self)
         functools.update_wrapper(self, fun)  # __wrapped__, __name__, __doc__ as jax.jit's
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have held it
 
     # -- what jax.jit functions have -------------------------------------------------------------
 

@@ -39,8 +39,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from sowtel import _exit, multihost
 from sowtel import _jax_compat as jc
-from sowtel import multihost
 from sowtel.build import records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
@@ -67,6 +67,14 @@ ON_FULL = ("drop", "block")
 _ids = itertools.count(1)
 _lock = threading.RLock()
 _stack: list[Session] = []  # enabled sessions, innermost last; the last one streams
+
+
+def _renew_lock() -> None:
+    global _lock
+    _lock = threading.RLock()
+
+
+_exit.after_fork(_renew_lock)
 
 
 class _Compiled(NamedTuple):
@@ -180,6 +188,7 @@ class Session:
         self._host_steps: list[int] = []
         self._late = 0
         self._late_lock = threading.Lock()
+        _exit.after_fork(self)
         self._final: dict[str, Any] | None = None
         self._seq = itertools.count()
         self._compiled = CompiledConverter()
@@ -212,6 +221,11 @@ class Session:
             finally:
                 self._host_steps.pop()
                 self._host_lock.release()
+
+    def _after_fork(self) -> None:
+        # A forked child's session: fresh locks (a thread of the parent may have held them).
+        self._host_lock = threading.RLock()
+        self._late_lock = threading.Lock()
 
     def count_late(self, site: StreamSite) -> None:
         """A host callback of ``site`` ran after this session ended: counted, not exported."""
@@ -273,9 +287,14 @@ class Session:
                 if records:
                     parts.append(tuple(records))
                     records = []
-                # Waits for the device, here: one transfer a buffer.
-                fetched, lowest = multihost.fetch(item.summaries.buffers,
-                                                  self.config.export_process)
+                # Waits for the device, here: one transfer a buffer; never once the process
+                # is exiting (see sowtel._exit), when the step is counted as not delivered.
+                with _exit.FETCHES.entered() as allowed:
+                    if not allowed:
+                        raise RuntimeError("the process is exiting: a sowtel.jit step's "
+                                           "summaries were not fetched")
+                    fetched, lowest = multihost.fetch(item.summaries.buffers,
+                                                      self.config.export_process)
                 host = item.summaries.unpack(fetched)
                 parts.extend(self._compiled.columns(
                     item.summaries.sites, host, step=item.step, seqs=self._seq,
