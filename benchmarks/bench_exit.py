@@ -1,8 +1,9 @@
 """Exit with ``sowtel.jit`` work in flight: exit status and records kept, over many runs.
 
 Each run is a child process that streams chained ``sowtel.jit`` steps of a 48-layer scan with
-8 sites a layer (384 ``stats`` records a step) to jsonl and TensorBoard with ``on_full="block"``, and prints
-``step i`` after each call returns (its records were accepted by then). Then it ends one way:
+8 sites a layer (384 ``stats`` records a step) to jsonl and TensorBoard with
+``on_full="block"``, and prints ``step i`` after each call returns (its records were accepted
+by then). Then it ends one way:
 
 - ``exit``: falls off the end of the script, steps still being fetched, nothing flushed;
 - ``sys.exit``: ``sys.exit(3)`` the same way;
