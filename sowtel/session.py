@@ -188,6 +188,7 @@ class Session:
         self._host_steps: list[int] = []
         self._late = 0
         self._late_lock = threading.Lock()
+        self._forked = False
         _exit.after_fork(self)
         self._final: dict[str, Any] | None = None
         self._seq = itertools.count()
@@ -223,9 +224,11 @@ class Session:
                 self._host_lock.release()
 
     def _after_fork(self) -> None:
-        # A forked child's session: fresh locks (a thread of the parent may have held them).
+        # A forked child's session: fresh locks (a thread of the parent may have held them),
+        # and no waiting for JAX, whose runtime threads did not survive the fork.
         self._host_lock = threading.RLock()
         self._late_lock = threading.Lock()
+        self._forked = True
 
     def count_late(self, site: StreamSite) -> None:
         """A host callback of ``site`` ran after this session ended: counted, not exported."""
@@ -337,6 +340,8 @@ class Session:
         return self.dispatcher.flush(timeout)
 
     def _effects_barrier(self) -> None:
+        if self._forked:
+            return
         # A user computation that failed earlier is the user's error, already raised to them
         # (or never awaited); it must not make flush() or disable() fail: count it, log once.
         error = jc.effects_barrier()
