@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 import sowtel
 from sowtel.dispatcher import BATCH_RECORDS
