@@ -125,9 +125,80 @@ def table(quick: bool) -> Table:
     return t
 
 
+def _rss() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _Slow:
+    """An exporter far slower than the steps: sleeps ``per_record`` seconds a record."""
+
+    label = "slow"
+
+    def __init__(self, per_record: float) -> None:
+        self.per_record = per_record
+
+    def write(self, records):  # type: ignore[no-untyped-def]
+        time.sleep(self.per_record * len(records))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def overload(quick: bool) -> Table:
+    """A slow exporter under a stream it cannot keep up with, in both modes."""
+    import jax
+    import jax.numpy as jnp
+
+    import sowtel
+    from sowtel.dispatcher import BATCH_RECORDS
+    from sowtel.exporters.memory import MemoryExporter
+
+    queue_size = 10_000
+    per_step = LAYERS * SITES
+    seconds = 3.0 if quick else 10.0
+    t = Table(f"Overload: memory + an exporter at 20 us a record, {seconds:.0f} s of sowtel.jit "
+              f"steps ({per_step} records each), queue_size={queue_size:,}",
+              ["on_full", "steps", "most waiting (records)", "bound", "RSS growth",
+               "disable(timeout=5)", "accounts balanced"])
+    f = _model(sowtel.jit)
+    x0 = jnp.linspace(-1.0, 1.0, 16)
+    for mode in ("drop", "block"):
+        with sowtel.enable(exporter=[MemoryExporter(max_records=10_000), _Slow(20e-6)],
+                           on_full=mode, queue_size=queue_size) as session:
+            f(x0).block_until_ready()
+            rss0 = _rss()
+            most = rss_most = steps = 0
+            x = x0
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                x = f(x)
+                steps += 1
+                if steps % 10 == 0:
+                    s = session.status()
+                    most = max(most, max(s["pending"].values()))
+                    rss_most = max(rss_most, _rss())
+            jax.block_until_ready(x)
+            t0 = time.monotonic()
+            final = sowtel.disable(timeout=5.0)
+            took = time.monotonic() - t0
+        bound = queue_size + per_step + min(queue_size, BATCH_RECORDS) + per_step
+        balanced = all(a["received"] == a["exported"] + a["dropped"] + a["failed"] + a["late"]
+                       and a["pending"] == 0 for a in final["accounts"].values())
+        t.add(mode, f"{steps:,}", f"{most:,}", f"{bound:,}",
+              f"{(rss_most - rss0) / 2**20:.0f} MiB", f"{took:.2f} s", str(balanced))
+    return t
+
+
 def run(quick: bool = False) -> list[Table]:
-    """The host-path rates (``quick``: 30 steps each)."""
-    return [table(quick)]
+    """The host-path rates (``quick``: 30 steps each) and the overload check."""
+    return [table(quick), overload(quick)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
