@@ -49,7 +49,7 @@ from sowtel._exit import EXIT_TIMEOUT, close_all, sigterm_unhandled
 from sowtel._ledger import accounts, merge_reasons
 from sowtel._worker import POLL, WRITE_BYTES, WRITE_RECORDS, ExporterWorker
 from sowtel.records import Record
-from sowtel.to_records import RecordBatch, first_nonfinite, record_nbytes
+from sowtel.to_records import RecordBatch, record_nbytes
 
 __all__ = [
     "Dispatcher", "ON_FULL", "EXIT_TIMEOUT", "DROP_REASONS", "WRITE_RECORDS", "WRITE_BYTES",
@@ -213,7 +213,6 @@ class Dispatcher:
         self._unconverted = 0  # items
         self._unconverted_records = 0
         self._logged_convert = False
-        self._first_nonfinite: tuple[int, str, str] | None = None
         # max_bytes bounds every byte of full values from put() until the last exporter is
         # done with the record: queued and in the dispatcher's hands (here), and in every
         # backlog (each worker's held_bytes).
@@ -496,12 +495,6 @@ class Dispatcher:
         try:
             if not len(batch):
                 return
-            if self._first_nonfinite is None:
-                found = first_nonfinite(batch)
-                if found is not None:
-                    self._first_nonfinite = found
-                    logger.warning("sowtel: first non-finite value at step %s in %s (%s)",
-                                   *found)
             for worker in self._workers:
                 worker.offer(batch, nbytes, self._block)
         finally:
@@ -685,7 +678,7 @@ class Dispatcher:
             "backlog": {k: c[3] for k, c in counts.items()},
             "held_bytes": held_bytes,
             "stalled": stalled,
-            "first_nonfinite": self._first_nonfinite,
+            "first_nonfinite": None,  # the session's conversion detects it (sowtel.session)
             "closed": closed,
         }
         status["accounts"] = accounts(status)

@@ -57,7 +57,7 @@ from sowtel.primitive import (
 )
 from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record
 from sowtel.summaries import check_summary
-from sowtel.to_records import CompiledConverter, RecordBatch
+from sowtel.to_records import CompiledConverter, RecordBatch, first_nonfinite
 
 __all__ = ["Session", "enable", "disable", "flush", "status", "export", "log", "active_session"]
 
@@ -193,6 +193,7 @@ class Session:
         self._final: dict[str, Any] | None = None
         self._seq = itertools.count()
         self._compiled = CompiledConverter()
+        self.first_nonfinite: tuple[int, str, str] | None = None
         self._closed = False
         self._effect_errors = 0
         self.scoped = False  # entered as a context manager
@@ -306,7 +307,20 @@ class Session:
                 records.extend(self._records_of(*item))
         if records:
             parts.append(tuple(records))
-        return RecordBatch(parts)
+        batch = RecordBatch(parts)
+        self._watch_nonfinite(batch)
+        return batch
+
+    def _watch_nonfinite(self, batch: RecordBatch) -> None:
+        """Where a session notices a non-finite record: each converted batch (on the
+        dispatcher thread) and each batch of exported intermediates passes here once; the
+        rule itself is :func:`sowtel.to_records.first_nonfinite`."""
+        if self.first_nonfinite is not None:
+            return
+        found = first_nonfinite(batch)
+        if found is not None:
+            self.first_nonfinite = found
+            logger.warning("sowtel: first non-finite value at step %s in %s (%s)", *found)
 
     def _records_of(self, site: StreamSite, arrays: tuple[np.ndarray, ...], occurrence: int,
                     host_step: int | None, seq: int, wall_time: float) -> list[Record]:
@@ -356,7 +370,8 @@ class Session:
         """This session's counters (see :func:`sowtel.status`)."""
         s = dict(self.dispatcher.status())
         s.update(enabled=not self._closed, session=self.id, effect_errors=self._effect_errors,
-                 late=self._late, split_unexported=multihost.SPLIT_UNEXPORTED[0])
+                 late=self._late, split_unexported=multihost.SPLIT_UNEXPORTED[0],
+                 first_nonfinite=self.first_nonfinite)
         # Records an exporter was handed (so counted as exported) and later let go of to stay
         # within its own bound, such as the memory exporter's max_records.
         s["evicted"] = {label: _evicted(e) for label, e in
@@ -615,6 +630,7 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
     records = records_from_intermediates(
         intermediates, step=int(step), summary=summary or session.summary,
     )
+    session._watch_nonfinite(RecordBatch([tuple(records)]))
     session.dispatcher.put_records(records)
     return len(records)
 

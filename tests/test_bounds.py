@@ -130,6 +130,12 @@ def test_status_is_one_snapshot_while_records_stream():
                                      + a["pending"]), (label, a)
 
 
+def _hold(lock, held: threading.Event, release: threading.Event) -> None:
+    with lock:
+        held.set()
+        release.wait(30.0)
+
+
 def _child_uses_inherited_session(out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     s = sowtel.status()
     flushed = sowtel.flush(timeout=5.0)
@@ -167,13 +173,8 @@ def test_a_forked_child_answers_status_flush_log_and_disable_at_once():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 for k in range(forks):
                     held, release = threading.Event(), threading.Event()
-
-                    def hold(lock=locks[k % len(locks)], held=held, release=release) -> None:
-                        with lock:
-                            held.set()
-                            release.wait(30.0)
-
-                    holder = threading.Thread(target=hold)
+                    holder = threading.Thread(target=_hold,
+                                              args=(locks[k % len(locks)], held, release))
                     holder.start()
                     assert held.wait(30.0)
                     out = ctx.Queue()
