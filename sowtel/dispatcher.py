@@ -191,6 +191,7 @@ class Dispatcher:
         # Queued (item, records, nbytes), and the records they hold.
         self._items: deque[tuple[Any, int, int]] = deque()
         self._queued = 0
+        self._backlog = 0  # the largest exporter backlog, counted under "block" only
         self._batch_records = min(queue_size, BATCH_RECORDS)
         # In records, as put() declared them: accepted, taken off the queue, and dealt with.
         self._accepted = 0
@@ -258,16 +259,18 @@ class Dispatcher:
             False
         """
         with self._lock:
-            if not self._closed and self._has_room(nbytes):
+            before = self._queued
+            # _has_room, inlined: this runs once per host callback.
+            if (before + self._backlog < self._queue_size and not self._closed
+                    and (nbytes == 0 or self._bytes_fit(nbytes))):
                 self._items.append((item, records, nbytes))
-                before = self._queued
-                self._queued = before + records
+                self._queued = queued = before + records
                 self._accepted += records
                 if nbytes:
                     self._live_bytes += nbytes
                     if self._live_bytes * 4 >= self._max_bytes:  # full values: move them early
                         self._wake_cond.notify()
-                if before < self._wake_at <= self._queued:
+                if before < self._wake_at <= queued:
                     self._wake_cond.notify()
                 return True
         return self._put_full(item, nbytes, records)
@@ -276,9 +279,13 @@ class Dispatcher:
         """Records waiting in the queue; under "block" also in the largest backlog, so that
         back-pressure reaches the producer. The batch being converted (at most
         :data:`BATCH_RECORDS` records and one item) is not counted (lock held)."""
+        return self._queued + self._backlog
+
+    def _note_backlogs(self) -> None:
+        # The largest backlog, kept for put() under "block": refreshed whenever a backlog
+        # grows (an offer) or shrinks (a worker let go of records).
         if self._block:
-            return self._queued + max((w.pending for w in self._workers), default=0)
-        return self._queued
+            self._backlog = max((w.pending for w in self._workers), default=0)
 
     def held_bytes(self) -> int:
         """Bytes of full values held now: queued, being converted, and by the exporters' workers
@@ -288,8 +295,9 @@ class Dispatcher:
     def _has_room(self, nbytes: int) -> bool:
         if self._waiting() >= self._queue_size:
             return False
-        if nbytes == 0:
-            return True
+        return nbytes == 0 or self._bytes_fit(nbytes)
+
+    def _bytes_fit(self, nbytes: int) -> bool:
         held = self.held_bytes()
         return held == 0 or held + nbytes <= self._max_bytes
 
@@ -364,6 +372,7 @@ class Dispatcher:
 
     def _release(self, nbytes: int) -> None:
         """A worker let go of records (``nbytes`` of full values): producers may have room."""
+        self._note_backlogs()
         if self._space_waiters:
             with self._lock:
                 self._space_cond.notify_all()
@@ -497,6 +506,7 @@ class Dispatcher:
                 return
             for worker in self._workers:
                 worker.offer(batch, nbytes, self._block)
+            self._note_backlogs()
         finally:
             with self._lock:
                 # Now the workers hold the full values (each its own count): counted here
