@@ -640,7 +640,8 @@ class Dispatcher:
         reason of that exporter's own), ``drop_reasons`` (every dropped record on that
         exporter's way, by reason), ``pending`` (its backlog); ``accounts`` (per label and
         ``"total"``: ``received == exported + dropped + failed + late + pending``), ``stalled``
-        (labels), ``first_nonfinite`` (``(step, name, mode)`` or None), ``closed``.
+        (labels), ``first_nonfinite`` (always None here: a session fills it in, from its
+        conversion), ``closed``.
 
         Example:
             >>> from sowtel.exporters.memory import MemoryExporter
