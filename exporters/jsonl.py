@@ -56,6 +56,7 @@ import numpy as np
 from sowtel.records import Record
 from sowtel.to_records import RecordBatch, SiteColumns
 
+_orjson: Any
 try:  # a fast encoder when installed (a dependency of sowtel); the standard one otherwise
     import orjson as _orjson
 except ImportError:  # pragma: no cover - orjson is a declared dependency

@@ -332,7 +332,7 @@ class TensorBoardExporter:
         self._layouts: dict[int, dict[str, _Site]] = {}
         self._counting: set[tuple[str, str, Any]] = set()  # series whose counts are written
         # Per (name, mode, index, statistics, summary): its tags and their columns, for tables.
-        self._tags: dict[tuple[Any, ...], tuple[list[str], list[int]]] = {}
+        self._tags: dict[tuple[Any, ...], tuple[list[bytes], list[int]]] = {}
         self._layout_due: set[int] = set()
         self._alerted: set[int] = set()
         self._last_sync = time.monotonic()

@@ -109,11 +109,14 @@ class Dispatcher:
     """Moves items from host callbacks to exporters without ever stalling training.
 
     Args:
-      exporters: objects with ``write(records)``, ``flush()`` and ``close()``.
-      convert: turns a list of raw items given to :meth:`put` into a list of records; runs on
-        the dispatcher thread. If it raises, that batch is lost, counted in ``status()`` and
-        logged once.
-      queue_size: the most items waiting in the queue; also the backlog bound of each exporter,
+      exporters: objects with ``write(records)``, ``flush()`` and ``close()`` (and optionally
+        ``write_batch(batch)``, which then gets each write as a
+        :class:`~sowtel.to_records.RecordBatch`).
+      convert: turns a list of raw items given to :meth:`put` into a list of records or a
+        :class:`~sowtel.to_records.RecordBatch`; runs on the dispatcher thread. If it raises,
+        that batch is lost, counted in ``status()`` and logged once.
+      queue_size: the most records waiting in the queue (under ``"block"``: in the queue and
+        the largest backlog together), plus one item; also the backlog bound of each exporter,
         in records.
       max_bytes: the most bytes of full values (the ``nbytes`` given to :meth:`put`, then the
         records' own) held anywhere from :meth:`put` until the last exporter is done with them:
@@ -145,7 +148,7 @@ class Dispatcher:
         self,
         exporters: list[Any],
         *,
-        convert: Callable[[list[Any]], list[Record]],
+        convert: Callable[[list[Any]], Sequence[Record] | RecordBatch],
         queue_size: int = 10_000,
         max_bytes: int = 1 << 30,
         on_full: str = "drop",
