@@ -63,6 +63,13 @@ import numpy as np
 
 from sowtel.exporters import check_logdir
 from sowtel.records import Record
+from sowtel.to_records import RecordBatch, SiteColumns
+
+_orjson: Any
+try:  # a fast encoder when installed (a dependency of sowtel); the standard one otherwise
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - orjson is a declared dependency
+    _orjson = None
 
 __all__ = ["JsonlExporter", "read_records", "record_to_json"]
 
@@ -142,6 +149,70 @@ def record_to_json(record: Record, value_file: str | None = None) -> dict[str, A
         "seq": int(record.seq),
         "value_file": value_file,
     }
+
+
+def _plain_rows(table: np.ndarray) -> list[Any]:
+    """``table.tolist()`` with the non-finite numbers spelt as :func:`_float` spells them."""
+    rows = table.tolist()
+    if np.isfinite(table).all():
+        return rows  # type: ignore[no-any-return]
+    bad = np.argwhere(~np.isfinite(table))
+    for where in bad.tolist():
+        *outer, last = where
+        row = rows
+        for i in outer:
+            row = row[i]
+        row[last] = _float(row[last])
+    return rows  # type: ignore[no-any-return]
+
+
+def columns_lines(columns: SiteColumns) -> str:
+    """The JSON lines of a table of summaries (no full values), as :func:`record_to_json`
+    writes each record, encoded with orjson when it is installed.
+
+    Example:
+        >>> from sowtel.records import HEALTH_KEYS
+        >>> c = SiteColumns(names=("w",), shapes=((),), dtypes=("float32",), mode="primal",
+        ...                 tag="intermediates", summary="health", step=2, wall_time=0.0,
+        ...                 process_index=0, order=0, index=[None], seqs=[5],
+        ...                 stat_keys=HEALTH_KEYS, stats=np.zeros((1, 1, 4)))
+        >>> json.loads(columns_lines(c))["stats"]["nan"]
+        0.0
+    """
+    keys = [str(k) for k in columns.stat_keys]
+    stats = _plain_rows(columns.stats)
+    edges = counts = None
+    if columns.edges is not None and columns.counts is not None:
+        edges, counts = _plain_rows(columns.edges), _plain_rows(columns.counts)
+    dumps = _dumps
+    # What the records of one leaf share is encoded once; per record only the index, the
+    # statistics, the histogram and seq are.
+    frames = []
+    for leaf, name in enumerate(columns.names):
+        head = dumps({"name": name, "mode": columns.mode, "tag": columns.tag,
+                      "step": int(columns.step)})[:-1] + ',"index":'
+        middle = "," + dumps({
+            "wall_time": _float(columns.wall_time), "summary": columns.summary,
+            "shape": [int(d) for d in columns.shapes[leaf]], "dtype": columns.dtypes[leaf],
+        })[1:-1] + ',"stats":'
+        tail = f',"process_index":{int(columns.process_index)},"seq":'
+        frames.append((head, middle, tail))
+    out: list[str] = []
+    for p, (index, seq) in enumerate(zip(columns.index, columns.seqs, strict=True)):
+        plain_index = dumps(_index(index))
+        for leaf, (head, middle, tail) in enumerate(frames):
+            hist = "null" if edges is None or counts is None else dumps(
+                {"edges": edges[p][leaf], "counts": counts[p][leaf]})
+            row = dumps(dict(zip(keys, stats[p][leaf], strict=True)))
+            out.append(f'{head}{plain_index}{middle}{row}'
+                       f',"histogram":{hist}{tail}{int(seq)},"value_file":null}}\n')
+    return "".join(out)
+
+
+def _dumps(obj: Any) -> str:
+    if _orjson is not None:
+        return _orjson.dumps(obj).decode()  # type: ignore[no-any-return]
+    return json.dumps(obj, allow_nan=False, separators=(",", ":"))
 
 
 class JsonlExporter:
@@ -254,6 +325,21 @@ class JsonlExporter:
                 os.unlink(target, **where)
                 return None, {"value_error": f"not saved: {e}"}
         return f"{self._values_name}/{name}", extra
+
+    def write_batch(self, batch: RecordBatch) -> None:
+        """Writes a batch: its columnar parts encoded table by table (see
+        :func:`columns_lines`), other records as :meth:`write` does, in the batch's order."""
+        text: list[str] = []
+        for part in batch.parts:
+            if isinstance(part, SiteColumns) and part.values is None:
+                text.append(columns_lines(part))
+            else:
+                if text:
+                    self._file.write("".join(text))
+                    text = []
+                self.write(part.records() if isinstance(part, SiteColumns) else part)
+        if text:
+            self._file.write("".join(text))
 
     def write(self, records: Sequence[Record]) -> None:
         self._check_still_there()

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from sowtel.records import Record
+from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = ["MemoryExporter"]
 
@@ -62,9 +63,18 @@ class MemoryExporter:
                 f"max_records={max_records!r} must be a positive integer, or None to keep all"
             )
         self.max_records = max_records
-        self._records: deque[Record] = deque(maxlen=max_records)
+        # Batches are kept as they come (columnar tables stay tables): records are built only
+        # when read, by whoever reads them.
+        self._parts: deque[SiteColumns | tuple[Record, ...]] = deque()
+        self._count = 0
         self._evicted = 0
         self._logged = False
+        self._lock = threading.Lock()
+        from sowtel import _exit
+
+        _exit.after_fork(self)  # readable in a forked child, whatever a parent thread held
+
+    def _after_fork(self) -> None:
         self._lock = threading.Lock()
 
     @property
@@ -76,10 +86,15 @@ class MemoryExporter:
     def records(self) -> list[Record]:
         """A snapshot of the records, in the order they were written."""
         with self._lock:
-            return list(self._records)
+            parts = list(self._parts)
+        return RecordBatch(parts).records()
+
+    @property
+    def _records(self) -> list[Record]:
+        return self.records
 
     def __len__(self) -> int:
-        return len(self._records)
+        return self._count
 
     def by_name(self, name: str, mode: str | None = None) -> list[Record]:
         """The records of site ``name`` (and ``mode``, if given), ordered by step then arrival.
@@ -88,8 +103,7 @@ class MemoryExporter:
             >>> MemoryExporter().by_name("loss", mode="primal")
             []
         """
-        with self._lock:
-            found = [r for r in self._records
+        found = [r for r in self.records
                      if r.name == name and (mode is None or r.mode == mode)]
         found.sort(key=lambda r: (r.step, r.seq))
         return found
@@ -101,8 +115,7 @@ class MemoryExporter:
             >>> MemoryExporter().names()
             []
         """
-        with self._lock:
-            return sorted({r.name for r in self._records})
+        return sorted({r.name for r in self.records})
 
     def clear(self) -> None:
         """Forgets every record kept so far (not counted in :attr:`evicted`).
@@ -114,13 +127,34 @@ class MemoryExporter:
             0
         """
         with self._lock:
-            self._records.clear()
+            self._parts.clear()
+            self._count = 0
 
     def write(self, records: Sequence[Record]) -> None:
+        self._keep(RecordBatch([tuple(records)]))
+
+    def write_batch(self, batch: RecordBatch) -> None:
+        """Keeps a batch as it comes: its columnar parts become records only when read."""
+        self._keep(batch)
+
+    def _keep(self, batch: RecordBatch) -> None:
         with self._lock:
-            if self.max_records is not None:
-                self._evicted += max(0, len(self._records) + len(records) - self.max_records)
-            self._records.extend(records)
+            self._parts.extend(batch.parts)
+            self._count += len(batch)
+            excess = 0 if self.max_records is None else self._count - self.max_records
+            while excess > 0:
+                first = self._parts[0]
+                if len(first) <= excess:
+                    self._parts.popleft()
+                    gone = len(first)
+                else:
+                    rest = tuple(first.records() if isinstance(first, SiteColumns)
+                                 else first)[excess:]
+                    self._parts[0] = rest
+                    gone = excess
+                self._count -= gone
+                self._evicted += gone
+                excess -= gone
             if self._evicted and not self._logged:
                 self._logged = True
                 logger.warning(

@@ -60,6 +60,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, Tra
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from sowtel.records import STAT_KEYS, Record
+from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = [
     "OTelExporter",
@@ -101,6 +102,9 @@ DEFAULT_TIMEOUT_S = 2.0
 
 _COUNT_STATS = frozenset({"size", "nan", "posinf", "neginf", "zeros"})
 _NONFINITE_KINDS = ("nan", "posinf", "neginf")
+#: On a span event that holds the records of several positions of one site (a ``sowtel.jit``
+#: table): how many; its ``sowtel.index`` and ``sowtel.stat.*`` attributes are then lists.
+RECORDS_ATTR = "sowtel.records"
 _STAT_ATTR = {stat: f"sowtel.stat.{stat}" for stat in STAT_KEYS}
 _GAUGE_UNITS = {stat: "{element}" for stat in _COUNT_STATS} | {"step": "{step}"}
 _GAUGE_DESCRIPTIONS = {
@@ -196,27 +200,60 @@ def _process_index_and_count() -> tuple[int, int]:
         return 0, 1
 
 
-def _run_with_deadline(fn: Callable[[], object], timeout_s: float, name: str) -> bool:
-    """Runs ``fn`` and returns whether it finished within ``timeout_s``.
+class _Runner:
+    """One daemon thread, reused, that runs the provider calls which may hang.
 
-    The SDK's ``force_flush`` ignores its timeout and an OTLP exporter retries for as long as its
-    own, so the call runs on a daemon thread that this function stops waiting for.
+    The SDK's ``force_flush`` ignores its timeout and an OTLP exporter retries for as long as
+    its own, so those calls run here while the caller waits at most its deadline. One thread
+    serves every flush of an exporter (a thread a flush would be started thousands of times in
+    a run); it is started on first use.
     """
-    failure: list[BaseException] = []
 
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as e:  # reported below, on the caller's thread
-            failure.append(e)
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._ready = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
 
-    thread = threading.Thread(target=target, name=f"sowtel-otel-{name}", daemon=True)
-    thread.start()
-    thread.join(max(0.0, timeout_s))
-    if failure:
-        _log.warning("sowtel otel exporter: %s failed: %r", name, failure[0])
-        return False
-    return not thread.is_alive()
+    def run(self, fn: Callable[[], object], timeout_s: float, name: str) -> bool:
+        """Runs ``fn`` there; returns whether it finished, without raising, within
+        ``timeout_s``."""
+        done = threading.Event()
+        failure: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                fn()
+            except BaseException as e:  # reported below, on the caller's thread
+                failure.append(e)
+            finally:
+                done.set()
+
+        with self._ready:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._thread.start()
+            self._calls.append(call)
+            self._ready.notify()
+        finished = done.wait(max(0.0, timeout_s))
+        if failure:
+            _log.warning("sowtel otel exporter: %s failed: %r", name, failure[0])
+            return False
+        return finished
+
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                while not self._calls:
+                    self._ready.wait()
+                call = self._calls.popleft()
+            call()
+
+
+def _run_with_deadline(fn: Callable[[], object], timeout_s: float, name: str) -> bool:
+    """Runs ``fn`` on a thread of its own; returns whether it finished within ``timeout_s``
+    (for a call made once, such as a shutdown left to finish in the background)."""
+    return _Runner(f"sowtel-otel-{name}").run(fn, timeout_s, name)
 
 
 def _plain_index(index: Any) -> int | list[int] | None:
@@ -741,6 +778,7 @@ class OTelExporter:
         self._attrs_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._event_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._stuck: threading.Event | None = None
+        self._runner = _Runner("sowtel-otel-flush")
         self._closed = False
 
     # -- configuration -------------------------------------------------------------------------
@@ -843,6 +881,74 @@ class OTelExporter:
         for step in sorted(self._pending):
             if (newest is not None and step < newest) or self._over_limit(step):
                 self._emit(step)
+
+    def write_batch(self, batch: RecordBatch) -> None:
+        """Adds a batch. A table of a ``sowtel.jit`` step (one site and mode, its scan
+        iterations and shards) becomes one span event a leaf, whose ``sowtel.index`` and
+        ``sowtel.stat.*`` attributes are lists with one entry a position, and
+        ``sowtel.records`` says how many; other records (and tables with a NaN or infinity,
+        whose alert names the record, or histograms and full values) as :meth:`write` does."""
+        if self._closed or not len(batch):
+            return
+        rest: list[Record] = []
+        for part in batch.parts:
+            if (isinstance(part, SiteColumns) and part.summary in ("stats", "health")
+                    and not part.any_nonfinite and part.index and part.index[0] is not None):
+                if rest:
+                    self.write(rest)
+                    rest = []
+                self._write_table(part)
+            else:
+                rest.extend(part.records() if isinstance(part, SiteColumns) else part)
+        self.write(rest)
+
+    def _write_table(self, table: SiteColumns) -> None:
+        step = int(table.step)
+        keys = table.stat_keys
+        names = [_STAT_ATTR.get(k, f"sowtel.stat.{k}") for k in keys]
+        counts = [k in _COUNT_STATS for k in keys]
+        rows = table.stats.tolist()
+        index = [_plain_index(i) for i in table.index]
+        flat_index: list[Any] = (index if all(isinstance(i, int) for i in index)
+                                 else [",".join(map(str, i)) if isinstance(i, list) else str(i)
+                                       for i in index])
+        pending = self._pending.setdefault(step, [])
+        state = self._state
+        for leaf, name in enumerate(table.names):
+            attrs: dict[str, Any] = {
+                "sowtel.name": name, "sowtel.mode": table.mode, "sowtel.tag": table.tag,
+                "sowtel.summary": table.summary,
+                "sowtel.shape": [int(d) for d in table.shapes[leaf]],
+                "sowtel.dtype": table.dtypes[leaf], "sowtel.index": flat_index,
+                RECORDS_ATTR: len(index),
+            }
+            for k, (attr, is_count) in enumerate(zip(names, counts, strict=True)):
+                column = [row[leaf][k] for row in rows]
+                attrs[attr] = [int(v) for v in column] if is_count else column
+            pending.append(_PendingEvent(table.wall_time, int(table.seqs[0]), attrs))
+            with state.lock:
+                for i, row in zip(table.index, rows, strict=True):
+                    key = (name, table.mode, i)
+                    series = self._attrs_cache.get(key)
+                    if series is None:
+                        series = {"sowtel.name": name, "sowtel.mode": table.mode}
+                        plain = _plain_index(i)
+                        if plain is not None:
+                            series["sowtel.index"] = plain
+                        if len(self._attrs_cache) < 100_000:
+                            self._attrs_cache[key] = series
+                    state.latest[key] = (series, dict(zip(keys, row[leaf], strict=True)), step)
+                    counted = state.exported.get(key)
+                    if counted is None:
+                        state.exported[key] = [series, 1]
+                    else:
+                        counted[1] += 1
+        if self._newest_step is None or step > self._newest_step:
+            self._newest_step = step
+        newest = self._newest_step
+        for s in sorted(self._pending):
+            if (newest is not None and s < newest) or self._over_limit(s):
+                self._emit(s)
 
     def flush(self) -> None:
         """Ends every open step span and asks the providers to export, within ``timeout_s``.
@@ -978,7 +1084,9 @@ class OTelExporter:
             attrs = event.attributes
             t_ns = int(event.wall_time * 1e9)
             events.append((EVENT_NAME, attrs, t_ns))
-            nonfinite = sum(attrs.get(_STAT_ATTR[k], 0) for k in _NONFINITE_KINDS)
+            # A table's event (RECORDS_ATTR) holds no NaN or infinity: it is never the alert.
+            nonfinite = 0 if RECORDS_ATTR in attrs else sum(
+                attrs.get(_STAT_ATTR[k], 0) for k in _NONFINITE_KINDS)
             if not self._alerted and nonfinite > 0:
                 self._alerted = True
                 alert = {
@@ -1006,7 +1114,8 @@ class OTelExporter:
             attributes={
                 "sowtel.step": step,
                 "sowtel.part": part,
-                "sowtel.record_count": sum(1 for name, _, _ in events if name == EVENT_NAME),
+                "sowtel.record_count": sum(attrs.get(RECORDS_ATTR, 1)
+                                           for name, attrs, _ in events if name == EVENT_NAME),
                 "sowtel.process_index": self._process_index,
             },
             start_time=start_ns,
@@ -1044,7 +1153,7 @@ class OTelExporter:
             finally:
                 done.set()
 
-        if _run_with_deadline(run, timeout_s, name):
+        if self._runner.run(run, timeout_s, name):
             return True
         self._trouble_at = time.monotonic()
         if not done.is_set():

@@ -69,6 +69,7 @@ from tensorboardX.summary import custom_scalars, histogram_raw, text
 from sowtel.exporters import check_logdir
 from sowtel.records import STAT_KEYS, Record
 from sowtel.summaries import host_summary
+from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFAULT_STATS",
            "COUNT_STATS", "LOG_CATEGORY"]
@@ -93,8 +94,37 @@ logger = logging.getLogger("sowtel")
 
 
 def _frame(event: Event) -> bytes:
+    return _frame_bytes(event.SerializeToString())
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # int64 as protobuf encodes it: two's complement, ten bytes if negative
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if n:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _value_head(tag: str) -> bytes:
+    """A ``Summary.value`` entry holding ``tag`` and a ``simple_value``, up to the value's four
+    bytes (the wire format: field 1 of Summary; in Value, tag is field 1, simple_value 2)."""
+    name = tag.encode()
+    inner = b"\x0a" + _varint(len(name)) + name + b"\x15"
+    return b"\x0a" + _varint(len(inner) + 4) + inner
+
+
+def _event_bytes(wall_time: float, step: int, summary: bytes) -> bytes:
+    """An ``Event`` (wall_time: field 1, step: 2, summary: 5) around serialized ``summary``."""
+    return b"".join((b"\x09", struct.pack("<d", wall_time), b"\x10", _varint(step), b"\x2a",
+                     _varint(len(summary)), summary))
+
+
+def _frame_bytes(data: bytes) -> bytes:
     # TFRecord framing: length, its masked CRC-32C, the data, its masked CRC-32C.
-    data = event.SerializeToString()
     header = struct.pack("<Q", len(data))
     return b"".join((header, struct.pack("<I", masked_crc32c(header)), data,
                      struct.pack("<I", masked_crc32c(data))))
@@ -200,6 +230,10 @@ class _EventFile:
         self._close_fd()
         os.makedirs(self.run_dir, exist_ok=True)
         self._open()
+
+    def add_bytes(self, event: bytes) -> None:
+        """Adds a serialized ``Event``."""
+        self._pending += _frame_bytes(event)
 
     def write_out(self, sync: bool) -> None:
         """Hands pending events to the OS (and to the disk if ``sync``); raises OSError."""
@@ -310,6 +344,8 @@ class TensorBoardExporter:
         self._prefixes: dict[tuple[str, str, Any], str] = {}
         self._layouts: dict[int, dict[str, _Site]] = {}
         self._counting: set[tuple[str, str, Any]] = set()  # series whose counts are written
+        # Per (name, mode, index, statistics, summary): its tags and their columns, for tables.
+        self._tags: dict[tuple[Any, ...], tuple[list[bytes], list[int]]] = {}
         self._layout_due: set[int] = set()
         self._alerted: set[int] = set()
         self._last_sync = time.monotonic()
@@ -381,7 +417,11 @@ class TensorBoardExporter:
                 if values:
                     f.add(Event(wall_time=wall_time or time.time(), step=int(step),
                                 summary=Summary(value=values)))
-        for process_index in sorted(layout_due):
+        self._finish(bad)
+
+    def _finish(self, bad: list[str]) -> None:
+        """After a batch: the layout where it changed, then the file out."""
+        for process_index in sorted(self._layout_due):
             # Step 0 for every version: TensorBoard keeps the last one written.
             self._files[process_index].add(
                 Event(wall_time=time.time(), step=0,
@@ -393,6 +433,81 @@ class TensorBoardExporter:
                 f"TensorBoardExporter skipped {len(bad)} record(s) it could not convert, first "
                 f"{bad[0]}: records need finite-or-NaN float stats and numeric values"
             )
+
+    def write_batch(self, batch: RecordBatch) -> None:
+        """Writes a batch; tables of ``stats``/``health`` summaries without a NaN or infinity go
+        from their columns straight to protobuf bytes (one encoded prefix a tag, cached), the
+        other records (full values, histograms, ``sowtel.log`` scalars, non-finite rows) as
+        :meth:`write` converts them; one event per process and step either way."""
+        if self._closed:
+            raise RuntimeError("TensorBoardExporter.write() after close(): create a new exporter")
+        units: list[tuple[int, int, int, SiteColumns | Record]] = []
+        for part in batch.parts:
+            if (isinstance(part, SiteColumns) and part.summary in ("stats", "health")
+                    and not part.any_nonfinite):
+                units.append((part.process_index, part.step, part.seqs[0], part))
+            else:
+                units.extend((r.process_index, r.step, r.seq, r)
+                             for r in (part.records() if isinstance(part, SiteColumns) else part))
+        # Steps increase per tag in the file, as TensorBoard's loader needs (see write()).
+        units.sort(key=lambda u: u[:3])
+        bad: list[str] = []
+        layout_due = self._layout_due
+        for (process_index, step), same in itertools.groupby(units, key=lambda u: u[:2]):
+            f = self._file(process_index)
+            layout = self._layouts.setdefault(process_index, {})
+            values: list[Summary.Value] = []
+            encoded: list[bytes] = []
+            wall_time = 0.0
+            for *_, unit in same:
+                if isinstance(unit, SiteColumns):
+                    self._table_values(unit, encoded, layout, layout_due)
+                else:
+                    try:
+                        self._record_values(unit, values, layout, layout_due)
+                    except Exception as e:  # one bad record must not lose the batch's others
+                        bad.append(f"{unit.name!r} ({unit.mode}, step {unit.step}): {e}")
+                wall_time = max(wall_time, unit.wall_time)
+            if values or encoded:
+                # Repeated fields concatenate: the converted values, then the encoded ones.
+                summary = Summary(value=values).SerializeToString() + b"".join(encoded)
+                f.add_bytes(_event_bytes(wall_time or time.time(), int(step), summary))
+        self._finish(bad)
+
+    def _table_values(self, table: SiteColumns, encoded: list[bytes],
+                      layout: dict[str, _Site], layout_due: set[int]) -> None:
+        keys = table.stat_keys
+        with np.errstate(over="ignore"):  # beyond float32: infinity, as protobuf stores it
+            as_f32 = table.stats.astype(np.float32)
+        for leaf, name in enumerate(table.names):
+            if table.shapes[leaf] == () and table.mode != "primal" and not self.scalar_derivatives:
+                continue
+            written: list[str] | None = None
+            for index, row in zip(table.index, as_f32[:, leaf], strict=True):
+                cache = (name, table.mode, index, keys, table.summary)
+                known = self._tags.get(cache)
+                if known is None:
+                    key = (name, table.mode, index)
+                    prefix = self._prefixes.get(key)
+                    if prefix is None:
+                        prefix = self._prefixes[key] = series_tag(name, table.mode, index)
+                    chosen = self._chosen(key, table.summary, dict.fromkeys(keys, 0.0), False)
+                    known = self._tags[cache] = (
+                        [_value_head(f"{prefix}/{stat}") for stat in chosen],
+                        [keys.index(stat) for stat in chosen])
+                heads, cols = known
+                data = row.tobytes()
+                encoded.extend(head + data[4 * c:4 * c + 4]
+                               for head, c in zip(heads, cols, strict=True))
+                if written is None:
+                    written = [keys[c] for c in cols]
+            site = layout.setdefault(name, _Site())
+            chosen_stats = written or []
+            counts_chart = (any(k in COUNT_STATS for k in chosen_stats)
+                            and table.summary == "health")
+            if site.learn(table.mode, frozenset(chosen_stats), table.index[0] is not None,
+                          counts_chart):
+                layout_due.add(table.process_index)
 
     def _record_values(self, r: Record, values: list[Summary.Value],
                        layout: dict[str, _Site], layout_due: set[int]) -> None:
@@ -440,8 +555,9 @@ class TensorBoardExporter:
         if self._counts_once_nonzero:
             # Counts are zero for almost every series: a chart of them from the first non-zero
             # step on, and for a health summary, whose counts are all it has.
-            if nonfinite or summary == "health":
+            if (nonfinite or summary == "health") and key not in self._counting:
                 self._counting.add(key)
+                self._tags.clear()  # cached tag lists of tables now lack this series' counts
             if key in self._counting:
                 chosen += [k for k in COUNT_STATS if k in stats]
         return chosen

@@ -37,20 +37,23 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sowtel import _exit
+from sowtel._exit import EXIT_TIMEOUT, close_all, sigterm_unhandled
+from sowtel._ledger import accounts, merge_reasons
+from sowtel._worker import POLL, WRITE_BYTES, WRITE_RECORDS, ExporterWorker
 from sowtel.records import Record
+from sowtel.to_records import RecordBatch, record_nbytes
 
 __all__ = [
     "Dispatcher", "ON_FULL", "EXIT_TIMEOUT", "DROP_REASONS", "WRITE_RECORDS", "WRITE_BYTES",
+    "BATCH_RECORDS",
     "accounts", "close_all", "sigterm_unhandled",
 ]
 
@@ -59,21 +62,12 @@ logger = logging.getLogger("sowtel")
 #: What :meth:`Dispatcher.put` does when the queue is full.
 ON_FULL: tuple[str, ...] = ("drop", "block")
 
-#: Seconds the exit hooks (``atexit`` and SIGTERM) spend, in all, flushing and closing every
-#: live dispatcher before the process goes on exiting.
-EXIT_TIMEOUT: float = 10.0
 
-#: One ``write()`` gets at most this many records, and at most :data:`WRITE_BYTES` bytes of full
-#: values (always at least one record): bounded calls let a stall be told from slow progress.
-WRITE_RECORDS = 1024
-#: See :data:`WRITE_RECORDS`.
-WRITE_BYTES = 16 << 20
-# The first write of an exporter, before its pace is known, holds at most this many records.
-_FIRST_WRITE = 64
-# Writes are sized to last about this fraction of exporter_timeout at the exporter's pace.
-_WRITE_SHARE = 1 / 20
+#: The dispatcher thread takes at most this many records off the queue at a time (plus one
+#: item: a ``sowtel.jit`` step is never cut), converts them and offers them to every exporter.
+BATCH_RECORDS = 4096
 # How often waits that cannot be woken by a notification re-check for stalled exporters.
-_POLL = 0.05
+_POLL = POLL  # the worker's poll interval, for the waits here too
 
 #: Why records were dropped (``status()["drop_reasons"]``).
 DROP_REASONS: tuple[str, ...] = (
@@ -94,389 +88,7 @@ def _check_seconds(value: Any, name: str) -> float:
     return float(value)
 
 
-def _record_nbytes(record: Record) -> int:
-    value = record.value
-    return int(getattr(value, "nbytes", 0)) if value is not None else 0
-
-
-def _is_nonfinite(record: Record) -> bool:
-    stats = record.stats
-    if "nan" in stats:
-        return bool(stats["nan"] or stats.get("posinf", 0) or stats.get("neginf", 0))
-    value = record.value
-    if value is not None and getattr(value, "dtype", None) is not None and value.dtype.kind in "fc":
-        import numpy as np
-
-        return not bool(np.isfinite(value).all())
-    return False
-
-
-class _Token:
-    """A flush or close request travelling through one worker's queue behind the records."""
-
-    __slots__ = ("kind", "done")
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self.done = False
-
-
-class _Batch:
-    """Records waiting in a worker's backlog, and the bytes of full values among them."""
-
-    __slots__ = ("records", "nbytes")
-
-    def __init__(self, records: Sequence[Record], nbytes: int) -> None:
-        self.records = records
-        self.nbytes = nbytes
-
-
-class _ExporterWorker:
-    """One exporter, its bounded backlog, and the only thread that ever calls it.
-
-    Every record offered ends in exactly one of ``exported``, ``failed`` (its write raised) or
-    ``dropped`` (by reason), or is still ``pending``. ``release`` is called with the records the
-    worker is done with (written, failed or dropped), so the dispatcher can free their bytes;
-    it is never called while this worker's lock is held.
-    """
-
-    def __init__(
-        self, exporter: Any, label: str, *, max_records: int, flush_interval: float,
-        timeout: float, release: Callable[[Sequence[Record]], None],
-    ) -> None:
-        self.exporter = exporter
-        self.label = label
-        self.exported = 0
-        self.failed = 0
-        self.errors = 0
-        self.pending = 0
-        self.drop_reasons: dict[str, int] = {}
-        self._max_records = max_records
-        self._flush_interval = flush_interval
-        self._timeout = timeout
-        self._release = release
-        # A Condition over an RLock: the SIGTERM handler may run on a thread that holds it.
-        self._cond = threading.Condition()
-        self._queue: deque[_Batch | _Token] = deque()
-        self._writing: Sequence[Record] | None = None  # the records of the write in progress
-        self._busy_since: float | None = None
-        self._busy_in = ""
-        self._seconds_per_record: float | None = None
-        self._accepting = True
-        self._abandoned = False  # given up on while inside a call; its records were counted
-        self._given_up = False  # given up on for good by close(): only close() is called next
-        self._finished = False
-        self._logged_error = False
-        self._logged_stall = False
-        self._logged_overflow = False
-        self._thread = threading.Thread(
-            target=self._run, name=f"sowtel-exporter-{label}", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def ident(self) -> int | None:
-        return self._thread.ident
-
-    @property
-    def dropped(self) -> int:
-        return sum(self.drop_reasons.values())
-
-    def _drop(self, reason: str, n: int) -> None:
-        if n:
-            self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + n
-
-    # -- stalls -------------------------------------------------------------------------------
-
-    def stalled(self) -> bool:
-        """True while the exporter is given up on: one call has lasted longer than the timeout.
-
-        The first time it is seen, everything queued for the exporter and the records of the
-        call it is stuck in are counted as dropped (reason ``"stalled"``) and released.
-        """
-        released: list[Sequence[Record]] = []
-        with self._cond:
-            if self._abandoned:
-                return True
-            since = self._busy_since
-            if since is None or time.monotonic() - since <= self._timeout:
-                # A worker that is gone (e.g. in a forked child) is never waited for.
-                return not self._finished and not self._thread.is_alive()
-            released = self._abandon("stalled")
-            if not self._logged_stall:
-                self._logged_stall = True
-                logger.error(
-                    "sowtel exporter %s made no progress for %.3g s inside %s() of at most %d "
-                    "records; it is given up on until that call returns: its backlog and the "
-                    "records of that call are counted in status()['drop_reasons'][%r]"
-                    "['stalled']", self.label, self._timeout, self._busy_in or "a call",
-                    WRITE_RECORDS, self.label,
-                )
-        for records in released:
-            self._release(records)
-        return True
-
-    def _abandon(self, reason: str) -> list[Sequence[Record]]:
-        """Counts the backlog and the write in progress as dropped; returns them (lock held)."""
-        released: list[Sequence[Record]] = []
-        tokens: deque[_Batch | _Token] = deque()
-        for entry in self._queue:
-            if isinstance(entry, _Token):
-                tokens.append(entry)
-            else:
-                released.append(entry.records)
-        self._queue = tokens
-        if self._writing is not None:
-            released.append(self._writing)
-            self._writing = None
-        n = sum(len(r) for r in released)
-        self.pending -= n
-        self._drop(reason, n)
-        self._abandoned = True
-        self._cond.notify_all()
-        return released
-
-    def give_up(self) -> None:
-        """Called by a close() whose time ran out: drops what is left, takes nothing more.
-
-        The call the exporter may be inside is left to finish (its records are counted as
-        dropped now); then the worker calls ``close()`` on the exporter and stops.
-        """
-        with self._cond:
-            if self._finished or self._given_up:
-                return
-            self._given_up = True
-            self._accepting = False
-            released = self._abandon("close_timeout")
-            for entry in self._queue:
-                if isinstance(entry, _Token):
-                    entry.done = True
-            self._queue.clear()
-            self._cond.notify_all()
-        for records in released:
-            self._release(records)
-
-    # -- called from the dispatcher thread -------------------------------------------------
-
-    def offer(self, batch: Sequence[Record], nbytes: int, block: bool) -> bool:
-        """Appends ``batch`` to the backlog; when it is full, drops it or waits for room.
-
-        Returns False if the batch was dropped (and counted); the caller then releases it.
-        """
-        while True:
-            stalled = self.stalled() if block else False
-            with self._cond:
-                if not self._accepting:
-                    self._drop("closed" if not self._given_up else "close_timeout", len(batch))
-                    return False
-                if self._abandoned or stalled:
-                    self._drop("stalled", len(batch))
-                    return False
-                # A backlog under its bound takes a whole batch, so it holds at most one batch
-                # beyond it; no batch is ever refused for being larger than the bound.
-                if self.pending < self._max_records:
-                    self._queue.append(_Batch(batch, nbytes))
-                    self.pending += len(batch)
-                    self._cond.notify_all()
-                    return True
-                if not block:
-                    self._drop("backlog_full", len(batch))
-                    if not self._logged_overflow:
-                        self._logged_overflow = True
-                        logger.warning(
-                            "sowtel exporter %s is falling behind: its backlog is full (%d "
-                            "records), so records for it are dropped and counted in status()"
-                            "['drop_reasons'][%r]['backlog_full']", self.label, self.pending,
-                            self.label,
-                        )
-                    return False
-                self._cond.wait(_POLL)
-
-    # -- called from any thread --------------------------------------------------------------
-
-    def request(self, kind: str) -> _Token:
-        """Queues a flush or close request behind everything already queued."""
-        token = _Token(kind)
-        with self._cond:
-            if self._finished or self._given_up:
-                token.done = True
-                return token
-            if kind == "close":
-                self._accepting = False
-            self._queue.append(token)
-            self._cond.notify_all()
-        return token
-
-    def wait(self, token: _Token, deadline: float | None) -> str:
-        """Waits for ``token``: returns ``"done"``, ``"stalled"`` or ``"timeout"``."""
-        while True:
-            if self.stalled():
-                return "stalled"
-            with self._cond:
-                if token.done:
-                    return "done"
-                step = _POLL
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return "timeout"
-                    step = min(step, left)
-                self._cond.wait(step)
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-    def counts(self) -> tuple[int, int, int, int, dict[str, int], int]:
-        """exported, failed, errors, pending, drop reasons, dropped: one consistent snapshot."""
-        with self._cond:
-            reasons = dict(self.drop_reasons)
-            return (self.exported, self.failed, self.errors, self.pending, reasons,
-                    sum(reasons.values()))
-
-    # -- the worker thread -------------------------------------------------------------------
-
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> bool:
-        with self._cond:
-            self._busy_in = what
-            self._busy_since = time.monotonic()
-        try:
-            fn(*args)
-            return True
-        except BaseException:  # an exporter must never take its worker down with it
-            with self._cond:
-                self.errors += 1
-            if not self._logged_error:
-                self._logged_error = True
-                logger.exception(
-                    "sowtel exporter %s raised in %s(); it keeps receiving records, and the "
-                    "records it lost are counted in status()['failed'] (failed calls in "
-                    "status()['errors']); not logged again", self.label, what,
-                )
-            return False
-        finally:
-            with self._cond:
-                self._busy_since = None
-                if self._abandoned and not self._given_up:
-                    self._abandoned = False
-                    self._logged_stall = False
-                    logger.warning("sowtel exporter %s returned from %s() and resumes",
-                                   self.label, what)
-
-    def _write_limit(self) -> int:
-        per_record = self._seconds_per_record
-        if per_record is None:
-            return _FIRST_WRITE
-        if per_record <= 0:
-            return WRITE_RECORDS
-        return max(1, min(WRITE_RECORDS, int(self._timeout * _WRITE_SHARE / per_record)))
-
-    def _take(self) -> Sequence[Record] | _Token:
-        """The next token, or the next records to write, within the write bounds (lock held)."""
-        first = self._queue[0]
-        if isinstance(first, _Token):
-            self._queue.popleft()
-            return first
-        limit = self._write_limit()
-        chunk: list[Record] = []
-        nbytes = 0
-        while self._queue and len(chunk) < limit:
-            entry = self._queue[0]
-            if isinstance(entry, _Token):
-                break
-            records = entry.records
-            room = limit - len(chunk)
-            if entry.nbytes == 0:
-                k = min(room, len(records))
-            else:
-                k = 0
-                while k < min(room, len(records)):
-                    b = _record_nbytes(records[k])
-                    if (chunk or k) and nbytes + b > WRITE_BYTES:
-                        room = k  # the byte bound ends this write here
-                        break
-                    nbytes += b
-                    k += 1
-            if k == len(records):
-                self._queue.popleft()
-                chunk.extend(records)
-            else:
-                chunk.extend(records[:k])
-                rest = records[k:]
-                entry.records = rest
-                entry.nbytes = sum(_record_nbytes(r) for r in rest) if entry.nbytes else 0
-                break
-        return chunk
-
-    def _run(self) -> None:
-        last_flush = time.monotonic()
-        dirty = False
-        while True:
-            with self._cond:
-                entry: Sequence[Record] | _Token | None = None
-                while not self._queue and not self._given_up:
-                    wait: float | None = None
-                    if dirty:
-                        # Written records reach the sink's storage within about one interval.
-                        wait = self._flush_interval - (time.monotonic() - last_flush)
-                        if wait <= 0:
-                            break
-                    self._cond.wait(wait)
-                if self._given_up:
-                    entry = _Token("close")
-                elif self._queue:
-                    entry = self._take()
-                    if not isinstance(entry, _Token):
-                        self._writing = entry
-            if entry is None or isinstance(entry, _Token):
-                kind = "flush" if entry is None else entry.kind
-                if kind == "flush":
-                    self._call("flush", self.exporter.flush)
-                    dirty = False
-                    last_flush = time.monotonic()
-                else:
-                    self._call("close", self.exporter.close)
-                with self._cond:
-                    if entry is not None:
-                        entry.done = True
-                    if kind == "close":
-                        self._finished = True
-                        for late in self._queue:  # requests made after the close: answered
-                            if isinstance(late, _Token):
-                                late.done = True
-                        self._queue.clear()
-                    self._cond.notify_all()
-                if kind == "close":
-                    return
-                continue
-            t0 = time.monotonic()
-            ok = self._call("write", self.exporter.write, entry)
-            took = time.monotonic() - t0
-            counted = False
-            with self._cond:
-                if self._writing is entry:  # else it was given up on and already counted
-                    self._writing = None
-                    counted = True
-                    self.pending -= len(entry)
-                    if ok:
-                        self.exported += len(entry)
-                    else:
-                        self.failed += len(entry)
-                # A slow-down shows at once; a speed-up is believed half at a time.
-                per_record = took / max(1, len(entry))
-                old = self._seconds_per_record
-                self._seconds_per_record = (
-                    per_record if old is None or per_record > old else (old + per_record) / 2)
-                self._cond.notify_all()
-            if counted:
-                self._release(entry)
-            dirty = True
-            if self._given_up:
-                continue  # only close() is called now
-            if time.monotonic() - last_flush >= self._flush_interval:
-                # Under a steady stream the backlog never empties; flush on schedule anyway.
-                self._call("flush", self.exporter.flush)
-                dirty = False
-                last_flush = time.monotonic()
+_record_nbytes = record_nbytes
 
 
 def _labels(exporters: Sequence[Any]) -> list[str]:
@@ -497,11 +109,14 @@ class Dispatcher:
     """Moves items from host callbacks to exporters without ever stalling training.
 
     Args:
-      exporters: objects with ``write(records)``, ``flush()`` and ``close()``.
-      convert: turns a list of raw items given to :meth:`put` into a list of records; runs on
-        the dispatcher thread. If it raises, that batch is lost, counted in ``status()`` and
-        logged once.
-      queue_size: the most items waiting in the queue; also the backlog bound of each exporter,
+      exporters: objects with ``write(records)``, ``flush()`` and ``close()`` (and optionally
+        ``write_batch(batch)``, which then gets each write as a
+        :class:`~sowtel.to_records.RecordBatch`).
+      convert: turns a list of raw items given to :meth:`put` into a list of records or a
+        :class:`~sowtel.to_records.RecordBatch`; runs on the dispatcher thread. If it raises,
+        that batch is lost, counted in ``status()`` and logged once.
+      queue_size: the most records waiting in the queue (under ``"block"``: in the queue and
+        the largest backlog together), plus one item; also the backlog bound of each exporter,
         in records.
       max_bytes: the most bytes of full values (the ``nbytes`` given to :meth:`put`, then the
         records' own) held anywhere from :meth:`put` until the last exporter is done with them:
@@ -533,7 +148,7 @@ class Dispatcher:
         self,
         exporters: list[Any],
         *,
-        convert: Callable[[list[Any]], list[Record]],
+        convert: Callable[[list[Any]], Sequence[Record] | RecordBatch],
         queue_size: int = 10_000,
         max_bytes: int = 1 << 30,
         on_full: str = "drop",
@@ -565,7 +180,7 @@ class Dispatcher:
         self._on_full = on_full
         self._flush_interval = float(flush_interval)
         self._exporter_timeout = float(exporter_timeout)
-        # The queue drains as soon as this many items wait, else every flush_interval.
+        # The queue drains as soon as this many records wait, else every flush_interval.
         self._wake_at = max(1, min(512, queue_size // 4))
 
         # One RLock under every condition: the SIGTERM handler runs on the main thread, which may
@@ -575,9 +190,12 @@ class Dispatcher:
         self._wake_cond = threading.Condition(self._lock)
         self._space_cond = threading.Condition(self._lock)
         self._progress_cond = threading.Condition(self._lock)
-        self._items: list[Any] = []
-        self._multi: dict[int, int] = {}  # position in _items -> records, where not 1
-        self._nbytes = 0  # bytes given to put() for the items in _items
+        self._block = on_full == "block"
+        # Queued (item, records, nbytes), and the records they hold.
+        self._items: deque[tuple[Any, int, int]] = deque()
+        self._queued = 0
+        self._backlog = 0  # the largest exporter backlog, counted under "block" only
+        self._batch_records = min(queue_size, BATCH_RECORDS)
         # In records, as put() declared them: accepted, taken off the queue, and dealt with.
         self._accepted = 0
         self._taken = 0
@@ -599,15 +217,14 @@ class Dispatcher:
         self._unconverted = 0  # items
         self._unconverted_records = 0
         self._logged_convert = False
-        self._first_nonfinite: tuple[int, str, str] | None = None
         # max_bytes bounds every byte of full values from put() until the last exporter is
-        # done with the record: queued, in the dispatcher's hands and in every backlog.
+        # done with the record: queued and in the dispatcher's hands (here), and in every
+        # backlog (each worker's held_bytes).
         self._live_bytes = 0
-        self._held: dict[int, list[int]] = {}  # id(record) -> [workers not done, nbytes]
         self._hand: list[Any] | None = None  # the batch being converted: [records, nbytes, lost]
 
         self._workers = [
-            _ExporterWorker(
+            ExporterWorker(
                 e, label, max_records=queue_size, flush_interval=self._flush_interval,
                 timeout=self._exporter_timeout, release=self._release,
             )
@@ -616,7 +233,10 @@ class Dispatcher:
         self._thread = threading.Thread(target=self._run, name="sowtel-dispatcher", daemon=True)
         self._thread.start()
         self._own_threads = {self._thread.ident} | {w.ident for w in self._workers}
-        _register(self)
+        _exit.register(self)
+        _exit.after_fork(self)
+        for worker in self._workers:
+            _exit.after_fork(worker)
 
     # -- the hot path ---------------------------------------------------------------------------
 
@@ -624,11 +244,14 @@ class Dispatcher:
         """Enqueues one raw item for ``convert``; safe from any thread. Returns True if accepted.
 
         Only appends to the queue: no conversion, no I/O. ``nbytes`` is the size of the full
-        values the item holds, ``records`` how many records ``convert`` will make of it (for
-        the accounting of an item that is lost before it is converted). When the queue is full
-        (``queue_size`` items, or ``max_bytes`` bytes of full values held anywhere in the
-        dispatcher), ``on_full="drop"`` counts a drop and returns False at once, ``"block"``
-        waits for room. After :meth:`close`, returns False.
+        values the item holds, ``records`` how many records ``convert`` will make of it (a
+        ``sowtel.jit`` step counts as every record it makes). The queue is full when
+        ``queue_size`` records wait (with ``on_full="block"``: anywhere between put and the
+        exporters, backlogs included), or ``max_bytes`` bytes of full values are held anywhere
+        in the dispatcher; an item is taken while fewer wait, so at most ``queue_size`` records
+        plus one item wait. When full, ``on_full="drop"`` counts the item's records as dropped
+        and returns False at once, ``"block"`` waits for room. After :meth:`close`, returns
+        False.
 
         Example:
             >>> d = Dispatcher([], convert=lambda items: [])
@@ -639,49 +262,67 @@ class Dispatcher:
             False
         """
         with self._lock:
-            n = len(self._items)
-            if (n < self._queue_size and not self._closed
-                    and (nbytes == 0 or self._live_bytes == 0
-                         or self._live_bytes + nbytes <= self._max_bytes)):
-                self._items.append(item)
-                if records != 1:
-                    self._multi[n] = records
+            before = self._queued
+            # _has_room, inlined: this runs once per host callback.
+            if (before + self._backlog < self._queue_size and not self._closed
+                    and (nbytes == 0 or self._bytes_fit(nbytes))):
+                self._items.append((item, records, nbytes))
+                self._queued = queued = before + records
                 self._accepted += records
                 if nbytes:
-                    self._nbytes += nbytes
                     self._live_bytes += nbytes
-                    if self._nbytes * 4 >= self._max_bytes:  # full values: move them early
+                    if self._live_bytes * 4 >= self._max_bytes:  # full values: move them early
                         self._wake_cond.notify()
-                if n + 1 == self._wake_at:
+                if before < self._wake_at <= queued:
                     self._wake_cond.notify()
                 return True
         return self._put_full(item, nbytes, records)
+
+    def _waiting(self) -> int:
+        """Records waiting in the queue; under "block" also in the largest backlog, so that
+        back-pressure reaches the producer. The batch being converted (at most
+        :data:`BATCH_RECORDS` records and one item) is not counted (lock held)."""
+        return self._queued + self._backlog
+
+    def _note_backlogs(self) -> None:
+        # The largest backlog, kept for put() under "block": refreshed whenever a backlog
+        # grows (an offer) or shrinks (a worker let go of records).
+        if self._block:
+            self._backlog = max((w.pending for w in self._workers), default=0)
+
+    def held_bytes(self) -> int:
+        """Bytes of full values held now: queued, being converted, and by the exporters' workers
+        (the largest holder: every worker is given the same records)."""
+        return self._live_bytes + max((w.held_bytes for w in self._workers), default=0)
+
+    def _has_room(self, nbytes: int) -> bool:
+        if self._waiting() >= self._queue_size:
+            return False
+        return nbytes == 0 or self._bytes_fit(nbytes)
+
+    def _bytes_fit(self, nbytes: int) -> bool:
+        held = self.held_bytes()
+        return held == 0 or held + nbytes <= self._max_bytes
 
     def _put_full(self, item: Any, nbytes: int, records: int) -> bool:
         with self._lock:
             if self._closed:
                 return self._refuse("closed", records)
-            if self._on_full == "block" and threading.get_ident() not in self._own_threads:
+            if self._block and threading.get_ident() not in self._own_threads:
                 self._space_waiters += 1
                 try:
-                    while True:
-                        n = len(self._items)
+                    while not self._has_room(nbytes):
                         if self._closed:
                             return self._refuse("closed", records)
-                        if n < self._queue_size and (
-                            nbytes == 0 or self._live_bytes == 0
-                            or self._live_bytes + nbytes <= self._max_bytes
-                        ):
-                            break
                         self._urgent = True
                         self._wake_cond.notify()
                         self._space_cond.wait(_POLL)
+                    if self._closed:
+                        return self._refuse("closed", records)
                 finally:
                     self._space_waiters -= 1
-                if records != 1:
-                    self._multi[len(self._items)] = records
-                self._items.append(item)
-                self._nbytes += nbytes
+                self._items.append((item, records, nbytes))
+                self._queued += records
                 self._live_bytes += nbytes
                 self._accepted += records
                 return True
@@ -693,10 +334,11 @@ class Dispatcher:
             if not self._logged_full:
                 self._logged_full = True
                 logger.warning(
-                    "sowtel queue is full (%d items, %d bytes of full values held): dropping "
-                    "records and counting them in status()['dropped']; raise queue_size / "
-                    "max_bytes, stream less (summary, every=) or use on_full='block' to lose "
-                    "nothing", len(self._items), self._live_bytes,
+                    "sowtel queue is full (%d records waiting, %d bytes of full values held): "
+                    "dropping whole items (a sowtel.jit step at a time) and counting their "
+                    "records in status()['dropped']; raise queue_size / max_bytes, stream less "
+                    "(summary, every=) or use on_full='block' to lose nothing",
+                    self._waiting(), self.held_bytes(),
                 )
             return False
 
@@ -731,40 +373,36 @@ class Dispatcher:
         for record in records:
             self.put(record, _record_nbytes(record))
 
-    def _release(self, records: Sequence[Record]) -> None:
-        """A worker is done with ``records``: frees the bytes of those no worker holds now."""
-        if not self._held:  # no full values anywhere: nothing to free
-            return
-        freed = 0
-        with self._lock:
-            held = self._held
-            for r in records:
-                if r.value is not None:
-                    entry = held.get(id(r))
-                    if entry is not None:
-                        entry[0] -= 1
-                        if entry[0] <= 0:
-                            del held[id(r)]
-                            freed += entry[1]
-            if freed:
-                self._live_bytes -= freed
-                if self._space_waiters:
-                    self._space_cond.notify_all()
+    def _release(self, nbytes: int) -> None:
+        """A worker let go of records (``nbytes`` of full values): producers may have room."""
+        self._note_backlogs()
+        if self._space_waiters:
+            with self._lock:
+                self._space_cond.notify_all()
 
     # -- the dispatcher thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        more = False
         while True:
             with self._lock:
-                if not (self._stop or self._urgent or len(self._items) >= self._wake_at):
+                if not (more or self._stop or self._urgent or self._queued >= self._wake_at):
                     self._wake_cond.wait(self._flush_interval)
-                self._urgent = False
-                items, self._items = self._items, []
-                multi, self._multi = self._multi, {}
-                declared = len(items) + sum(multi.values()) - len(multi)
+                items: list[tuple[Any, int]] = []
+                declared = nbytes = 0
+                # One batch at a time, of whole items: at most BATCH_RECORDS records plus one
+                # item, so a backlog, a conversion and a write never grow with the queue.
+                while self._items and (not items or declared < self._batch_records):
+                    item, n, b = self._items.popleft()
+                    items.append((item, n))
+                    declared += n
+                    nbytes += b
+                self._queued -= declared
                 self._taken += declared
-                self._hand = [declared, self._nbytes, False] if items else None
-                self._nbytes = 0
+                self._hand = [declared, nbytes, False] if items else None
+                more = bool(self._items)
+                if not more:
+                    self._urgent = False
                 stop = self._stop
                 if self._space_waiters:
                     self._space_cond.notify_all()
@@ -772,7 +410,7 @@ class Dispatcher:
                 worker.stalled()  # gives up on a hung exporter even when nobody waits for it
             if items:
                 try:
-                    self._dispatch(items, multi)
+                    self._dispatch(items)
                 except BaseException:  # the dispatcher thread must outlive any bug below it
                     with self._lock:
                         hand, self._hand = self._hand, None
@@ -788,47 +426,59 @@ class Dispatcher:
             with self._lock:
                 self._dispatched += declared
                 self._progress_cond.notify_all()
-            if stop and not items:
+                if self._space_waiters:
+                    self._space_cond.notify_all()
+            if stop and not items and not more:
                 return
 
-    def _to_records(
-        self, items: list[Any], multi: dict[int, int],
-    ) -> tuple[list[Record], int, int, int]:
+    def _to_batch(
+        self, items: list[tuple[Any, int]],
+    ) -> tuple[RecordBatch, int, int, int]:
         """The records of ``items``; how many more records than declared the converted items
         made; and the items and declared records of runs that failed to convert.
 
         Records from put_records pass through; runs of raw items between them are converted,
         so the order of everything accepted is kept.
         """
-        out: list[Record] = []
+        parts: list[Any] = []
+        passed: list[Record] = []
         extra = failed_items = failed_records = 0
         start = 0
-        for i, item in enumerate([*items, None]):
-            if i < len(items) and not isinstance(item, Record):
+        for i, entry in enumerate([*items, None]):
+            if entry is not None and not isinstance(entry[0], Record):
                 continue
             if start < i:
                 run = items[start:i]
-                declared = len(run) + sum(multi[k] - 1 for k in multi if start <= k < i)
-                made = self._convert_raw(run)
+                declared = sum(n for _, n in run)
+                made = self._convert_raw([item for item, _ in run])
                 if made is not None:
-                    out.extend(made)
+                    if passed:
+                        parts.append(tuple(passed))
+                        passed = []
+                    parts.extend(made.parts)
                     extra += len(made) - declared
                 else:
                     failed_items += len(run)
                     failed_records += declared
-            if i < len(items):
-                out.append(item)
+            if entry is not None:
+                passed.append(entry[0])
             start = i + 1
-        return out, extra, failed_items, failed_records
+        if passed:
+            parts.append(tuple(passed))
+        return RecordBatch(parts), extra, failed_items, failed_records
 
-    def _convert_raw(self, raw: list[Any]) -> Sequence[Record] | None:
+    def _convert_raw(self, raw: list[Any]) -> RecordBatch | None:
         try:
-            records = list(self._convert(raw))
+            made = self._convert(raw)
+            if isinstance(made, RecordBatch):
+                return made
+            records = tuple(made)
             for record in records:
                 if not isinstance(record, Record):
                     raise TypeError(f"convert() returned {type(record).__name__} {record!r} "
-                                    "among its records; it must return sowtel Record objects")
-            return records
+                                    "among its records; it must return sowtel Record objects "
+                                    "or a sowtel.to_records.RecordBatch")
+            return RecordBatch([records])
         except Exception:
             with self._lock:
                 self._convert_errors += 1
@@ -841,41 +491,30 @@ class Dispatcher:
                 )
             return None
 
-    def _dispatch(self, items: list[Any], multi: dict[int, int]) -> None:
-        made, extra, failed_items, failed_records = self._to_records(items, multi)
-        records = tuple(made)
-        sizes = [(r, _record_nbytes(r)) for r in records if r.value is not None]
-        nbytes = sum(b for _, b in sizes)
+    def _dispatch(self, items: list[tuple[Any, int]]) -> None:
+        batch, extra, failed_items, failed_records = self._to_batch(items)
+        nbytes = batch.nbytes()
         with self._lock:
             hand, self._hand = self._hand, None
             if hand is None or hand[2]:
                 return  # close() gave up on this batch and counted it as dropped
-            declared_bytes = hand[1]
             # Converted items count as the records they became; failed ones as declared.
             self._extra += extra
             if failed_items:
                 self._unconverted += failed_items
                 self._unconverted_records += failed_records
-            self._records += len(records)
-            self._live_bytes += nbytes - declared_bytes
-            if self._workers:
-                for r, b in sizes:
-                    self._held[id(r)] = [len(self._workers), b]
-            else:
-                self._live_bytes -= nbytes
-        if not records:
-            return
-        if self._first_nonfinite is None:
-            for r in records:
-                if _is_nonfinite(r):
-                    self._first_nonfinite = (r.step, r.name, r.mode)
-                    logger.warning("sowtel: first non-finite value at step %s in %s (%s)",
-                                   r.step, r.name, r.mode)
-                    break
-        block = self._on_full == "block"
-        for worker in self._workers:
-            if not worker.offer(records, nbytes, block):
-                self._release(records)
+            self._records += len(batch)
+        try:
+            if not len(batch):
+                return
+            for worker in self._workers:
+                worker.offer(batch, nbytes, self._block)
+            self._note_backlogs()
+        finally:
+            with self._lock:
+                # Now the workers hold the full values (each its own count): counted here
+                # until then, so that no moment counts them nowhere.
+                self._live_bytes -= hand[1]
 
     # -- flush, close, status -------------------------------------------------------------------
 
@@ -962,7 +601,7 @@ class Dispatcher:
                 for worker in self._workers:
                     worker.join(_POLL)
         finally:
-            _unregister(self)
+            _exit.unregister(self)
 
     def _give_up(self) -> None:
         """Counts whatever close() could not deliver in time as dropped (``close_timeout``)."""
@@ -976,8 +615,9 @@ class Dispatcher:
                 self._hand[2] = True  # the dispatcher thread will not deliver it
                 self._live_bytes -= self._hand[1]
                 self._hand = None
-            self._live_bytes -= self._nbytes
-            self._items, self._multi, self._nbytes = [], {}, 0
+            self._live_bytes -= sum(b for _, _, b in self._items)
+            self._items.clear()
+            self._queued = 0
             if n:
                 self._queue_drops["close_timeout"] = self._queue_drops.get("close_timeout", 0) + n
         for worker in self._workers:
@@ -989,9 +629,13 @@ class Dispatcher:
     def status(self, late: int = 0) -> dict[str, Any]:
         """Counters for ``sowtel.status()``, in records.
 
+        One snapshot: every count is read at one moment, so ``exported`` never exceeds
+        ``received`` and ``pending`` is never negative.
+
         Keys: ``received`` (records of the items offered to put/put_records), ``dropped``
         (refused: queue full or closed, or given up on at close), ``queued`` (items waiting
-        now), ``records`` (made by convert or given to put_records), ``convert_errors`` and
+        now), ``queued_records`` (the records they hold, and those being converted),
+        ``records`` (made by convert or given to put_records), ``convert_errors`` and
         ``unconverted`` (failed convert calls, items they lost), ``late`` (records whose
         callback came after the session ended: given by the session); per exporter label:
         ``exported`` (records written), ``failed`` (records of writes that raised),
@@ -999,7 +643,8 @@ class Dispatcher:
         reason of that exporter's own), ``drop_reasons`` (every dropped record on that
         exporter's way, by reason), ``pending`` (its backlog); ``accounts`` (per label and
         ``"total"``: ``received == exported + dropped + failed + late + pending``), ``stalled``
-        (labels), ``first_nonfinite`` (``(step, name, mode)`` or None), ``closed``.
+        (labels), ``first_nonfinite`` (always None here: a session fills it in, from its
+        conversion), ``closed``.
 
         Example:
             >>> from sowtel.exporters.memory import MemoryExporter
@@ -1023,12 +668,15 @@ class Dispatcher:
             records = self._records
             unconverted_records = self._unconverted_records
             closed = self._closed
-            held_bytes = self._live_bytes
-        counts = {w.label: w.counts() for w in workers}
+            held_bytes = self.held_bytes()
+            # Under the dispatcher's lock (the lock order allows it): records move from the
+            # queue to the workers only under it, so the counts below match the ones above.
+            counts = {w.label: w.counts() for w in workers}
         status: dict[str, Any] = {
             "received": received,
             "dropped": sum(queue_drops.values()),
             "queued": queued,
+            "queued_records": queued_records,
             "records": records,
             "convert_errors": self._convert_errors,
             "unconverted": self._unconverted,
@@ -1037,14 +685,14 @@ class Dispatcher:
             "failed": {k: c[1] + unconverted_records for k, c in counts.items()},
             "errors": {k: c[2] for k, c in counts.items()},
             "exporter_dropped": {k: c[5] for k, c in counts.items()},
-            "drop_reasons": {k: _merge(queue_drops, c[4]) for k, c in counts.items()},
+            "drop_reasons": {k: merge_reasons(queue_drops, c[4]) for k, c in counts.items()},
             # Everything on its way to each exporter: queued, being converted, in its backlog.
             "pending": {k: records - (c[0] + c[1] + c[5]) + queued_records
                         for k, c in counts.items()},
             "backlog": {k: c[3] for k, c in counts.items()},
             "held_bytes": held_bytes,
             "stalled": stalled,
-            "first_nonfinite": self._first_nonfinite,
+            "first_nonfinite": None,  # the session's conversion detects it (sowtel.session)
             "closed": closed,
         }
         status["accounts"] = accounts(status)
@@ -1062,160 +710,12 @@ class Dispatcher:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _forget_threads(self) -> None:
-        # In a forked child the threads do not exist: refuse items and never wait for them.
+    def _after_fork(self) -> None:
+        # In a forked child the threads do not exist and a lock one of them held stays held:
+        # fresh locks; refuse items, and never wait for the threads.
+        self._lock = threading.RLock()
+        self._wake_cond = threading.Condition(self._lock)
+        self._space_cond = threading.Condition(self._lock)
+        self._progress_cond = threading.Condition(self._lock)
+        self._space_waiters = 0
         self._closed = self._stop = self._close_started = True
-
-
-def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = out.get(k, 0) + v
-    return {k: v for k, v in out.items() if v}
-
-
-def accounts(status: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Where every record received went, per exporter label and in ``"total"`` (the sums).
-
-    For each label, ``received == exported + dropped + failed + late + pending``, and
-    ``pending`` is 0 once :meth:`Dispatcher.flush` returned True or the dispatcher is closed.
-    ``received`` counts every record once per exporter (``status["received"]`` plus the
-    session's ``late``).
-
-    Example:
-        >>> d = Dispatcher([], convert=list)
-        >>> d.close()
-        >>> accounts(d.status())["total"]
-        {'received': 0, 'exported': 0, 'dropped': 0, 'failed': 0, 'late': 0, 'pending': 0}
-    """
-    late = int(status.get("late", 0))
-    per: dict[str, dict[str, int]] = {}
-    for label, exported in status["exported"].items():
-        per[label] = {
-            "received": status["received"] + late,
-            "exported": exported,
-            "dropped": sum(status["drop_reasons"][label].values()),
-            "failed": status["failed"][label],
-            "late": late,
-            "pending": status["pending"][label],
-        }
-    keys = ("received", "exported", "dropped", "failed", "late", "pending")
-    per["total"] = {k: sum(a[k] for a in per.values()) for k in keys}
-    return per
-
-
-# -- process exit ---------------------------------------------------------------------------------
-
-_live: dict[int, Dispatcher] = {}
-_hooks_lock = threading.RLock()
-_atexit_installed = False
-_previous_sigterm: Any = None
-_warned_sigterm = False
-
-
-def _register(dispatcher: Dispatcher) -> None:
-    global _atexit_installed
-    with _hooks_lock:
-        _live[id(dispatcher)] = dispatcher
-        if not _atexit_installed:
-            atexit.register(close_all)
-            os.register_at_fork(after_in_child=_after_fork_in_child)
-            _atexit_installed = True
-    _install_sigterm()
-
-
-def _install_sigterm() -> None:
-    """Puts the SIGTERM handler in place, chaining whatever handler is there now.
-
-    Signal handlers can only be set from the main thread: this runs when sowtel is imported
-    there and again whenever a dispatcher is made there (in case a handler was set since), so
-    a session enabled later in any thread is flushed on SIGTERM.
-    """
-    global _previous_sigterm
-    if threading.current_thread() is not threading.main_thread():
-        return
-    with _hooks_lock:
-        try:
-            current = signal.getsignal(signal.SIGTERM)
-            if current is _on_sigterm:
-                return
-            signal.signal(signal.SIGTERM, _on_sigterm)
-        except (ValueError, OSError):
-            return
-        _previous_sigterm = current
-
-
-def sigterm_unhandled() -> str | None:
-    """Once per process, when SIGTERM would not flush sessions: why, and what to do instead.
-
-    That is the case when sowtel was first imported outside the main thread and no dispatcher
-    was made on it since, or when a SIGTERM handler set later replaced sowtel's.
-
-    Example:
-        >>> sigterm_unhandled() is None  # imported on the main thread
-        True
-    """
-    global _warned_sigterm
-    try:
-        ours = signal.getsignal(signal.SIGTERM) is _on_sigterm
-    except (ValueError, OSError):
-        ours = False
-    with _hooks_lock:
-        if ours or _warned_sigterm:
-            return None
-        _warned_sigterm = True
-    return ("sowtel cannot flush this session on SIGTERM: its handler could not be installed "
-            "(signal handlers can only be set from the main thread, and sowtel was imported "
-            "elsewhere, or a handler set since replaced it). Import sowtel on the main thread "
-            "before starting threads, or call sowtel.disable() (or "
-            "sowtel.dispatcher.close_all()) from your own handler; normal exit and Ctrl-C "
-            "still flush")
-
-
-def _unregister(dispatcher: Dispatcher) -> None:
-    with _hooks_lock:
-        _live.pop(id(dispatcher), None)
-
-
-def _after_fork_in_child() -> None:
-    for dispatcher in list(_live.values()):
-        dispatcher._forget_threads()
-    _live.clear()
-
-
-def close_all(timeout: float | None = None) -> None:
-    """Flushes and closes every live dispatcher within ``timeout`` seconds in all.
-
-    Runs at interpreter exit and on SIGTERM (with :data:`EXIT_TIMEOUT`); safe to call any time.
-
-    Example:
-        >>> close_all(timeout=5.0)
-    """
-    if timeout is None:
-        timeout = EXIT_TIMEOUT
-    deadline = time.monotonic() + timeout
-    with _hooks_lock:
-        dispatchers = list(_live.values())
-    for dispatcher in dispatchers:
-        try:
-            dispatcher.close(max(0.0, deadline - time.monotonic()))
-        except Exception:  # SystemExit from a chained SIGTERM handler must go through
-            logger.exception("sowtel could not close a dispatcher at exit")
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    close_all()
-    previous = _previous_sigterm
-    if callable(previous):
-        previous(signum, frame)
-        return
-    if previous == signal.SIG_IGN:
-        return
-    # There was no Python handler: terminate the way SIGTERM would have without us.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(1.0)
-    os._exit(128 + signal.SIGTERM)
-
-
-_install_sigterm()

@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sowtel import _exit, capture, multihost, naming
 from sowtel import _jax_compat as jc
-from sowtel import capture, multihost, naming
 from sowtel.primitive import (
     CONTEXT,
     Context,
@@ -157,6 +157,14 @@ _SHARED: weakref.WeakKeyDictionary[Any, dict[Any, _Programs]] = weakref.WeakKeyD
 _SHARED_LOCK = threading.Lock()
 
 
+def _renew_shared_lock() -> None:
+    global _SHARED_LOCK
+    _SHARED_LOCK = threading.Lock()  # a thread of the parent may have held it at the fork
+
+
+_exit.after_fork(_renew_shared_lock)
+
+
 def _shared_programs(fun: Callable[..., Any], options: dict[str, Any]) -> _Programs:
     try:
         key = tuple(sorted(options.items()))
@@ -188,7 +196,11 @@ class Jitted:
         # and all those it was started for.
         self._warming: dict[Any, threading.Thread] = {}
         self._warmed: set[Any] = set()
+        _exit.after_fork(self)
         functools.update_wrapper(self, fun)  # __wrapped__, __name__, __doc__ as jax.jit's
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have held it
 
     # -- what jax.jit functions have -------------------------------------------------------------
 

@@ -50,6 +50,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from sowtel import _exit
 from sowtel import _jax_compat as jc
 
 __all__ = ["initialize", "agree", "peer_timeout", "fetch", "owns", "spans_processes",
@@ -72,6 +73,14 @@ _ENV_ID = "SOWTEL_PROCESS_ID"
 
 _rounds: dict[str, itertools.count[int]] = {}
 _rounds_lock = threading.Lock()
+
+
+def _renew_lock() -> None:
+    global _rounds_lock
+    _rounds_lock = threading.Lock()  # in a forked child; a parent thread may have held it
+
+
+_exit.after_fork(_renew_lock)
 _warned_unowned = False
 
 

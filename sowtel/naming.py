@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from sowtel import _exit
 from sowtel import _jax_compat as jc
 
 if TYPE_CHECKING:
@@ -186,6 +187,14 @@ def occurrence_names(keys: Sequence[tuple[str, str]]) -> list[str]:
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
+
+
+def _renew_locks() -> None:
+    global _open_lock, _warned_lock
+    _open_lock, _warned_lock = threading.Lock(), threading.Lock()  # in a forked child
+
+
+_exit.after_fork(_renew_locks)
 
 
 def warn_repeated(name: str) -> None:

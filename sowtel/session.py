@@ -39,9 +39,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from sowtel import _exit, multihost
 from sowtel import _jax_compat as jc
-from sowtel import multihost
-from sowtel.build import compiled_records, records_from_intermediates, summary_records
+from sowtel.build import records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
@@ -57,6 +57,7 @@ from sowtel.primitive import (
 )
 from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record, record_index
 from sowtel.summaries import check_summary
+from sowtel.to_records import CompiledConverter, RecordBatch, first_nonfinite
 
 __all__ = ["Session", "enable", "disable", "flush", "status", "export", "log", "active_session"]
 
@@ -66,6 +67,14 @@ ON_FULL = ("drop", "block")
 _ids = itertools.count(1)
 _lock = threading.RLock()
 _stack: list[Session] = []  # enabled sessions, innermost last; the last one streams
+
+
+def _renew_lock() -> None:
+    global _lock
+    _lock = threading.RLock()
+
+
+_exit.after_fork(_renew_lock)
 
 
 class _Compiled(NamedTuple):
@@ -179,8 +188,12 @@ class Session:
         self._host_steps: list[int] = []
         self._late = 0
         self._late_lock = threading.Lock()
+        self._forked = False
+        _exit.after_fork(self)
         self._final: dict[str, Any] | None = None
         self._seq = itertools.count()
+        self._compiled = CompiledConverter()
+        self.first_nonfinite: tuple[int, str, str] | None = None
         self._closed = False
         self._effect_errors = 0
         self.scoped = False  # entered as a context manager
@@ -210,6 +223,13 @@ class Session:
             finally:
                 self._host_steps.pop()
                 self._host_lock.release()
+
+    def _after_fork(self) -> None:
+        # A forked child's session: fresh locks (a thread of the parent may have held them),
+        # and no waiting for JAX, whose runtime threads did not survive the fork.
+        self._host_lock = threading.RLock()
+        self._late_lock = threading.Lock()
+        self._forked = True
 
     def count_late(self, site: StreamSite) -> None:
         """A host callback of ``site`` ran after this session ended: counted, not exported."""
@@ -261,20 +281,46 @@ class Session:
 
     # -- the dispatcher thread ---------------------------------------------------------------
 
-    def _convert(self, items: list[Any]) -> list[Record]:
+    def _convert(self, items: list[Any]) -> RecordBatch:
+        """Received items to one batch: a ``sowtel.jit`` step's summaries decoded into one
+        table a site (see :mod:`sowtel.to_records`), a callback's arrays into its records."""
+        parts: list[Any] = []
         records: list[Record] = []
         for item in items:
             if isinstance(item, _Compiled):
-                # Waits for the device, here: one transfer a buffer.
-                fetched, lowest = multihost.fetch(item.summaries.buffers,
-                                                  self.config.export_process)
+                if records:
+                    parts.append(tuple(records))
+                    records = []
+                # Waits for the device, here: one transfer a buffer; never once the process
+                # is exiting (see sowtel._exit), when the step is counted as not delivered.
+                with _exit.FETCHES.entered() as allowed:
+                    if not allowed:
+                        raise RuntimeError("the process is exiting: a sowtel.jit step's "
+                                           "summaries were not fetched")
+                    fetched, lowest = multihost.fetch(item.summaries.buffers,
+                                                      self.config.export_process)
                 host = item.summaries.unpack(fetched)
-                records.extend(compiled_records(
+                parts.extend(self._compiled.columns(
                     item.summaries.sites, host, step=item.step, seqs=self._seq,
                     wall_time=item.wall_time, process_index=self.process_index, lowest=lowest))
             else:
                 records.extend(self._records_of(*item))
-        return records
+        if records:
+            parts.append(tuple(records))
+        batch = RecordBatch(parts)
+        self._watch_nonfinite(batch)
+        return batch
+
+    def _watch_nonfinite(self, batch: RecordBatch) -> None:
+        """Where a session notices a non-finite record: each converted batch (on the
+        dispatcher thread) and each batch of exported intermediates passes here once; the
+        rule itself is :func:`sowtel.to_records.first_nonfinite`."""
+        if self.first_nonfinite is not None:
+            return
+        found = first_nonfinite(batch)
+        if found is not None:
+            self.first_nonfinite = found
+            logger.warning("sowtel: first non-finite value at step %s in %s (%s)", *found)
 
     def _records_of(self, site: StreamSite, arrays: tuple[np.ndarray, ...], occurrence: int,
                     host_step: int | None, seq: int, wall_time: float) -> list[Record]:
@@ -309,6 +355,8 @@ class Session:
         return self.dispatcher.flush(timeout)
 
     def _effects_barrier(self) -> None:
+        if self._forked:
+            return
         # A user computation that failed earlier is the user's error, already raised to them
         # (or never awaited); it must not make flush() or disable() fail: count it, log once.
         error = jc.effects_barrier()
@@ -323,7 +371,8 @@ class Session:
         """This session's counters (see :func:`sowtel.status`)."""
         s = dict(self.dispatcher.status())
         s.update(enabled=not self._closed, session=self.id, effect_errors=self._effect_errors,
-                 late=self._late, split_unexported=multihost.SPLIT_UNEXPORTED[0])
+                 late=self._late, split_unexported=multihost.SPLIT_UNEXPORTED[0],
+                 first_nonfinite=self.first_nonfinite)
         # Records an exporter was handed (so counted as exported) and later let go of to stay
         # within its own bound, such as the memory exporter's max_records.
         s["evicted"] = {label: _evicted(e) for label, e in
@@ -592,6 +641,7 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
     records = records_from_intermediates(
         intermediates, step=int(step), summary=summary or session.summary,
     )
+    session._watch_nonfinite(RecordBatch([tuple(records)]))
     session.dispatcher.put_records(records)
     return len(records)
 

@@ -24,6 +24,7 @@ from exporter_doubles import Hung, Raising, convert, make_record
 from sowtel.dispatcher import Dispatcher
 from sowtel.exporters.memory import MemoryExporter
 from sowtel.records import Record
+from sowtel.to_records import RecordBatch, first_nonfinite
 
 
 class CallLog:
@@ -393,30 +394,24 @@ def test_flush_from_inside_an_exporter_does_not_deadlock(made):
     assert results == [False]
 
 
-def test_first_nonfinite_record_is_kept(made):
+def test_first_nonfinite_record_is_found_in_a_batch():
+    # The rule sessions apply to every batch they convert or export (sowtel.to_records).
     finite = {"nan": 0.0, "posinf": 0.0, "neginf": 0.0}
-    d = Dispatcher([MemoryExporter()], convert=list)
-    made.append(d)
-    d.put_records([make_record(0, "a", stats=finite), make_record(1, "b", stats=finite)])
-    assert d.flush(timeout=5.0)
-    assert d.status()["first_nonfinite"] is None
-    d.put_records([
+    clean = RecordBatch([(make_record(0, "a", stats=finite), make_record(1, "b", stats=finite))])
+    assert first_nonfinite(clean) is None
+    assert first_nonfinite(RecordBatch([(
         make_record(2, "a", stats=finite),
         make_record(3, "b", "cotangent", stats={**finite, "posinf": 1.0}),
         make_record(4, "c", stats={**finite, "nan": 5.0}),
-    ])
-    assert d.flush(timeout=5.0)
-    assert d.status()["first_nonfinite"] == (3, "b", "cotangent")
+    )])) == (3, "b", "cotangent")
 
 
-def test_full_values_without_stats_count_as_nonfinite(made):
-    d = Dispatcher([MemoryExporter()], convert=list)
-    made.append(d)
-    d.put_records([make_record(0, "w", value=np.ones(3, np.float32)),
-                   make_record(1, "w", value=np.arange(3)),
-                   make_record(2, "w", value=np.array([1.0, -np.inf]))])
-    assert d.flush(timeout=5.0)
-    assert d.status()["first_nonfinite"] == (2, "w", "primal")
+def test_full_values_without_stats_count_as_nonfinite():
+    assert first_nonfinite(RecordBatch([(
+        make_record(0, "w", value=np.ones(3, np.float32)),
+        make_record(1, "w", value=np.arange(3)),
+        make_record(2, "w", value=np.array([1.0, -np.inf])),
+    )])) == (2, "w", "primal")
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -1,0 +1,282 @@
+"""Process exit and fork: what happens to live dispatchers when the process ends or forks.
+
+- At interpreter exit (a normal end, ``sys.exit``, Ctrl-C) and on SIGTERM, every live
+  dispatcher is flushed and closed within :data:`EXIT_TIMEOUT` seconds in all; what cannot be
+  delivered in time is counted (``close_timeout``), never lost silently. The exit hook runs
+  before Python waits for its threads and before any ``atexit`` function (JAX's included), so
+  JAX is still whole while the last steps are fetched.
+- A dispatcher thread fetching a ``sowtel.jit`` step's summaries from the device is inside
+  JAX's C++ code with the GIL released; a thread that comes back from there while Python is
+  finalizing is torn down inside C++ and aborts the process. :data:`FETCHES` therefore closes
+  at exit: no fetch starts after it, and the exit hook waits for the fetch in progress to end
+  (at most :data:`FETCH_GRACE` seconds) before Python goes on tearing threads down.
+- In a child made by ``os.fork`` (``multiprocessing``'s fork start method), no sowtel thread
+  exists and any lock a sowtel thread held in the parent would stay held forever: every lock
+  and condition registered with :func:`after_fork` is made anew, and every inherited
+  dispatcher refuses records and answers ``flush``, ``close`` and ``status`` at once.
+
+Example:
+    >>> from sowtel import _exit
+    >>> with _exit.FETCHES.entered() as allowed:
+    ...     allowed
+    True
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["EXIT_TIMEOUT", "FETCH_GRACE", "FETCHES", "register", "unregister", "close_all",
+           "sigterm_unhandled", "after_fork", "install_sigterm"]
+
+logger = logging.getLogger("sowtel")
+
+#: Seconds the exit hooks (interpreter exit and SIGTERM) spend, in all, flushing and closing
+#: every live dispatcher before the process goes on exiting.
+EXIT_TIMEOUT: float = 10.0
+#: Seconds the exit hook waits, beyond :data:`EXIT_TIMEOUT`, for a device fetch in progress.
+FETCH_GRACE: float = 30.0
+
+
+class FetchGate:
+    """Counts the threads inside a device fetch; once closed, lets no new fetch start.
+
+    Example:
+        >>> gate = FetchGate()
+        >>> with gate.entered() as allowed:
+        ...     allowed
+        True
+        >>> gate.close(timeout=1.0)
+        True
+        >>> with gate.entered() as allowed:
+        ...     allowed
+        False
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inside = 0
+        self._closed = False
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[bool]:
+        """Inside: True when the fetch may run; False once the process is exiting."""
+        with self._cond:
+            if self._closed:
+                allowed = False
+            else:
+                self._inside += 1
+                allowed = True
+        try:
+            yield allowed
+        finally:
+            if allowed:
+                with self._cond:
+                    self._inside -= 1
+                    self._cond.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Lets no fetch start from now on; waits for those inside. True if none is left."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._closed = True
+            while self._inside:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _after_fork(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inside = 0
+
+
+#: The gate every fetch of a ``sowtel.jit`` step's summaries goes through.
+FETCHES = FetchGate()
+
+# -- live dispatchers ------------------------------------------------------------------------
+
+_live: dict[int, Any] = {}
+_hooks_lock = threading.RLock()
+_installed = False
+_previous_sigterm: Any = None
+_warned_sigterm = False
+_fork_hooks: list[Callable[[], None]] = []
+_fork_objects: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register(dispatcher: Any) -> None:
+    """Adds a live dispatcher: closed at exit and on SIGTERM, forgotten in a forked child."""
+    global _installed
+    with _hooks_lock:
+        _live[id(dispatcher)] = dispatcher
+        if not _installed:
+            _install_exit_hook()
+            _installed = True
+    install_sigterm()
+
+
+def unregister(dispatcher: Any) -> None:
+    """Removes a dispatcher that is closed."""
+    with _hooks_lock:
+        _live.pop(id(dispatcher), None)
+
+
+def _install_exit_hook() -> None:
+    # threading's own exit hooks run first thing at interpreter shutdown, before Python waits
+    # for non-daemon threads and before atexit functions (JAX's among them). Where that private
+    # hook is missing, atexit is the next best place.
+    hook = getattr(threading, "_register_atexit", None)
+    if callable(hook):
+        try:
+            hook(_at_exit)
+            return
+        except RuntimeError:  # already shutting down: atexit still runs
+            pass
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    close_all()
+    if not FETCHES.close(FETCH_GRACE):
+        logger.error("sowtel: a device fetch was still running %.0f s after exit began; the "
+                     "process may abort while Python tears its threads down", FETCH_GRACE)
+
+
+def close_all(timeout: float | None = None) -> None:
+    """Flushes and closes every live dispatcher within ``timeout`` seconds in all.
+
+    Runs at interpreter exit and on SIGTERM (with :data:`EXIT_TIMEOUT`); safe to call any time.
+
+    Example:
+        >>> close_all(timeout=5.0)
+    """
+    if timeout is None:
+        timeout = EXIT_TIMEOUT
+    deadline = time.monotonic() + timeout
+    with _hooks_lock:
+        dispatchers = list(_live.values())
+    for dispatcher in dispatchers:
+        try:
+            dispatcher.close(max(0.0, deadline - time.monotonic()))
+        except Exception:  # SystemExit from a chained SIGTERM handler must go through
+            logger.exception("sowtel could not close a dispatcher at exit")
+
+
+# -- SIGTERM --------------------------------------------------------------------------------------
+
+def install_sigterm() -> None:
+    """Puts the SIGTERM handler in place, chaining whatever handler is there now.
+
+    Signal handlers can only be set from the main thread: this runs when sowtel is imported
+    there and again whenever a dispatcher is made there (in case a handler was set since), so
+    a session enabled later in any thread is flushed on SIGTERM.
+    """
+    global _previous_sigterm
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with _hooks_lock:
+        try:
+            current = signal.getsignal(signal.SIGTERM)
+            if current is _on_sigterm:
+                return
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        except (ValueError, OSError):
+            return
+        _previous_sigterm = current
+
+
+def sigterm_unhandled() -> str | None:
+    """Once per process, when SIGTERM would not flush sessions: why, and what to do instead.
+
+    That is the case when sowtel was first imported outside the main thread and no dispatcher
+    was made on it since, or when a SIGTERM handler set later replaced sowtel's.
+
+    Example:
+        >>> sigterm_unhandled() is None  # imported on the main thread
+        True
+    """
+    global _warned_sigterm
+    try:
+        ours = signal.getsignal(signal.SIGTERM) is _on_sigterm
+    except (ValueError, OSError):
+        ours = False
+    with _hooks_lock:
+        if ours or _warned_sigterm:
+            return None
+        _warned_sigterm = True
+    return ("sowtel cannot flush this session on SIGTERM: its handler could not be installed "
+            "(signal handlers can only be set from the main thread, and sowtel was imported "
+            "elsewhere, or a handler set since replaced it). Import sowtel on the main thread "
+            "before starting threads, or call sowtel.disable() (or "
+            "sowtel.dispatcher.close_all()) from your own handler; normal exit and Ctrl-C "
+            "still flush")
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    close_all()
+    previous = _previous_sigterm
+    if callable(previous):
+        # It may raise SystemExit: Python then exits through the exit hook, which waits for
+        # any fetch in progress.
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    # There was no Python handler: terminate the way SIGTERM would have without us. The
+    # process ends by the signal, without Python's finalization, so no thread is torn down
+    # inside JAX; a fetch in progress is waited for all the same, so no file is cut mid-write.
+    FETCHES.close(FETCH_GRACE)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1.0)
+    os._exit(128 + signal.SIGTERM)
+
+
+# -- fork ---------------------------------------------------------------------------------------
+
+def after_fork(target: Any) -> None:
+    """Registers what to renew in a forked child: a function (called), or an object whose
+    ``_after_fork()`` method is called while it is alive.
+
+    Example:
+        >>> after_fork(lambda: None)
+    """
+    with _hooks_lock:
+        if callable(target) and not hasattr(target, "_after_fork"):
+            _fork_hooks.append(target)
+        else:
+            _fork_objects.add(target)
+
+
+def _after_fork_in_child() -> None:
+    global _hooks_lock
+    _hooks_lock = threading.RLock()
+    FETCHES._after_fork()
+    # Objects first (dispatchers, workers, sessions, exporters): then module-level locks.
+    for obj in list(_fork_objects):
+        try:
+            obj._after_fork()
+        except Exception:  # noqa: BLE001 - a child must start whatever one object does
+            logger.exception("sowtel: renewing %r after fork failed", obj)
+    for hook in list(_fork_hooks):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001
+            logger.exception("sowtel: a fork hook failed")
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+install_sigterm()

@@ -1,0 +1,493 @@
+"""Every path's values to columnar batches, and batches to :class:`~sowtel.records.Record` objects.
+
+A ``sowtel.jit`` logging step hands the host, per site, summary arrays stacked over the scans
+and shard_maps around it. They are decoded here once, with numpy, into a table per site
+(:class:`SiteColumns`: positions × leaves × statistics), never record by record. A
+:class:`RecordBatch` is what the dispatcher hands an exporter: a sequence of parts, each a
+:class:`SiteColumns` or a tuple of ready :class:`Record` objects (callback-transport records,
+``sowtel.log``, ``sowtel.export``). An exporter with a ``write_batch(batch)`` method reads the
+columns directly; one with only ``write(records)`` gets ``batch.records()``, built then.
+
+Example:
+    >>> import numpy as np
+    >>> from sowtel.primitive import StreamSite
+    >>> site = StreamSite(name="h", mode="primal", tag="intermediates", leaf_names=("h",),
+    ...                   shapes=((2,),), dtypes=("float32",), summary="health", every=1,
+    ...                   bins=30, loops=((3, False),), extras=())
+    >>> columns = site_columns(site, [np.array([[0, 0, 0], [1, 0, 0], [0, 0, 0]])],
+    ...                        index=[0, 1, 2], step=7, seqs=[0, 1, 2], wall_time=0.0,
+    ...                        process_index=0)
+    >>> columns.stat_keys, columns.stats[:, 0, 1].tolist()
+    (('size', 'nan', 'posinf', 'neginf'), [0.0, 1.0, 0.0])
+    >>> batch = RecordBatch([columns])
+    >>> [(r.step, r.index, r.stats["nan"]) for r in batch.records()]
+    [(7, 0, 0.0), (7, 1, 1.0), (7, 2, 0.0)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sowtel.records import HEALTH_KEYS, STAT_KEYS, Record
+from sowtel.summaries import host_summary
+
+if TYPE_CHECKING:
+    from sowtel.primitive import StreamSite
+
+__all__ = ["SiteColumns", "RecordBatch", "site_columns", "compiled_columns", "first_nonfinite",
+           "record_nbytes"]
+
+Index = int | tuple[int, ...] | None
+
+# Positions of the device's "stats" vectors in STAT_KEYS: floats (mean..mean_abs), counts.
+_FLOATS = slice(1, 7)
+_COUNTS = slice(7, 11)
+_NONFINITE = {"stats": (7, 8, 9), "histogram": (7, 8, 9), "full": (7, 8, 9),
+              "health": (1, 2, 3)}
+_new_record = object.__new__
+
+
+def record_nbytes(record: Record) -> int:
+    """Bytes of the full value a record holds (0 for summaries)."""
+    value = record.value
+    return int(getattr(value, "nbytes", 0)) if value is not None else 0
+
+
+class SiteColumns:
+    """One site's records of one step, as columns: positions × leaves × statistics.
+
+    A position is one place the site ran (a scan iteration, a shard, or the one place of a site
+    outside any), in the order the program ran them; the site's records are position after
+    position, leaf after leaf within one. Everything a :class:`Record` holds is here:
+
+    Attributes:
+      names, shapes, dtypes: per leaf (``names[l]`` is the record name of leaf ``l``).
+      mode, tag, summary, step, wall_time, process_index, order: shared by every record.
+      index: per position, the record index (``None``, an int, or a tuple).
+      seqs: per position, the records' ``seq`` (the leaves of one position share it).
+      stat_keys: the statistics' names (:data:`~sowtel.records.STAT_KEYS`,
+        :data:`~sowtel.records.HEALTH_KEYS`, or empty for ``"shape"``).
+      stats: float64 array of shape ``(positions, leaves, len(stat_keys))``.
+      edges, counts: for ``"histogram"``, float64 arrays ``(positions, leaves, bins + 1)`` and
+        ``(positions, leaves, bins)``; else None.
+      values: for ``"full"``, ``values[p][l]`` the value of leaf ``l`` at position ``p``; else
+        None.
+
+    Example:
+      >>> c = SiteColumns(names=("w",), shapes=((),), dtypes=("float32",), mode="primal",
+      ...                 tag="intermediates", summary="health", step=0, wall_time=0.0,
+      ...                 process_index=0, order=0, index=[None], seqs=[5],
+      ...                 stat_keys=HEALTH_KEYS, stats=np.zeros((1, 1, 4)))
+      >>> len(c), c.records()[0].seq
+      (1, 5)
+    """
+
+    __slots__ = ("names", "shapes", "dtypes", "mode", "tag", "summary", "step", "wall_time",
+                 "process_index", "order", "index", "seqs", "stat_keys", "stats", "edges",
+                 "counts", "values", "any_nonfinite", "_records")
+
+    def __init__(self, *, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...],
+                 dtypes: tuple[str, ...], mode: str, tag: str, summary: str, step: int,
+                 wall_time: float, process_index: int, order: int, index: Sequence[Index],
+                 seqs: Sequence[int], stat_keys: tuple[str, ...], stats: np.ndarray,
+                 edges: np.ndarray | None = None, counts: np.ndarray | None = None,
+                 values: Sequence[Sequence[np.ndarray]] | None = None) -> None:
+        self.names = names
+        self.shapes = shapes
+        self.dtypes = dtypes
+        self.mode = mode
+        self.tag = tag
+        self.summary = summary
+        self.step = step
+        self.wall_time = wall_time
+        self.process_index = process_index
+        self.order = order
+        self.index = index
+        self.seqs = seqs
+        self.stat_keys = stat_keys
+        self.stats = stats
+        self.edges = edges
+        self.counts = counts
+        self.values = values
+        cols = _NONFINITE.get(summary)
+        # Decided once, where the table is made: first_nonfinite reads only this flag.
+        self.any_nonfinite = bool(cols is not None and len(stats)
+                                  and stats[:, :, cols[0]:cols[-1] + 1].any())
+        self._records: list[Record] | None = None
+
+    @property
+    def positions(self) -> int:
+        """How many positions (rows) the table has."""
+        return len(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index) * len(self.names)
+
+    def nbytes(self, start: int = 0, stop: int | None = None) -> int:
+        """Bytes of the full values of positions ``start:stop`` (0 unless ``"full"``)."""
+        if self.values is None:
+            return 0
+        return sum(int(v.nbytes) for row in self.values[start:stop] for v in row)
+
+    def slice(self, start: int, stop: int) -> SiteColumns:
+        """The positions ``start:stop`` as a table of their own (views, no copies)."""
+        return SiteColumns(
+            names=self.names, shapes=self.shapes, dtypes=self.dtypes, mode=self.mode,
+            tag=self.tag, summary=self.summary, step=self.step, wall_time=self.wall_time,
+            process_index=self.process_index, order=self.order,
+            index=self.index[start:stop], seqs=self.seqs[start:stop], stat_keys=self.stat_keys,
+            stats=self.stats[start:stop],
+            edges=None if self.edges is None else self.edges[start:stop],
+            counts=None if self.counts is None else self.counts[start:stop],
+            values=None if self.values is None else self.values[start:stop])
+
+    def records(self) -> list[Record]:
+        """The :class:`Record` objects of this table (built on the first call, then kept)."""
+        if self._records is not None:
+            return self._records
+        keys = self.stat_keys
+        rows = self.stats.tolist()
+        shared = {"mode": self.mode, "tag": self.tag, "step": self.step,
+                  "wall_time": self.wall_time, "summary": self.summary,
+                  "process_index": self.process_index, "order": self.order,
+                  "histogram": None, "value": None}
+        out: list[Record] = []
+        for p, (index, seq, row) in enumerate(zip(self.index, self.seqs, rows, strict=True)):
+            for leaf, name in enumerate(self.names):
+                # A frozen dataclass's __init__ sets each field through object.__setattr__;
+                # filling __dict__ at once is what makes a lazily built record cheap.
+                r = _new_record(Record)
+                d = r.__dict__
+                d.update(shared)
+                d["name"] = name
+                d["index"] = index
+                d["shape"] = self.shapes[leaf]
+                d["dtype"] = self.dtypes[leaf]
+                d["seq"] = seq
+                d["stats"] = dict(zip(keys, row[leaf], strict=True))
+                if self.edges is not None and self.counts is not None:
+                    d["histogram"] = (self.edges[p, leaf], self.counts[p, leaf])
+                if self.values is not None:
+                    d["value"] = self.values[p][leaf]
+                out.append(r)
+        self._records = out
+        return out
+
+
+Part = SiteColumns | tuple[Record, ...]
+
+
+class RecordBatch(Sequence[Record]):
+    """What the dispatcher hands an exporter: records in order, in columnar parts.
+
+    ``parts`` is a tuple, each a :class:`SiteColumns` (one site's records of one ``sowtel.jit``
+    step, or a stretch of them) or a tuple of ready :class:`Record` objects. ``len(batch)`` is
+    the number of records; iterating, indexing and :meth:`records` build the records of
+    columnar parts on first use (once each).
+
+    Example:
+      >>> from sowtel.records import Record
+      >>> r = Record(name="loss", mode="primal", tag="log", step=3, index=None, wall_time=0.0,
+      ...            summary="scalar", shape=(), dtype="float64", stats={"value": 0.5})
+      >>> batch = RecordBatch([(r,)])
+      >>> len(batch), batch[0].name, batch.records() == [r]
+      (1, 'loss', True)
+    """
+
+    __slots__ = ("parts", "_len")
+
+    def __init__(self, parts: Sequence[Part]) -> None:
+        self.parts: tuple[Part, ...] = tuple(p for p in parts if len(p))
+        self._len = sum(len(p) for p in self.parts)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Record]:
+        for part in self.parts:
+            yield from (part.records() if isinstance(part, SiteColumns) else part)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return self.records()[i]
+        return self.records()[i]
+
+    def records(self) -> list[Record]:
+        """Every record, in order, as :class:`Record` objects."""
+        out: list[Record] = []
+        for part in self.parts:
+            out.extend(part.records() if isinstance(part, SiteColumns) else part)
+        return out
+
+    def columns(self) -> Iterator[SiteColumns]:
+        """The columnar parts only."""
+        return (p for p in self.parts if isinstance(p, SiteColumns))
+
+    def nbytes(self) -> int:
+        """Bytes of full values held by the batch."""
+        return sum(p.nbytes() if isinstance(p, SiteColumns) else
+                   sum(record_nbytes(r) for r in p) for p in self.parts)
+
+    def split(self, limit: int, max_bytes: int, started: bool = False
+              ) -> tuple[RecordBatch, RecordBatch | None]:
+        """The first records, up to ``limit`` records and ``max_bytes`` bytes of full values,
+        and the rest (None when nothing is left). A table is cut between positions only. Unless
+        ``started`` (the write already holds records), the head holds at least one record, or
+        one position of a table, whatever the bounds."""
+        head: list[Part] = []
+        taken = nbytes = 0
+        for k, part in enumerate(self.parts):
+            room = limit - taken
+            some = started or bool(head)
+            if room <= 0:
+                return RecordBatch(head), RecordBatch(self.parts[k:])
+            if isinstance(part, SiteColumns):
+                rows, width = part.positions, len(part.names)
+                n = min(rows, room // width if some else max(1, room // width))
+                if part.values is not None:
+                    m = 0
+                    while m < n:
+                        b = part.nbytes(m, m + 1)
+                        if (some or m) and nbytes + b > max_bytes:
+                            break
+                        nbytes += b
+                        m += 1
+                    n = m
+                if n >= rows:
+                    head.append(part)
+                    taken += len(part)
+                    continue
+                if n:
+                    head.append(part.slice(0, n))
+                return RecordBatch(head), RecordBatch([part.slice(n, rows), *self.parts[k + 1:]])
+            n = 0
+            while n < min(room, len(part)):
+                b = record_nbytes(part[n])
+                if (some or n) and b and nbytes + b > max_bytes:
+                    break
+                nbytes += b
+                n += 1
+            if n >= len(part):
+                head.append(part)
+                taken += n
+                continue
+            if n:
+                head.append(part[:n])
+            return RecordBatch(head), RecordBatch([part[n:], *self.parts[k + 1:]])
+        return self, None
+
+
+def _decode(summary: str, arrays: Sequence[np.ndarray], size: int, bins: int,
+            n: int) -> tuple[tuple[str, ...], np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """One leaf's device summaries at ``n`` positions -> keys, stats (n, K), edges, counts.
+
+    The vectorised form of :func:`sowtel.summaries.decode_device_summary`, with its rules.
+    """
+    if summary == "shape":
+        return (), np.zeros((n, 0)), None, None
+    if summary == "health":
+        table = np.empty((n, 4))
+        table[:, 0] = size
+        table[:, 1:] = np.asarray(arrays[0], np.float64).reshape(n, 3)
+        return HEALTH_KEYS, table, None, None
+    table = np.empty((n, len(STAT_KEYS)))
+    table[:, 0] = size
+    table[:, _FLOATS] = np.asarray(arrays[0], np.float64).reshape(n, 6)
+    table[:, _COUNTS] = np.asarray(arrays[1], np.float64).reshape(n, 4)
+    if size:
+        # Nothing finite: l2 is the norm of no elements (the device sums nothing).
+        table[table[:, 7] + table[:, 8] + table[:, 9] == size, 5] = 0.0
+    if summary != "histogram":
+        return STAT_KEYS, table, None, None
+    lo = table[:, 3].copy()
+    hi = table[:, 4].copy()
+    bad = ~np.isfinite(lo)
+    lo[bad] = hi[bad] = 0.0
+    edges = np.empty((n, bins + 1))
+    spread = hi > lo
+    if spread.any():
+        edges[spread] = np.linspace(lo[spread], hi[spread], bins + 1, axis=1)
+    if (~spread).any():
+        edges[~spread] = lo[~spread, None] + np.arange(bins + 1) * 1.0
+    counts = np.asarray(arrays[2], np.float64).reshape(n, bins)
+    return STAT_KEYS, table, edges, counts
+
+
+def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Sequence[Index],
+                 step: int, seqs: Sequence[int], wall_time: float,
+                 process_index: int) -> SiteColumns:
+    """A site's records at ``len(index)`` positions from its device summary ``arrays``.
+
+    ``arrays`` are the site's summary arrays leaf after leaf, each with one leading axis of
+    positions (in the order of ``index``).
+    """
+    n = len(index)
+    per_leaf = site.arrays_per_leaf
+    leaves = len(site.leaf_names)
+    keys: tuple[str, ...] = ()
+    stats = edges = counts = None
+    values: list[list[np.ndarray]] | None = None
+    if site.summary == "full":
+        values = [[np.asarray(arrays[leaf][p]) for leaf in range(leaves)] for p in range(n)]
+        keys = STAT_KEYS
+        stats = np.array([[[host_summary(v, "stats")["stats"][k] for k in keys] for v in row]
+                          for row in values], dtype=np.float64).reshape(n, leaves, len(keys))
+    else:
+        for leaf in range(leaves):
+            keys, table, e, c = _decode(site.summary, arrays[leaf * per_leaf:(leaf + 1) * per_leaf],
+                                        site.sizes[leaf], site.bins, n)
+            if stats is None:
+                stats = np.empty((n, leaves, table.shape[1]))
+                if e is not None and c is not None:
+                    edges = np.empty((n, leaves, e.shape[1]))
+                    counts = np.empty((n, leaves, c.shape[1]))
+            stats[:, leaf] = table
+            if edges is not None and counts is not None:
+                edges[:, leaf] = e
+                counts[:, leaf] = c
+    assert stats is not None
+    return SiteColumns(
+        names=tuple(site.leaf_names), shapes=tuple(site.shapes), dtypes=tuple(site.dtypes),
+        mode=site.mode, tag=site.tag, summary=site.summary, step=step, wall_time=wall_time,
+        process_index=process_index, order=site.order, index=index, seqs=seqs, stat_keys=keys,
+        stats=stats, edges=edges, counts=counts, values=values)
+
+
+def _position_index(pos: Sequence[int], shard_first: Sequence[int]) -> Index:
+    # The record index rule for stacked summaries: shard axes first, then scan axes.
+    parts = [int(pos[i]) for i in shard_first]
+    return None if not parts else parts[0] if len(parts) == 1 else tuple(parts)
+
+
+class _Layout:
+    """Where one site's positions lie in its stacked arrays, in program order (fixed per
+    compiled program, so computed once)."""
+
+    __slots__ = ("entry", "take", "index", "positions")
+
+    def __init__(self, entry: Any, shape: tuple[int, ...]) -> None:
+        kinds = [kind for kind, _ in entry.stacked]
+        order = [i for i, k in enumerate(kinds) if k == "shard"] + [
+            i for i, k in enumerate(kinds) if k != "shard"]
+        # Positions in the order the program ran them: a reversed scan from its last iteration.
+        reverse = iter([r for _, r in entry.site.loops or ()])
+        backward = [k == "scan" and next(reverse, False) for k in kinds]
+        self.entry = entry
+        self.positions = [tuple(n - 1 - p if b else p
+                                for p, n, b in zip(step_pos, shape, backward, strict=True))
+                          for step_pos in np.ndindex(shape)]
+        # Flat offsets of the positions in a C-ordered array of `shape`.
+        self.take = np.array([np.ravel_multi_index(p, shape) if shape else 0
+                              for p in self.positions], dtype=np.intp)
+        self.index = [_position_index(p, order) for p in self.positions]
+
+
+class CompiledConverter:
+    """Turns ``sowtel.jit`` logging steps' summary outputs into :class:`SiteColumns`.
+
+    Keeps, per compiled program's site, where its positions lie and their record indices.
+
+    Example:
+      >>> converter = CompiledConverter()
+      >>> converter.columns([], [], step=0, seqs=iter(range(10)), wall_time=0.0,
+      ...                   process_index=0)
+      []
+    """
+
+    def __init__(self) -> None:
+        self._layouts: dict[int, _Layout] = {}
+
+    def _layout(self, entry: Any, shape: tuple[int, ...]) -> _Layout:
+        layout = self._layouts.get(id(entry))
+        if layout is None or layout.entry is not entry:
+            layout = self._layouts[id(entry)] = _Layout(entry, shape)
+        return layout
+
+    def columns(self, sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step: int,
+                seqs: Iterator[int], wall_time: float, process_index: int,
+                lowest: Sequence[np.ndarray] | None = None) -> list[SiteColumns]:
+        """One table per site of a logging step, from its outputs now on the host.
+
+        ``sites`` are the program's ``SiteSummary`` entries, ``arrays`` its outputs in their
+        order: each site's summary arrays carry leading axes for the scans and shard_maps
+        around it (outermost first), and its last array says, per position, whether the site
+        ran there (0 in a cond branch not taken: no record). ``lowest`` (several processes,
+        see :func:`sowtel.multihost.fetch`): this process keeps only the positions it owns.
+        """
+        from sowtel.multihost import owns
+
+        out: list[SiteColumns] = []
+        at = 0
+        for entry in sites:
+            mine = arrays[at:at + entry.n_arrays]
+            held = lowest[at:at + entry.n_arrays] if lowest is not None else None
+            at += entry.n_arrays
+            ran = np.asarray(mine[-1])
+            layout = self._layout(entry, ran.shape)
+            flat_ran = ran.reshape(-1)[layout.take]
+            keep = flat_ran.astype(bool)
+            if held is not None:
+                keep &= np.array([owns(held, p, process_index) for p in layout.positions],
+                                 dtype=bool)
+            n = int(keep.sum())
+            if not n:
+                continue
+            take = layout.take if n == len(keep) else layout.take[keep]
+            index = layout.index if n == len(keep) else [
+                i for i, k in zip(layout.index, keep, strict=True) if k]
+            lead = ran.ndim
+            gathered = [np.asarray(a).reshape(-1, *np.shape(a)[lead:])[take] for a in mine[:-1]]
+            seq = [next(seqs) for _ in range(n)]
+            out.append(site_columns(entry.site, gathered, index=index, step=step, seqs=seq,
+                                    wall_time=wall_time, process_index=process_index))
+        return out
+
+
+def compiled_columns(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step: int,
+                     seqs: Iterator[int], wall_time: float, process_index: int,
+                     lowest: Sequence[np.ndarray] | None = None) -> list[SiteColumns]:
+    """:meth:`CompiledConverter.columns` without keeping layouts between steps."""
+    return CompiledConverter().columns(sites, arrays, step=step, seqs=seqs, wall_time=wall_time,
+                                       process_index=process_index, lowest=lowest)
+
+
+def first_nonfinite(batch: RecordBatch) -> tuple[int, str, str] | None:
+    """``(step, name, mode)`` of the first record of ``batch`` holding a NaN or infinity.
+
+    THE place a non-finite record is detected: counts of ``nan``/``posinf``/``neginf`` in its
+    stats, or, for a full value without them, its elements.
+
+    Example:
+      >>> from sowtel.records import Record
+      >>> r = Record(name="g", mode="cotangent", tag="t", step=4, index=None, wall_time=0.0,
+      ...            summary="health", shape=(), dtype="float32", stats={"nan": 1.0})
+      >>> first_nonfinite(RecordBatch([(r,)]))
+      (4, 'g', 'cotangent')
+    """
+    for part in batch.parts:
+        if isinstance(part, SiteColumns):
+            cols = _NONFINITE.get(part.summary)
+            if cols is None or not part.any_nonfinite:
+                continue
+            bad = part.stats[:, :, list(cols)].sum(axis=2) > 0
+            if bad.any():
+                p, leaf = np.argwhere(bad)[0]
+                return (part.step, part.names[leaf], part.mode)
+            continue
+        for r in part:
+            if _is_nonfinite(r):
+                return (r.step, r.name, r.mode)
+    return None
+
+
+def _is_nonfinite(record: Record) -> bool:
+    stats = record.stats
+    if "nan" in stats:
+        return bool(stats["nan"] or stats.get("posinf", 0) or stats.get("neginf", 0))
+    value = record.value
+    if value is not None and getattr(value, "dtype", None) is not None and value.dtype.kind in "fc":
+        return not bool(np.isfinite(value).all())
+    return False

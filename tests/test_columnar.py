@@ -1,0 +1,229 @@
+"""The columnar host path: a ``sowtel.jit`` step decoded once into tables, exporters' batch
+methods, and exporters with only ``write(records)``.
+
+Every batch method is checked against the same exporter's ``write`` of the records the batch
+builds (the per-record path, itself checked against hand-derived numbers elsewhere), and the
+tables against the per-record decoder of the device summaries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sowtel
+from sowtel.exporters.jsonl import JsonlExporter, read_records, record_to_json
+from sowtel.exporters.memory import MemoryExporter
+from sowtel.records import Record
+from sowtel.summaries import decode_device_summary
+from sowtel.to_records import RecordBatch, SiteColumns, first_nonfinite
+
+LAYERS, SITES = 6, 3
+
+
+def _scan_step(x):
+    def body(c, _):
+        for k in range(SITES):
+            c = jnp.tanh(c) * (1.0 + k) + 0.1
+            sowtel.sow(c, f"s{k}")
+        return c, None
+    return jax.lax.scan(body, x, None, length=LAYERS)[0]
+
+
+class WriteOnly:
+    """A third-party exporter as written before batches existed: write, flush, close."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.types: set[type] = set()
+
+    def write(self, records: Sequence[Record]) -> None:
+        self.types.add(type(records))
+        self.records.extend(records)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Batches(WriteOnly):
+    """An exporter with a batch method: keeps the batches it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[RecordBatch] = []
+
+    def write_batch(self, batch: RecordBatch) -> None:
+        self.batches.append(batch)
+
+
+def _stream(summary: str, exporters: list, steps: int = 3):
+    f = sowtel.jit(_scan_step)
+    x = jnp.linspace(-2.0, 2.0, 40)
+    with sowtel.enable(exporter=exporters, summary=summary):
+        for _ in range(steps):
+            x = f(x)
+        assert sowtel.flush(timeout=60.0)
+    return x
+
+
+@pytest.mark.parametrize("summary", ["stats", "histogram", "health"])
+def test_a_step_is_one_table_a_site_and_write_only_exporters_get_the_same_records(summary):
+    plain, batches = WriteOnly(), Batches()
+    _stream(summary, [plain, batches])
+    # The exporter with only write() got plain Record lists, as before.
+    assert plain.types == {list} and all(type(r) is Record for r in plain.records)
+    assert len(plain.records) == 3 * LAYERS * SITES
+    tables = [p for b in batches.batches for p in b.parts]
+    assert all(isinstance(t, SiteColumns) for t in tables)
+    # One table per site and step (a write may cut a table between positions only).
+    assert sum(t.positions for t in tables) == 3 * LAYERS * SITES
+    for t in tables:
+        assert t.stats.shape == (t.positions, 1, len(t.stat_keys))
+        assert (t.edges is not None) == (summary == "histogram")
+    built = [r for b in batches.batches for r in b.records()]
+    assert [(r.name, r.step, r.index, r.seq) for r in built] == [
+        (r.name, r.step, r.index, r.seq) for r in plain.records]
+    for a, b in zip(built, plain.records, strict=True):
+        assert a == b or (a.histogram is not None and a.stats == b.stats
+                          and np.array_equal(a.histogram[0], b.histogram[0])
+                          and np.array_equal(a.histogram[1], b.histogram[1]))
+    # Values against numpy: layer 0 of site s0 at step 0 is tanh(x) + 0.1.
+    x0 = np.tanh(np.linspace(-2.0, 2.0, 40, dtype=np.float32)) + np.float32(0.1)
+    [first] = [r for r in plain.records if (r.name, r.step, r.index) == ("s0", 0, 0)]
+    if summary != "health":
+        assert first.stats["mean"] == pytest.approx(float(x0.mean()), rel=1e-5)
+        assert first.stats["std"] == pytest.approx(float(x0.std()), rel=1e-4)
+        assert first.stats["max"] == pytest.approx(float(x0.max()), rel=1e-6)
+    assert first.stats["size"] == 40.0 and first.stats["nan"] == 0.0
+
+
+def test_tables_decode_as_the_per_record_decoder_does_nonfinite_and_constant_rows_included():
+    from sowtel.primitive import StreamSite
+    from sowtel.to_records import site_columns
+
+    site = StreamSite(name="h", mode="primal", tag="intermediates", leaf_names=("h",),
+                      shapes=((5,),), dtypes=("float32",), summary="histogram", every=1,
+                      bins=4, loops=((3, False),), extras=())
+    floats = np.array([[0.5, 0.2, -1.0, 2.0, 3.0, 0.7],   # ordinary
+                       [1.0, 0.0, 1.0, 1.0, 2.2, 1.0],    # constant: min == max
+                       [np.nan, np.nan, np.inf, -np.inf, 0.0, np.nan]], np.float32)  # all NaN
+    counts = np.array([[0, 0, 0, 1], [0, 0, 0, 0], [5, 0, 0, 0]], np.float32)
+    buckets = np.array([[1, 2, 1, 1], [0, 0, 0, 5], [0, 0, 0, 0]], np.float32)
+    table = site_columns(site, [floats, counts, buckets], index=[0, 1, 2], step=4,
+                         seqs=[7, 8, 9], wall_time=1.0, process_index=0)
+    for p in range(3):
+        want = decode_device_summary([floats[p], counts[p], buckets[p]], "histogram", 5, 4)
+        got = table.records()[p]
+        assert got.stats.keys() == want["stats"].keys()
+        for k, v in want["stats"].items():
+            assert got.stats[k] == v or (np.isnan(v) and np.isnan(got.stats[k])), (p, k)
+        np.testing.assert_array_equal(got.histogram[0], want["histogram"][0])
+        np.testing.assert_array_equal(got.histogram[1], want["histogram"][1])
+    assert table.any_nonfinite
+    assert first_nonfinite(RecordBatch([table])) == (4, "h", "primal")
+
+
+def test_a_batch_splits_between_positions_within_its_bounds():
+    from sowtel.records import HEALTH_KEYS
+
+    table = SiteColumns(names=("a", "b"), shapes=((), ()), dtypes=("float32",) * 2,
+                        mode="primal", tag="t", summary="health", step=0, wall_time=0.0,
+                        process_index=0, order=0, index=list(range(10)), seqs=list(range(10)),
+                        stat_keys=HEALTH_KEYS, stats=np.arange(80.0).reshape(10, 2, 4))
+    head, rest = RecordBatch([table]).split(7, 1 << 20)
+    # Two leaves a position: 7 records make 3 whole positions; the rest keeps the other 7.
+    assert (len(head), len(rest)) == (6, 14)
+    assert head.records() + rest.records() == table.records()
+    # Nothing fits a write that already holds records; one position goes when it is the first.
+    assert len(RecordBatch([table]).split(1, 1 << 20, started=True)[0]) == 0
+    assert len(RecordBatch([table]).split(1, 1 << 20)[0]) == 2
+
+
+def test_memory_keeps_tables_and_evicts_exactly_its_bound():
+    memory = MemoryExporter(max_records=50)
+    f = sowtel.jit(_scan_step)
+    x = jnp.linspace(-2.0, 2.0, 40)
+    with sowtel.enable(exporter=memory):
+        for _ in range(4):
+            x = f(x)
+        assert sowtel.flush(timeout=60.0)
+        s = sowtel.status()
+    total = 4 * LAYERS * SITES
+    assert len(memory) == 50 and len(memory.records) == 50
+    assert memory.evicted == total - 50 == s["evicted"]["memory"]
+    # The newest are kept, in order.
+    assert [r.step for r in memory.records][-1] == 3
+    assert [r.seq for r in memory.records] == sorted(r.seq for r in memory.records)
+
+
+def test_jsonl_batch_lines_are_the_records_json(tmp_path):
+    jsonl = JsonlExporter(logdir=tmp_path)
+    plain = WriteOnly()
+    x = jnp.linspace(-2.0, 2.0, 40).at[3].set(jnp.nan)  # non-finite numbers in the lines too
+    f = sowtel.jit(_scan_step)
+    with sowtel.enable(exporter=[jsonl, plain], summary="histogram"):
+        for _ in range(2):
+            x = f(x)
+        assert sowtel.flush(timeout=60.0)
+    lines = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert lines == [record_to_json(r) for r in plain.records]
+    assert read_records(tmp_path / "records.jsonl")[0].name == "s0"
+
+
+def test_tensorboard_batch_writes_the_scalars_write_writes(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    from sowtel.exporters.tensorboard import TensorBoardExporter
+
+    batch_dir, plain_dir = tmp_path / "batch", tmp_path / "plain"
+    by_batch = TensorBoardExporter(logdir=batch_dir)
+    plain = WriteOnly()
+    _stream("stats", [by_batch, plain])
+    by_write = TensorBoardExporter(logdir=plain_dir)
+    by_write.write(plain.records)
+    by_write.close()
+
+    def scalars(run: os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
+        acc = ea.EventAccumulator(os.fspath(run), size_guidance={ea.SCALARS: 0})
+        acc.Reload()
+        return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+                for tag in acc.Tags()["scalars"]}
+
+    got, want = scalars(batch_dir), scalars(plain_dir)
+    assert got == want and len(got) == LAYERS * SITES * 5  # five statistics a series
+
+
+def test_otel_one_event_a_site_and_step_with_positions_as_lists():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sowtel.exporters.otel import OTelExporter
+
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    otel, plain = OTelExporter(tracer_provider=provider), WriteOnly()
+    _stream("stats", [otel, plain], steps=2)
+    events = [(s.attributes["sowtel.step"], e.attributes)
+              for s in spans.get_finished_spans() for e in s.events]
+    assert len(events) == 2 * SITES  # one a site and step, not one a record
+    for step, attrs in events:
+        assert attrs["sowtel.records"] == LAYERS
+        assert list(attrs["sowtel.index"]) == list(range(LAYERS))
+        records = sorted((r for r in plain.records
+                          if (r.name, r.step) == (attrs["sowtel.name"], step)),
+                         key=lambda r: r.index)
+        assert list(attrs["sowtel.stat.mean"]) == [r.stats["mean"] for r in records]
+        assert list(attrs["sowtel.stat.nan"]) == [0] * LAYERS
+    assert sum(s.attributes["sowtel.record_count"]
+               for s in spans.get_finished_spans()) == 2 * LAYERS * SITES
