@@ -36,7 +36,7 @@ from sowtel.summaries import check_summary, decode_device_summary, host_summary
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
 
-__all__ = ["summary_records", "compiled_records", "records_from_intermediates", "leaf_name",
+__all__ = ["summary_records", "records_from_intermediates", "leaf_name",
            "program_order"]
 
 def summary_records(site: StreamSite, arrays: Sequence[np.ndarray], *, step: int, index: Index,
@@ -56,48 +56,6 @@ def summary_records(site: StreamSite, arrays: Sequence[np.ndarray], *, step: int
             order=site.order,
         ))
     return out
-
-
-def compiled_records(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step: int,
-                     seqs: Iterator[int], wall_time: float, process_index: int,
-                     lowest: Sequence[np.ndarray] | None = None) -> list[Record]:
-    """Records of a ``sowtel.jit`` logging step from its summary outputs, now on the host.
-
-    ``sites`` are the program's ``SiteSummary`` entries, ``arrays`` its outputs in their order.
-    Each site's arrays carry leading axes for the scans and shard_maps around it (outermost
-    first); its last array says, per position, whether the site ran there (0 in the branches
-    of a cond that were not taken: no record). Indices follow
-    :func:`sowtel.records.record_index`, as the callback transport's do.
-
-    ``lowest`` (several processes, see :func:`sowtel.multihost.fetch`): per array, the lowest
-    process holding each element; this process builds only the records it owns there.
-    """
-    from sowtel.multihost import owns
-
-    records: list[Record] = []
-    at = 0
-    for entry in sites:
-        mine = arrays[at:at + entry.n_arrays]
-        held = lowest[at:at + entry.n_arrays] if lowest is not None else None
-        at += entry.n_arrays
-        ran = np.asarray(mine[-1])
-        kinds = [kind for kind, _ in entry.stacked]
-        # Positions in the order the program ran them: a reversed scan from its last iteration.
-        reverse = iter([r for _, r in entry.site.loops or ()])
-        backward = [k == "scan" and next(reverse, False) for k in kinds]
-        for step_pos in np.ndindex(ran.shape):
-            pos = tuple(n - 1 - p if b else p
-                        for p, n, b in zip(step_pos, ran.shape, backward, strict=True))
-            if held is not None and not owns(held, pos, process_index):
-                continue
-            if not ran[pos]:
-                continue
-            records.extend(summary_records(
-                entry.site, [np.asarray(a[pos]) for a in mine[:-1]], step=step,
-                index=record_index([(kind, n, p) for (kind, n), p in zip(
-                    entry.stacked, pos, strict=True)]), seq=next(seqs), wall_time=wall_time,
-                process_index=process_index))
-    return records
 
 
 # ----------------------------------------------------------------------------- intermediates

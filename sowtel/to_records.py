@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sowtel.records import HEALTH_KEYS, STAT_KEYS, Record
+from sowtel.records import HEALTH_KEYS, STAT_KEYS, Record, record_index
 from sowtel.summaries import host_summary
 
 if TYPE_CHECKING:
@@ -356,12 +356,6 @@ def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Seque
         stats=stats, edges=edges, counts=counts, values=values)
 
 
-def _position_index(pos: Sequence[int], shard_first: Sequence[int]) -> Index:
-    # The record index rule for stacked summaries: shard axes first, then scan axes.
-    parts = [int(pos[i]) for i in shard_first]
-    return None if not parts else parts[0] if len(parts) == 1 else tuple(parts)
-
-
 class _Layout:
     """Where one site's positions lie in its stacked arrays, in program order (fixed per
     compiled program, so computed once)."""
@@ -370,8 +364,6 @@ class _Layout:
 
     def __init__(self, entry: Any, shape: tuple[int, ...]) -> None:
         kinds = [kind for kind, _ in entry.stacked]
-        order = [i for i, k in enumerate(kinds) if k == "shard"] + [
-            i for i, k in enumerate(kinds) if k != "shard"]
         # Positions in the order the program ran them: a reversed scan from its last iteration.
         reverse = iter([r for _, r in entry.site.loops or ()])
         backward = [k == "scan" and next(reverse, False) for k in kinds]
@@ -382,7 +374,8 @@ class _Layout:
         # Flat offsets of the positions in a C-ordered array of `shape`.
         self.take = np.array([np.ravel_multi_index(p, shape) if shape else 0
                               for p in self.positions], dtype=np.intp)
-        self.index = [_position_index(p, order) for p in self.positions]
+        self.index = [record_index(list(zip(kinds, shape, p, strict=True)))
+                      for p in self.positions]
 
 
 class CompiledConverter:
