@@ -61,15 +61,19 @@ from typing import Any
 
 import numpy as np
 from tensorboardX.proto.event_pb2 import Event
-from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboardX.proto.tensor_pb2 import TensorProto
+from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
+from tensorboardX.proto.types_pb2 import DT_FLOAT
 from tensorboardX.record_writer import masked_crc32c
 from tensorboardX.summary import custom_scalars, histogram_raw, text
 
-from sowtel.records import STAT_KEYS, Record
+from sowtel.records import SCALAR_SUMMARY, STAT_KEYS, Record
 from sowtel.summaries import host_summary
+from sowtel.tensorboard_plugin import DEPTH_SUFFIX, PLUGIN_NAME, depth_content
 
 __all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFAULT_STATS",
-           "COUNT_STATS", "LOG_CATEGORY"]
+           "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS"]
 
 #: Tag of the text summary holding the first non-finite alert (TensorBoard's text plugin adds
 #: ``/text_summary``).
@@ -82,9 +86,13 @@ DEFAULT_STATS: tuple[str, ...] = ("mean", "std", "min", "max", "l2")
 COUNT_STATS: tuple[str, ...] = ("nan", "posinf", "neginf")
 #: Category of the custom-scalars layout holding the scalars of :func:`sowtel.log`.
 LOG_CATEGORY = "logged scalars"
+#: Layouts of scan-stacked sites (``depth=``): a tensor for the plugin, scalars, or both.
+DEPTH_LAYOUTS: tuple[str, ...] = ("tensor", "scalars", "both")
 
 # Charts of the layout, in this order; any other statistic a record carries follows them.
 _CHART_ORDER = {k: i for i, k in enumerate(STAT_KEYS)}
+# Chart titles name a mode with the word ML users know for it.
+_MODE_WORDS = {"primal": "activation", "cotangent": "gradient"}
 # Unique event-file names even for several exporters in one process within the same second.
 _file_counter = itertools.count()
 
@@ -141,18 +149,23 @@ def _check_stats(stats: Any) -> tuple[str, ...] | None:
 class _Site:
     """What the custom-scalars layout needs to know of one site."""
 
-    __slots__ = ("modes", "indexed", "nonfinite", "logged")
+    __slots__ = ("modes", "indexed", "nonfinite", "logged", "order")
 
     def __init__(self) -> None:
         self.modes: dict[str, frozenset[str]] = {}  # mode -> statistics written
         self.indexed = False
         self.nonfinite = False
         self.logged = False  # a name of sowtel.log
+        self.order: int | None = None  # the site's place in its program, for sorting
 
-    def learn(self, mode: str, stats: frozenset[str], indexed: bool, nonfinite: bool) -> bool:
+    def learn(self, mode: str, stats: frozenset[str], indexed: bool, nonfinite: bool,
+              order: int = 0) -> bool:
         """Adds what one record shows; returns whether the layout changed."""
         known = self.modes.get(mode)
         changed = known is None or not known.issuperset(stats)
+        if self.order is None or order < self.order:
+            changed |= self.order is not None
+            self.order = order
         if changed:
             self.modes[mode] = stats if known is None else known | stats
         changed |= (indexed and not self.indexed) or (nonfinite and not self.nonfinite)
@@ -246,6 +259,11 @@ class TensorBoardExporter:
         :data:`sowtel.records.STAT_KEYS` (written at every step).
       scalar_derivatives: also write tangent and cotangent records of sites whose value is a
         scalar (shape ``()``); off by default, as the cotangent of a loss is always 1.0.
+      depth: how a site with an ``index`` (inside a scan) is written. ``"tensor"`` (default):
+        its statistics at every position as one tensor a step (tag ``{name}/{mode}/depth``,
+        read by the ``sowtel`` plugin's depth view), plus one headline scalar per mode, the l2
+        norm over all positions (``{name}/{mode}/l2``); ``"scalars"``: a scalar tag per position
+        and statistic (``{name}[3]/{mode}/{stat}``) and a histogram per position; ``"both"``.
 
     Attributes:
       logdir: the absolute run directory (the parent of the per-process runs, if several).
@@ -263,7 +281,7 @@ class TensorBoardExporter:
 
     def __init__(self, logdir: str | os.PathLike[str] | None = None, *,
                  flush_secs: float = 2.0, stats: str | Sequence[str] = "default",
-                 scalar_derivatives: bool = False) -> None:
+                 scalar_derivatives: bool = False, depth: str = "tensor") -> None:
         if logdir is None:
             logdir = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         if not isinstance(logdir, (str, os.PathLike)):
@@ -284,6 +302,13 @@ class TensorBoardExporter:
             )
         if not isinstance(scalar_derivatives, bool):
             raise TypeError(f"scalar_derivatives={scalar_derivatives!r} must be True or False")
+        if depth not in DEPTH_LAYOUTS:
+            raise ValueError(
+                f"depth={depth!r} is not a layout of scan-stacked sites: use 'tensor' (one "
+                "vector a step for the sowtel plugin, plus one headline scalar), 'scalars' (a "
+                "scalar tag per position and statistic) or 'both'"
+            )
+        self.depth = depth
         self.flush_secs = float(flush_secs)
         self.stats = _check_stats(stats)
         self._counts_once_nonzero = stats == "default"
@@ -299,6 +324,7 @@ class TensorBoardExporter:
         self._counting: set[tuple[str, str, Any]] = set()  # series whose counts are written
         self._layout_due: set[int] = set()
         self._alerted: set[int] = set()
+        self._depth_tags: set[str] = set()
         self._last_sync = time.monotonic()
         self._closed = False
         _check_logdir(self.logdir)
@@ -348,13 +374,24 @@ class TensorBoardExporter:
             layout = self._layouts.setdefault(process_index, {})
             for step, same_step in itertools.groupby(group, key=lambda r: r.step):
                 values: list[Summary.Value] = []
+                stacked: dict[tuple[str, str], list[Record]] = {}
                 wall_time = 0.0
                 for r in same_step:
                     try:
+                        if self._stacked(r):
+                            stacked.setdefault((r.name, r.mode), []).append(r)
+                            if self.depth == "tensor":
+                                self._alert(r, r.stats, values)
+                                continue
                         self._record_values(r, values, layout, layout_due)
                     except Exception as e:  # one bad record must not lose the batch's others
                         bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}")
                     wall_time = max(wall_time, r.wall_time)
+                for (name, mode), rs in stacked.items():
+                    try:
+                        self._depth_values(name, mode, rs, values, layout, layout_due)
+                    except Exception as e:
+                        bad.append(f"{name!r} ({mode}, step {step}): {e}")
                 if values:
                     f.add(Event(wall_time=wall_time or time.time(), step=int(step),
                                 summary=Summary(value=values)))
@@ -389,13 +426,11 @@ class TensorBoardExporter:
         if r.value is not None:
             summary = host_summary(r.value, "histogram")
             stats, hist = summary["stats"], summary["histogram"]
-        nonfinite = _nonfinite(stats) > 0
-        if r.process_index not in self._alerted and nonfinite:
-            self._alerted.add(r.process_index)
-            values.append(text(ALERT_TAG, _alert_text(r, stats)).value[0])
+        nonfinite = self._alert(r, stats, values)
         if r.shape == () and r.mode != "primal" and not self.scalar_derivatives:
             return
-        written = self._chosen(key, r.summary, stats, nonfinite)
+        written = self._chosen(key, r.summary, stats, nonfinite,
+                               single=math.prod(r.shape) == 1)
         for stat in written:
             values.append(Summary.Value(tag=f"{prefix}/{stat}", simple_value=float(stats[stat])))
         if hist is not None:
@@ -406,14 +441,65 @@ class TensorBoardExporter:
         # A chart of counts once one is non-zero, or for a health site, which has nothing else.
         counts_chart = any(k in COUNT_STATS for k in written) and (
             nonfinite or r.summary == "health")
-        if site.learn(r.mode, frozenset(written), r.index is not None, counts_chart):
+        if site.learn(r.mode, frozenset(written), r.index is not None, counts_chart,
+                      order=r.order):
             layout_due.add(r.process_index)
 
+    def _alert(self, r: Record, stats: dict[str, float], values: list[Summary.Value]) -> bool:
+        """Whether ``r`` holds a non-finite value; the run's first such record is an alert."""
+        nonfinite = _nonfinite(stats) > 0
+        if r.process_index not in self._alerted and nonfinite:
+            self._alerted.add(r.process_index)
+            values.append(text(ALERT_TAG, _alert_text(r, stats)).value[0])
+        return nonfinite
+
+    def _stacked(self, r: Record) -> bool:
+        # Full values carry no statistics to stack; they keep their per-position layout.
+        return (self.depth != "scalars" and r.index is not None and r.value is None
+                and r.summary != SCALAR_SUMMARY and bool(r.stats))
+
+    def _depth_values(self, name: str, mode: str, rs: list[Record], values: list[Summary.Value],
+                      layout: dict[str, _Site], layout_due: set[int]) -> None:
+        """One tensor of every position's statistics, and the headline scalar, of one step."""
+        rs = sorted(rs, key=lambda r: _index_tuple(r.index))
+        stats = [k for k in STAT_KEYS if k != "size" and k in rs[0].stats]
+        rank = len(_index_tuple(rs[0].index))
+        table = np.empty((rank + len(stats), len(rs)), dtype=np.float32)
+        for j, r in enumerate(rs):
+            idx = _index_tuple(r.index)
+            if len(idx) != rank:
+                raise ValueError(f"index {r.index!r} has not the rank {rank} of the site's others")
+            table[:rank, j] = idx
+            table[rank:, j] = [r.stats.get(k, math.nan) for k in stats]
+        tag = f"{series_tag(name, mode)}{DEPTH_SUFFIX}"
+        values.append(Summary.Value(tag=tag, metadata=self._depth_metadata(tag, stats, rank),
+                                    tensor=_float_tensor(table)))
+        written: frozenset[str] = frozenset()
+        if "l2" in stats:
+            # The l2 norm of the whole stacked value: of every position's finite elements.
+            l2 = table[rank + stats.index("l2")].astype(np.float64)
+            values.append(Summary.Value(tag=f"{series_tag(name, mode)}/l2",
+                                        simple_value=float(np.sqrt(np.nansum(l2 * l2)))))
+            written = frozenset({"l2"})
+        site = layout.setdefault(name, _Site())
+        if site.learn(mode, written, False, False, order=rs[0].order):
+            layout_due.add(rs[0].process_index)
+
+    def _depth_metadata(self, tag: str, stats: list[str], rank: int) -> Any:
+        # TensorBoard keeps a tag's first metadata: written once per tag and file.
+        if tag in self._depth_tags:
+            return None
+        self._depth_tags.add(tag)
+        return _tensor_metadata(depth_content(stats, rank))
+
     def _chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
-                nonfinite: bool) -> list[str]:
+                nonfinite: bool, single: bool = False) -> list[str]:
         if self.stats is None:
             return list(stats)
         chosen = [k for k in self.stats if k in stats]
+        if self._counts_once_nonzero and single and "mean" in stats:
+            # A sown scalar is its own mean, min and max: one chart of its value.
+            chosen = ["mean"]
         if self._counts_once_nonzero:
             # Counts are zero for almost every series: a chart of them from the first non-zero
             # step on, and for a health summary, whose counts are all it has.
@@ -465,6 +551,27 @@ class TensorBoardExporter:
             self.errors += 1
             self.last_error = "; ".join(failures)
             raise OSError(f"TensorBoardExporter could not write {self.last_error} when closing")
+
+
+def _index_tuple(index: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    if index is None:
+        return ()
+    return tuple(int(i) for i in index) if isinstance(index, tuple) else (int(index),)
+
+
+def _float_tensor(table: np.ndarray) -> TensorProto:
+    shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=n) for n in table.shape])
+    return TensorProto(dtype=DT_FLOAT, tensor_shape=shape,
+                       tensor_content=np.ascontiguousarray(table, dtype="<f4").tobytes())
+
+
+def _tensor_metadata(content: bytes) -> SummaryMetadata:
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
+        plugin_name=PLUGIN_NAME, content=content))
+    # TensorBoard serves a plugin's tensors only with data_class DATA_CLASS_TENSOR (field 4,
+    # value 2), which tensorboardX's older copy of the message lacks: appended as raw bytes,
+    # protobuf keeps it as an unknown field and writes it back out.
+    return SummaryMetadata.FromString(meta.SerializeToString() + b"\x20\x02")
 
 
 def _jax_process() -> tuple[int, int]:
@@ -522,10 +629,17 @@ def _layout_summary(layout: dict[str, _Site]) -> Summary:
     if logged:
         categories[LOG_CATEGORY] = {
             name: ["Multiline", ["^" + re.escape(name) + "$"]] for name in logged}
-    for name, site in sorted(layout.items()):
+    # Sites in program order (the order of their sows), then by name.
+    for name, site in sorted(layout.items(), key=lambda kv: (kv[1].order or 0, kv[0])):
         if site.modes:
             categories[name] = _site_charts(name, site)
     return custom_scalars(categories)
+
+
+def _mode_title(mode: str) -> str:
+    """A mode with the word users know beside it: ``cotangent (gradient)``."""
+    word = _MODE_WORDS.get(mode)
+    return f"{mode} ({word})" if word else mode
 
 
 def _site_charts(name: str, site: _Site) -> dict[str, list[Any]]:
@@ -534,7 +648,7 @@ def _site_charts(name: str, site: _Site) -> dict[str, list[Any]]:
         written = site.modes[mode]
         if mode == "primal" and not site.indexed and {"mean", "min", "max"} <= written:
             prefix = series_tag(name, mode)
-            charts[f"{mode}: mean, band min to max"] = [
+            charts[f"{_mode_title(mode)}: mean, band min to max"] = [
                 "Margin", [f"{prefix}/mean", f"{prefix}/min", f"{prefix}/max"]]
             continue
         preferred = "mean" if mode == "primal" else "l2"
@@ -542,7 +656,7 @@ def _site_charts(name: str, site: _Site) -> dict[str, list[Any]]:
             (k for k in written if k not in COUNT_STATS and k != "size"),
             key=lambda k: _CHART_ORDER.get(k, len(_CHART_ORDER)))[:1]
         for stat in shown:
-            title = f"{mode}: {'l2 norm' if stat == 'l2' else stat}"
+            title = f"{_mode_title(mode)}: {'l2 norm' if stat == 'l2' else stat}"
             charts[title] = ["Multiline", [_chart_regex(name, mode, stat)]]
     if site.nonfinite:
         counts = "(" + "|".join(COUNT_STATS) + ")"
