@@ -24,7 +24,8 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["DEFAULT_PORT", "SAMPLES_PER_PLUGIN", "configure_dashboard", "run_dashboard", "pick_port",
+__all__ = ["DEFAULT_PORT", "SAMPLES_PER_PLUGIN", "configure_dashboard", "run_dashboard",
+           "pick_port",
            "dashboard_command"]
 
 #: The port TensorBoard usually listens on; taken when free.

@@ -68,10 +68,10 @@ _STATIC = os.path.join(os.path.dirname(__file__), "static")
 _COUNT_STATS = ("nan", "posinf", "neginf")
 # A scalar tag of one scan position: {name}[i]/{mode}/{stat} or {name}[i,j]/{mode}/{stat}.
 _INDEXED_TAG = re.compile(r"^(?P<name>[^\[\]]+)\[(?P<index>[0-9]+(?:,[0-9]+)*)\]"
-                          r"/(?P<mode>[^/]+)/(?P<stat>[a-z_]+)$")
+                          r"/(?P<mode>[^/]+)/(?P<stat>[a-z_0-9]+)$")
 # A plain scalar tag {name}/{mode}/{stat}, mode being primal/tangent/cotangent or a composition.
-_PLAIN_TAG = re.compile(r"^(?P<name>.+)/(?P<mode>(?:primal|tangent|cotangent)"
-                        r"(?:\.(?:tangent|cotangent))*)/(?P<stat>[a-z_]+)$")
+_PLAIN_TAG = re.compile(r"^(?P<name>[^\[\]]+)/(?P<mode>(?:primal|tangent|cotangent)"
+                        r"(?:\.(?:tangent|cotangent))*)/(?P<stat>[a-z_0-9]+)$")
 # The one number in a path segment that makes a family of repeats: block12/attn, attn_3.
 _NUMBERED = re.compile(r"(?<![0-9])([0-9]+)(?![0-9])")
 # TensorBoard's text plugin stores the exporter's alert under this tag.
