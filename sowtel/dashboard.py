@@ -25,8 +25,7 @@ import threading
 from typing import Any
 
 __all__ = ["DEFAULT_PORT", "SAMPLES_PER_PLUGIN", "configure_dashboard", "run_dashboard",
-           "pick_port",
-           "dashboard_command"]
+           "pick_port", "dashboard_command"]
 
 #: The port TensorBoard usually listens on; taken when free.
 DEFAULT_PORT = 6006

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator as ea
 from test_demo_dashboard import (
     ARTIFACTS,
     ENV,
@@ -29,7 +30,6 @@ from test_demo_dashboard import (
     stop,
     wait_for,
 )
-from tensorboard.backend.event_processing import event_accumulator as ea
 
 from sowtel.exporters.tensorboard import TensorBoardExporter
 from sowtel.records import Record
