@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import json
 import math
 import os
 import re
@@ -64,13 +65,19 @@ from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboardX.proto.tensor_pb2 import TensorProto
 from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
-from tensorboardX.proto.types_pb2 import DT_FLOAT
+from tensorboardX.proto.types_pb2 import DT_FLOAT, DT_STRING
 from tensorboardX.record_writer import masked_crc32c
 from tensorboardX.summary import custom_scalars, histogram_raw, text
 
 from sowtel.records import SCALAR_SUMMARY, STAT_KEYS, Record
 from sowtel.summaries import host_summary
-from sowtel.tensorboard_plugin import DEPTH_SUFFIX, PLUGIN_NAME, depth_content
+from sowtel.tensorboard_plugin import (
+    DEPTH_SUFFIX,
+    NONFINITE_CONTENT,
+    NONFINITE_TAG,
+    PLUGIN_NAME,
+    depth_content,
+)
 
 __all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFAULT_STATS",
            "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS"]
@@ -375,18 +382,26 @@ class TensorBoardExporter:
             for step, same_step in itertools.groupby(group, key=lambda r: r.step):
                 values: list[Summary.Value] = []
                 stacked: dict[tuple[str, str], list[Record]] = {}
+                nonfinite: list[list[Any]] = []  # [name, mode, index, count] of this step
                 wall_time = 0.0
                 for r in same_step:
+                    wall_time = max(wall_time, r.wall_time)
                     try:
+                        count = 0
                         if self._stacked(r):
                             stacked.setdefault((r.name, r.mode), []).append(r)
                             if self.depth == "tensor":
                                 self._alert(r, r.stats, values)
-                                continue
-                        self._record_values(r, values, layout, layout_due)
+                                count = int(_nonfinite(r.stats))
+                        if not count and not (self._stacked(r) and self.depth == "tensor"):
+                            count = self._record_values(r, values, layout, layout_due)
+                        if count:
+                            index = list(_index_tuple(r.index)) if r.index is not None else None
+                            nonfinite.append([r.name, r.mode, index, count])
                     except Exception as e:  # one bad record must not lose the batch's others
                         bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}")
-                    wall_time = max(wall_time, r.wall_time)
+                if nonfinite:
+                    values.append(self._nonfinite_value(nonfinite))
                 for (name, mode), rs in stacked.items():
                     try:
                         self._depth_values(name, mode, rs, values, layout, layout_due)
@@ -409,14 +424,15 @@ class TensorBoardExporter:
             )
 
     def _record_values(self, r: Record, values: list[Summary.Value],
-                       layout: dict[str, _Site], layout_due: set[int]) -> None:
+                       layout: dict[str, _Site], layout_due: set[int]) -> int:
+        """Adds ``r``'s summary values; returns its count of non-finite elements."""
         if r.summary == "scalar":  # sowtel.log
             values.append(Summary.Value(tag=str(r.name), simple_value=float(r.stats["value"])))
             site = layout.setdefault(r.name, _Site())
             if not site.logged:
                 site.logged = True
                 layout_due.add(r.process_index)
-            return
+            return 0
         key = (r.name, r.mode, r.index)
         prefix = self._prefixes.get(key)
         if prefix is None:
@@ -427,8 +443,9 @@ class TensorBoardExporter:
             summary = host_summary(r.value, "histogram")
             stats, hist = summary["stats"], summary["histogram"]
         nonfinite = self._alert(r, stats, values)
+        count = int(_nonfinite(stats))
         if r.shape == () and r.mode != "primal" and not self.scalar_derivatives:
-            return
+            return count
         written = self._chosen(key, r.summary, stats, nonfinite,
                                single=math.prod(r.shape) == 1)
         for stat in written:
@@ -444,6 +461,7 @@ class TensorBoardExporter:
         if site.learn(r.mode, frozenset(written), r.index is not None, counts_chart,
                       order=r.order):
             layout_due.add(r.process_index)
+        return count
 
     def _alert(self, r: Record, stats: dict[str, float], values: list[Summary.Value]) -> bool:
         """Whether ``r`` holds a non-finite value; the run's first such record is an alert."""
@@ -484,6 +502,16 @@ class TensorBoardExporter:
         site = layout.setdefault(name, _Site())
         if site.learn(mode, written, False, False, order=rs[0].order):
             layout_due.add(rs[0].process_index)
+
+    def _nonfinite_value(self, rows: list[list[Any]]) -> Summary.Value:
+        # One small string tensor at the steps that had a NaN or infinity: the plugin's health
+        # overview reads this tag alone instead of every site's counts.
+        first = NONFINITE_TAG not in self._depth_tags
+        self._depth_tags.add(NONFINITE_TAG)
+        tensor = TensorProto(dtype=DT_STRING, tensor_shape=TensorShapeProto(),
+                             string_val=[json.dumps(rows).encode()])
+        return Summary.Value(tag=NONFINITE_TAG, tensor=tensor, metadata=_tensor_metadata(
+            NONFINITE_CONTENT) if first else None)
 
     def _depth_metadata(self, tag: str, stats: list[str], rank: int) -> Any:
         # TensorBoard keeps a tag's first metadata: written once per tag and file.

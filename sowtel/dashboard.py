@@ -31,9 +31,9 @@ __all__ = ["DEFAULT_PORT", "SAMPLES_PER_PLUGIN", "configure_dashboard", "run_das
 DEFAULT_PORT = 6006
 # Matches the exporter's default flush interval, so a new point shows within about 4 s.
 _RELOAD_SECS = 2
-#: TensorBoard's ``--samples_per_plugin``: all of the sowtel plugin's depth tensors and of the
-#: scalars (0 keeps every step), as the depth view and the curves show every logging step.
-SAMPLES_PER_PLUGIN = "sowtel=0,scalars=0"
+#: TensorBoard's ``--samples_per_plugin``: every one of the sowtel plugin's tensors (0 keeps
+#: every step), as the depth view shows every logging step.
+SAMPLES_PER_PLUGIN = "sowtel=0"
 
 
 def dashboard_command(logdir: str | os.PathLike[str]) -> str:

@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PLUGIN_NAME", "DEPTH_SUFFIX", "SowtelPlugin", "depth_content", "parse_content",
-           "family_of"]
+__all__ = ["PLUGIN_NAME", "DEPTH_SUFFIX", "NONFINITE_TAG", "NONFINITE_CONTENT", "SowtelPlugin",
+           "depth_content", "parse_content", "family_of"]
 
 #: The plugin's name: its URL prefix ``/data/plugin/sowtel`` and the ``plugin_name`` of the
 #: compact depth tensors the TensorBoard exporter writes.
@@ -63,6 +63,11 @@ PLUGIN_NAME = "sowtel"
 DEPTH_SUFFIX = "/depth"
 #: Version of the compact tensor's layout, in its metadata content.
 CONTENT_VERSION = 1
+#: A string tensor at every step that had a NaN or infinity: JSON ``[[name, mode, index,
+#: count], ...]``, the records of that step with non-finite elements.
+NONFINITE_TAG = "sowtel/nonfinite"
+#: The metadata content of :data:`NONFINITE_TAG`.
+NONFINITE_CONTENT = b'{"version": 1, "kind": "nonfinite"}'
 
 _STATIC = os.path.join(os.path.dirname(__file__), "static")
 _COUNT_STATS = ("nan", "posinf", "neginf")
@@ -143,32 +148,51 @@ def _finite_or_none(x: float) -> float | None:
 
 
 class _Series:
-    """One (site, mode)'s values at (step, position): what every route is made of."""
+    """One (site, mode)'s statistics, a row of positions per step: what the routes are made of."""
 
     def __init__(self) -> None:
-        # stat -> {(step, position): value}
-        self.values: dict[str, dict[tuple[int, tuple[int, ...]], float]] = {}
+        # stat -> [(step, positions, values)], values[j] at positions[j]
+        self.rows: dict[str, list[tuple[int, list[tuple[int, ...]], np.ndarray]]] = {}
 
-    def put(self, stat: str, step: int, position: tuple[int, ...], value: float) -> None:
-        self.values.setdefault(stat, {})[(step, position)] = value
+    def put(self, stat: str, step: int, positions: list[tuple[int, ...]],
+            values: np.ndarray) -> None:
+        self.rows.setdefault(stat, []).append((int(step), positions, np.asarray(values)))
+
+    def _grid(self, stats: Iterable[str], steps: list[int],
+              positions: list[tuple[int, ...]]) -> np.ndarray:
+        # The sum of ``stats`` at each (step, position); NaN where none of them was recorded.
+        row = {s: i for i, s in enumerate(steps)}
+        col = {p: j for j, p in enumerate(positions)}
+        grid = np.full((len(steps), len(positions)), np.nan)
+        for k in stats:
+            for step, pos, vals in self.rows.get(k, []):
+                if step not in row:
+                    continue
+                cols = [col[p] for p in pos]
+                cell = grid[row[step], cols]
+                grid[row[step], cols] = np.where(np.isnan(cell), 0.0, cell) + vals
+        return grid
 
     def table(self, stat: str) -> dict[str, Any]:
-        cells = self.values.get(stat, {})
-        steps = sorted({s for s, _ in cells})
-        positions = sorted({p for _, p in cells})
-        col = {p: j for j, p in enumerate(positions)}
-        row = {s: i for i, s in enumerate(steps)}
-        values: list[list[float | None]] = [[None] * len(positions) for _ in steps]
-        for (s, p), v in cells.items():
-            values[row[s]][col[p]] = _finite_or_none(v)
-        counts: list[list[float | None]] = [[None] * len(positions) for _ in steps]
-        for k in _COUNT_STATS:
-            for (s, p), v in self.values.get(k, {}).items():
-                if s in row and p in col:
-                    cell = counts[row[s]][col[p]]
-                    counts[row[s]][col[p]] = (cell or 0.0) + float(v)
+        rows = self.rows.get(stat, [])
+        steps = sorted({r[0] for r in rows})
+        positions = sorted({p for r in rows for p in r[1]})
+        values = self._grid([stat], steps, positions)
+        counts = self._grid(_COUNT_STATS, steps, positions)
         return {"steps": steps, "index": [_index_value(p) for p in positions],
-                "values": values, "nonfinite": counts}
+                "values": _json_grid(values), "nonfinite": _json_grid(counts)}
+
+    def nonfinite_cells(self) -> Iterable[tuple[int, tuple[int, ...]]]:
+        """(step, position) of every cell with a non-zero NaN or infinity count."""
+        for k in _COUNT_STATS:
+            for step, pos, vals in self.rows.get(k, []):
+                for j in np.flatnonzero(np.asarray(vals) > 0):
+                    yield step, pos[j]
+
+
+def _json_grid(grid: np.ndarray) -> list[list[float | None]]:
+    # JSON has no NaN or infinity: such cells are null.
+    return np.where(np.isfinite(grid), grid, None).tolist()  # type: ignore[no-any-return]
 
 
 class SowtelPlugin:
@@ -287,7 +311,7 @@ class SowtelPlugin:
                 entry["positions"].add(position)
 
         for tag, series in self._tensor_tags(ctx, eid, run).items():
-            if not tag.endswith(DEPTH_SUFFIX):
+            if tag == NONFINITE_TAG or not tag.endswith(DEPTH_SUFFIX):
                 continue
             name, mode = tag[:-len(DEPTH_SUFFIX)].rsplit("/", 1)
             meta = parse_content(series.plugin_content)
@@ -330,10 +354,9 @@ class SowtelPlugin:
                 arr = np.asarray(datum.numpy, dtype=np.float64)
                 if arr.ndim != 2 or arr.shape[0] != rank + len(names):
                     continue
-                positions = [tuple(int(v) for v in arr[:rank, j]) for j in range(arr.shape[1])]
+                positions = [tuple(p) for p in arr[:rank].T.astype(int).tolist()]
                 for k, r in rows.items():
-                    for j, p in enumerate(positions):
-                        series.put(k, datum.step, p, float(arr[r, j]))
+                    series.put(k, datum.step, positions, arr[r])
             return series
         # Per-position scalars: {site}[i]/{mode}/{stat}, or the members of a family.
         fam = site if "*" in site else None
@@ -356,13 +379,13 @@ class SowtelPlugin:
             for t, points in data.get(run, {}).items():
                 stat, position = tags[t]
                 for p in points:
-                    series.put(stat, p.step, position, float(p.value))
+                    series.put(stat, p.step, [position], np.array([p.value]))
         return series
 
     def _depth_route(self, ctx: Any, eid: str, args: Any) -> dict[str, Any]:
         run, site, mode, stat = (_arg(args, k) for k in ("run", "site", "mode", "stat"))
         series = self._series(ctx, eid, run, site, mode, (stat, *_COUNT_STATS))
-        if stat not in series.values:
+        if stat not in series.rows:
             known = {s["site"]: s for s in self._sites(ctx, eid, run)}
             if site not in known:
                 raise ValueError(
@@ -382,13 +405,25 @@ class SowtelPlugin:
         if alert is not None:
             first = alert
         bad: dict[tuple[str, str], dict[str, Any]] = {}
+        from tensorboard.data import provider
+
+        if NONFINITE_TAG in self._tensor_tags(ctx, eid, run):
+            # The exporter listed every record with a NaN or infinity, step by step.
+            data = self._provider.read_tensors(
+                ctx, experiment_id=eid, plugin_name=PLUGIN_NAME, downsample=10**9,
+                run_tag_filter=provider.RunTagFilter(runs=[run], tags=[NONFINITE_TAG]))
+            for datum in data.get(run, {}).get(NONFINITE_TAG, []):
+                raw = np.asarray(datum.numpy).reshape(-1)[0]
+                for name, mode, index, _ in json.loads(
+                        raw.decode() if isinstance(raw, bytes) else str(raw)):
+                    _mark(bad, name, mode, datum.step,
+                          index if index is None or len(index) > 1 else index[0])
+            return self._health_answer(first, bad)
         for site in self._sites(ctx, eid, run):
             for mode in site["modes"]:
                 series = self._series(ctx, eid, run, site["site"], mode, _COUNT_STATS)
                 _collect_nonfinite(series, site["site"], mode, bad)
         # Sites outside scans: their counts are plain scalars.
-        from tensorboard.data import provider
-
         count_tags = {}
         for t in self._scalar_tags(ctx, eid, run):
             m = _PLAIN_TAG.match(t)
@@ -403,6 +438,11 @@ class SowtelPlugin:
                 for p in points:
                     if p.value > 0:
                         _mark(bad, name, mode, p.step, None)
+        return self._health_answer(first, bad)
+
+    @staticmethod
+    def _health_answer(first: dict[str, Any] | None,
+                       bad: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
         sites = sorted(bad.values(), key=lambda e: (e["first_step"], e["site"], e["mode"]))
         for e in sites:
             e["steps"] = len(e.pop("_steps"))
@@ -448,10 +488,8 @@ def _mark(bad: dict[tuple[str, str], dict[str, Any]], site: str, mode: str, step
 
 def _collect_nonfinite(series: _Series, site: str, mode: str,
                        bad: dict[tuple[str, str], dict[str, Any]]) -> None:
-    for k in _COUNT_STATS:
-        for (step, position), v in sorted(series.values.get(k, {}).items()):
-            if v > 0:
-                _mark(bad, site, mode, step, _index_value(position))
+    for step, position in series.nonfinite_cells():
+        _mark(bad, site, mode, step, _index_value(position))
 
 
 def _mode_order(mode: str) -> tuple[int, int, str]:
