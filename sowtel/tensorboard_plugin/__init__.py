@@ -407,8 +407,9 @@ class SowtelPlugin:
         bad: dict[tuple[str, str], dict[str, Any]] = {}
         from tensorboard.data import provider
 
-        if NONFINITE_TAG in self._tensor_tags(ctx, eid, run):
-            # The exporter listed every record with a NaN or infinity, step by step.
+        if self._tensor_tags(ctx, eid, run):
+            # A run with sowtel tensors comes from an exporter that lists every record with a
+            # NaN or infinity, step by step, under NONFINITE_TAG (absent: there was none).
             data = self._provider.read_tensors(
                 ctx, experiment_id=eid, plugin_name=PLUGIN_NAME, downsample=10**9,
                 run_tag_filter=provider.RunTagFilter(runs=[run], tags=[NONFINITE_TAG]))
