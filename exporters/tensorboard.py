@@ -332,6 +332,9 @@ class TensorBoardExporter:
         self._layout_due: set[int] = set()
         self._alerted: set[int] = set()
         self._depth_tags: set[str] = set()
+        # The last step written of each depth tensor and its positions, to complete it.
+        self._last_depth: dict[tuple[int, str, str], tuple[int, dict[tuple[int, ...], Record]]] = {}
+        self._last_nonfinite: dict[int, tuple[int, list[list[Any]]]] = {}
         self._last_sync = time.monotonic()
         self._closed = False
         _check_logdir(self.logdir)
@@ -401,10 +404,11 @@ class TensorBoardExporter:
                     except Exception as e:  # one bad record must not lose the batch's others
                         bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}")
                 if nonfinite:
-                    values.append(self._nonfinite_value(nonfinite))
+                    values.append(self._nonfinite_value(process_index, int(step), nonfinite))
                 for (name, mode), rs in stacked.items():
                     try:
-                        self._depth_values(name, mode, rs, values, layout, layout_due)
+                        self._depth_values(process_index, name, mode, int(step), rs, values,
+                                           layout, layout_due)
                     except Exception as e:
                         bad.append(f"{name!r} ({mode}, step {step}): {e}")
                 if values:
@@ -476,10 +480,27 @@ class TensorBoardExporter:
         return (self.depth != "scalars" and r.index is not None and r.value is None
                 and r.summary != SCALAR_SUMMARY and bool(r.stats))
 
-    def _depth_values(self, name: str, mode: str, rs: list[Record], values: list[Summary.Value],
-                      layout: dict[str, _Site], layout_due: set[int]) -> None:
-        """One tensor of every position's statistics, and the headline scalar, of one step."""
-        rs = sorted(rs, key=lambda r: _index_tuple(r.index))
+    def _depth_values(self, process_index: int, name: str, mode: str, step: int,
+                      rs: list[Record], values: list[Summary.Value], layout: dict[str, _Site],
+                      layout_due: set[int]) -> None:
+        """One tensor of every position's statistics, and the headline scalar, of one step.
+
+        A step's records may come in several batches: the tensor is written again with every
+        position seen so far (TensorBoard keeps the last one of a step). A record of a step
+        older than the last one written for its site goes out as per-position scalars, since
+        TensorBoard's loaders drop a tag's later steps when an earlier one follows them.
+        """
+        key = (process_index, name, mode)
+        last = self._last_depth.get(key)
+        if last is not None and step < last[0]:
+            for r in rs:
+                self._record_values(r, values, layout, layout_due)
+            return
+        columns = last[1] if last is not None and last[0] == step else {}
+        for r in rs:
+            columns[_index_tuple(r.index)] = r
+        self._last_depth[key] = (step, columns)
+        rs = [columns[k] for k in sorted(columns)]
         stats = [k for k in STAT_KEYS if k != "size" and k in rs[0].stats]
         rank = len(_index_tuple(rs[0].index))
         table = np.empty((rank + len(stats), len(rs)), dtype=np.float32)
@@ -503,9 +524,15 @@ class TensorBoardExporter:
         if site.learn(mode, written, False, False, order=rs[0].order):
             layout_due.add(rs[0].process_index)
 
-    def _nonfinite_value(self, rows: list[list[Any]]) -> Summary.Value:
+    def _nonfinite_value(self, process_index: int, step: int,
+                         rows: list[list[Any]]) -> Summary.Value:
         # One small string tensor at the steps that had a NaN or infinity: the plugin's health
-        # overview reads this tag alone instead of every site's counts.
+        # overview reads this tag alone instead of every site's counts. A step seen again
+        # (another batch of it) is written again whole, as TensorBoard keeps a step's last.
+        last = self._last_nonfinite.get(process_index)
+        if last is not None and last[0] == step:
+            rows = last[1] + rows
+        self._last_nonfinite[process_index] = (step, rows)
         first = NONFINITE_TAG not in self._depth_tags
         self._depth_tags.add(NONFINITE_TAG)
         tensor = TensorProto(dtype=DT_STRING, tensor_shape=TensorShapeProto(),

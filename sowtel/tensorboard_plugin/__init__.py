@@ -158,29 +158,27 @@ class _Series:
             values: np.ndarray) -> None:
         self.rows.setdefault(stat, []).append((int(step), positions, np.asarray(values)))
 
-    def _grid(self, stats: Iterable[str], steps: list[int],
-              positions: list[tuple[int, ...]]) -> np.ndarray:
-        # The sum of ``stats`` at each (step, position); NaN where none of them was recorded.
+    def _grid(self, stat: str, steps: list[int], positions: list[tuple[int, ...]]) -> np.ndarray:
+        # ``stat`` at each (step, position), NaN where not recorded; a later row of the same
+        # step (the exporter writes a step again when more of its positions arrive) wins.
         row = {s: i for i, s in enumerate(steps)}
         col = {p: j for j, p in enumerate(positions)}
         grid = np.full((len(steps), len(positions)), np.nan)
-        for k in stats:
-            for step, pos, vals in self.rows.get(k, []):
-                if step not in row:
-                    continue
-                cols = [col[p] for p in pos]
-                cell = grid[row[step], cols]
-                grid[row[step], cols] = np.where(np.isnan(cell), 0.0, cell) + vals
+        for step, pos, vals in self.rows.get(stat, []):
+            if step in row:
+                grid[row[step], [col[p] for p in pos]] = vals
         return grid
 
     def table(self, stat: str) -> dict[str, Any]:
         rows = self.rows.get(stat, [])
         steps = sorted({r[0] for r in rows})
         positions = sorted({p for r in rows for p in r[1]})
-        values = self._grid([stat], steps, positions)
-        counts = self._grid(_COUNT_STATS, steps, positions)
+        values = self._grid(stat, steps, positions)
+        counts = [self._grid(k, steps, positions) for k in _COUNT_STATS]
+        known = np.logical_or.reduce([~np.isnan(c) for c in counts])
+        total = np.where(known, np.nansum(counts, axis=0), np.nan)
         return {"steps": steps, "index": [_index_value(p) for p in positions],
-                "values": _json_grid(values), "nonfinite": _json_grid(counts)}
+                "values": _json_grid(values), "nonfinite": _json_grid(total)}
 
     def nonfinite_cells(self) -> Iterable[tuple[int, tuple[int, ...]]]:
         """(step, position) of every cell with a non-zero NaN or infinity count."""
@@ -357,8 +355,8 @@ class SowtelPlugin:
                 positions = [tuple(p) for p in arr[:rank].T.astype(int).tolist()]
                 for k, r in rows.items():
                     series.put(k, datum.step, positions, arr[r])
-            return series
-        # Per-position scalars: {site}[i]/{mode}/{stat}, or the members of a family.
+        # Per-position scalars: {site}[i]/{mode}/{stat} (the exporter's other layout, and the
+        # records that came after a later step of their site), or the members of a family.
         fam = site if "*" in site else None
         tags: dict[str, tuple[str, tuple[int, ...]]] = {}
         for t in self._scalar_tags(ctx, eid, run):

@@ -87,7 +87,9 @@ function drawHeatmap(box, data, stat, tooltip) {
       const bad = nonfinite && nonfinite[i] && nonfinite[i][j] > 0;
       const t = scale.map(values[i][j]);
       ctx.fillStyle = bad ? "#e0006c" : t === null ? "#d8d8d8" : colour(t);
-      ctx.fillRect(left + i * cellW, top + j * rowH, Math.ceil(cellW), rowH);
+      // Whole pixels: fractional cells would leave hairline gaps between them.
+      const x0 = Math.floor(left + i * cellW), x1 = Math.floor(left + (i + 1) * cellW);
+      ctx.fillRect(x0, top + j * rowH, Math.max(1, x1 - x0), rowH);
     }
   }
   ctx.fillStyle = "#333";
