@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import sys
@@ -47,7 +48,7 @@ from sowtel.exporters.tensorboard import TensorBoardExporter, series_tag
 from sowtel.records import Record
 from sowtel.summaries import host_summary
 
-__all__ = ["run", "main", "tables", "scalars", "histograms", "training_step"]
+__all__ = ["run", "main", "tables", "scalars", "histograms", "deep_model", "training_step"]
 
 SITES = 12  # the MLP workload: 6 sites, primal and cotangent
 BATCH = 64
@@ -173,10 +174,116 @@ def training_step(quick: bool = False) -> Table:
 
 
 
+DEEP_LAYERS, DEEP_SITES = 48, 8
+
+
+def _deep_records(steps: int) -> Iterator[list[Record]]:
+    """A logging step at a time of a 48-layer model with 8 sites a layer under ``scan``:
+    768 records a step (primal and cotangent), real statistics."""
+    rng = np.random.default_rng(1)
+    pool = [host_summary(rng.normal(scale=10.0 ** rng.uniform(-3, 1), size=(64,)), "stats")
+            for _ in range(97)]
+    t0 = time.time()
+    for step in range(steps):
+        batch = []
+        for s in range(DEEP_SITES):
+            for order, mode in ((s, "primal"), (2 * DEEP_SITES - s, "cotangent")):
+                for layer in range(DEEP_LAYERS):
+                    stats = pool[(step + s * 7 + layer) % len(pool)]["stats"]
+                    batch.append(Record(
+                        name=f"blocks/site{s}", mode=mode, tag="intermediates", step=step,
+                        index=layer, wall_time=t0 + step, summary="stats", shape=(64,),
+                        dtype="float32", stats=stats, order=order))
+        yield batch
+
+
+def _run_size(logdir: str) -> tuple[int, int]:
+    """(scalar tags, bytes) of the event files under ``logdir``."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(logdir, size_guidance={ea.SCALARS: 1, ea.TENSORS: 1})
+    acc.Reload()
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(logdir) for f in fs)
+    return len(acc.Tags()["scalars"]), size
+
+
+def deep_model(quick: bool = False) -> Table:
+    """The 48-layer x 8-site model: scalar tags and event bytes per 1,000 steps in each
+    layout, and how fast a real TensorBoard answers the plugin's depth route."""
+    steps = 40 if quick else 1000
+    table = Table("TensorBoard at depth: a 48-layer x 8-site scan, per 1,000 logging steps",
+                  ["layout (depth=)", "scalar tags", "MB / 1,000 steps", "write (records/s)",
+                   "depth route, loaded", "page's data"])
+    top = tempfile.mkdtemp(prefix="sowtel-bench-deep-")
+    try:
+        for depth in ("tensor", "scalars"):
+            logdir = os.path.join(top, depth)
+            exporter = TensorBoardExporter(logdir=logdir, depth=depth)
+            t0 = time.perf_counter()
+            n = 0
+            for batch in _deep_records(steps):
+                exporter.write(batch)
+                n += len(batch)
+            exporter.close()
+            rate = n / (time.perf_counter() - t0)
+            tags, size = _run_size(logdir)
+            route = _route_seconds(top, depth, steps) if depth == "tensor" else None
+            table.add(depth, f"{tags:,}", f"{size / 1e6 * 1000 / steps:,.1f}", f"{rate:,.0f}",
+                      "—" if route is None else fmt_time(route[0]),
+                      "—" if route is None else fmt_time(route[1]))
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    table.notes.append(
+        f"{steps} logging steps of {DEEP_LAYERS * DEEP_SITES * 2} records (stats summaries, "
+        "primal and cotangent), written through TensorBoardExporter.write a step at a time; "
+        "sizes scaled to 1,000 steps. Targets: <= 1,000 scalar tags and <= 40 MB per 1,000 "
+        "steps. 'depth route': GET /data/plugin/sowtel/depth for one site, mode and statistic "
+        "from a TensorBoard started by `sowtel dashboard`'s launcher, once the run is loaded "
+        "(median of 5; target < 2 s). 'page's data': the four requests the plugin page makes "
+        "before it paints (runs, sites, health, depth), in sequence.")
+    return table
+
+
+def _route_seconds(top: str, run: str, steps: int) -> tuple[float, float]:
+    import json
+    import urllib.request
+
+    from sowtel.dashboard import _launch, pick_port
+
+    url = _launch(top, "127.0.0.1", pick_port("127.0.0.1", None))
+    query = f"{url}data/plugin/sowtel/depth?run={run}&site=blocks/site3&mode=cotangent&stat=l2"
+    deadline = time.monotonic() + 120
+    while True:  # until TensorBoard has loaded every step
+        try:
+            with urllib.request.urlopen(query, timeout=30) as r:
+                if len(json.load(r)["steps"]) >= steps:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("TensorBoard did not load the run within 120 s")
+        time.sleep(0.5)
+    base = f"{url}data/plugin/sowtel/"
+    page = [f"{base}runs", f"{base}sites?run={run}", f"{base}health?run={run}", query]
+    times: dict[str, list[float]] = {"depth": [], "page": []}
+    for _ in range(5):
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(query, timeout=30) as r:
+            json.load(r)
+        times["depth"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for u in page:  # what the page asks before it paints, in its order
+            with urllib.request.urlopen(u, timeout=30) as r:
+                json.load(r)
+        times["page"].append(time.perf_counter() - t0)
+    return statistics.median(times["depth"]), statistics.median(times["page"])
+
+
 def tables(quick: bool = False) -> Iterator[Table]:
-    """Runs the three measurements, yielding each table as soon as it is measured."""
+    """Runs the measurements, yielding each table as soon as it is measured."""
     yield scalars(quick)
     yield histograms(quick)
+    yield deep_model(quick)
     yield training_step(quick)
 
 

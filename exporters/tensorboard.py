@@ -49,7 +49,9 @@ Example:
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
+import json
 import logging
 import math
 import os
@@ -57,22 +59,32 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from tensorboardX.proto.event_pb2 import Event
-from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboardX.proto.tensor_pb2 import TensorProto
+from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
+from tensorboardX.proto.types_pb2 import DT_FLOAT, DT_STRING
 from tensorboardX.record_writer import masked_crc32c
 from tensorboardX.summary import custom_scalars, histogram_raw, text
 
 from sowtel.exporters import check_logdir
-from sowtel.records import STAT_KEYS, Record
+from sowtel.records import SCALAR_SUMMARY, STAT_KEYS, Record
 from sowtel.summaries import host_summary
+from sowtel.tensorboard_plugin import (
+    DEPTH_SUFFIX,
+    NONFINITE_CONTENT,
+    NONFINITE_TAG,
+    PLUGIN_NAME,
+    depth_content,
+)
 from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFAULT_STATS",
-           "COUNT_STATS", "LOG_CATEGORY"]
+           "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS"]
 
 #: Tag of the text summary holding the first non-finite alert (TensorBoard's text plugin adds
 #: ``/text_summary``).
@@ -85,9 +97,13 @@ DEFAULT_STATS: tuple[str, ...] = ("mean", "std", "min", "max", "l2")
 COUNT_STATS: tuple[str, ...] = ("nan", "posinf", "neginf")
 #: Category of the custom-scalars layout holding the scalars of :func:`sowtel.log`.
 LOG_CATEGORY = "logged scalars"
+#: Layouts of scan-stacked sites (``depth=``): a tensor for the plugin, scalars, or both.
+DEPTH_LAYOUTS: tuple[str, ...] = ("tensor", "scalars", "both")
 
 # Charts of the layout, in this order; any other statistic a record carries follows them.
 _CHART_ORDER = {k: i for i, k in enumerate(STAT_KEYS)}
+# Chart titles name a mode with the word ML users know for it.
+_MODE_WORDS = {"primal": "activation", "cotangent": "gradient"}
 # Unique event-file names even for several exporters in one process within the same second.
 _file_counter = itertools.count()
 logger = logging.getLogger("sowtel")
@@ -174,18 +190,23 @@ def _check_stats(stats: Any) -> tuple[str, ...] | None:
 class _Site:
     """What the custom-scalars layout needs to know of one site."""
 
-    __slots__ = ("modes", "indexed", "nonfinite", "logged")
+    __slots__ = ("modes", "indexed", "nonfinite", "logged", "order")
 
     def __init__(self) -> None:
         self.modes: dict[str, frozenset[str]] = {}  # mode -> statistics written
         self.indexed = False
         self.nonfinite = False
         self.logged = False  # a name of sowtel.log
+        self.order: int | None = None  # the site's place in its program, for sorting
 
-    def learn(self, mode: str, stats: frozenset[str], indexed: bool, nonfinite: bool) -> bool:
+    def learn(self, mode: str, stats: frozenset[str], indexed: bool, nonfinite: bool,
+              order: int = 0) -> bool:
         """Adds what one record shows; returns whether the layout changed."""
         known = self.modes.get(mode)
         changed = known is None or not known.issuperset(stats)
+        if self.order is None or order < self.order:
+            changed |= self.order is not None
+            self.order = order
         if changed:
             self.modes[mode] = stats if known is None else known | stats
         changed |= (indexed and not self.indexed) or (nonfinite and not self.nonfinite)
@@ -293,6 +314,11 @@ class TensorBoardExporter:
         :data:`sowtel.records.STAT_KEYS` (written at every step).
       scalar_derivatives: also write tangent and cotangent records of sites whose value is a
         scalar (shape ``()``); off by default, as the cotangent of a loss is always 1.0.
+      depth: how a site with an ``index`` (inside a scan) is written. ``"tensor"`` (default):
+        its statistics at every position as one tensor a step (tag ``{name}/{mode}/depth``,
+        read by the ``sowtel`` plugin's depth view), plus one headline scalar per mode, the l2
+        norm over all positions (``{name}/{mode}/l2``); ``"scalars"``: a scalar tag per position
+        and statistic (``{name}[3]/{mode}/{stat}``) and a histogram per position; ``"both"``.
 
     Attributes:
       logdir: the absolute run directory (the parent of the per-process runs, if several).
@@ -310,7 +336,7 @@ class TensorBoardExporter:
 
     def __init__(self, logdir: str | os.PathLike[str] | None = None, *,
                  flush_secs: float = 2.0, stats: str | Sequence[str] = "default",
-                 scalar_derivatives: bool = False) -> None:
+                 scalar_derivatives: bool = False, depth: str = "tensor") -> None:
         if logdir is None:
             logdir = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         if not isinstance(logdir, (str, os.PathLike)):
@@ -331,6 +357,13 @@ class TensorBoardExporter:
             )
         if not isinstance(scalar_derivatives, bool):
             raise TypeError(f"scalar_derivatives={scalar_derivatives!r} must be True or False")
+        if depth not in DEPTH_LAYOUTS:
+            raise ValueError(
+                f"depth={depth!r} is not a layout of scan-stacked sites: use 'tensor' (one "
+                "vector a step for the sowtel plugin, plus one headline scalar), 'scalars' (a "
+                "scalar tag per position and statistic) or 'both'"
+            )
+        self.depth = depth
         self.flush_secs = float(flush_secs)
         self.stats = _check_stats(stats)
         self._counts_once_nonzero = stats == "default"
@@ -348,6 +381,12 @@ class TensorBoardExporter:
         self._tags: dict[tuple[Any, ...], tuple[list[bytes], list[int]]] = {}
         self._layout_due: set[int] = set()
         self._alerted: set[int] = set()
+        self._depth_tags: set[str] = set()
+        # The last step written of each depth tensor and its positions, to complete it.
+        self._last_depth: dict[tuple[int, str, str],
+                               tuple[int, dict[tuple[int, ...], tuple[tuple[str, ...],
+                                                                      np.ndarray]]]] = {}
+        self._last_nonfinite: dict[int, tuple[int, list[list[Any]]]] = {}
         self._last_sync = time.monotonic()
         self._closed = False
         #: How often a deleted run folder was found and created again.
@@ -406,18 +445,67 @@ class TensorBoardExporter:
             f = self._file(process_index)
             layout = self._layouts.setdefault(process_index, {})
             for step, same_step in itertools.groupby(group, key=lambda r: r.step):
-                values: list[Summary.Value] = []
-                wall_time = 0.0
+                state = _StepState()
                 for r in same_step:
-                    try:
-                        self._record_values(r, values, layout, layout_due)
-                    except Exception as e:  # one bad record must not lose the batch's others
-                        bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}")
-                    wall_time = max(wall_time, r.wall_time)
+                    self._add_record(r, state, layout, layout_due, bad)
+                values = self._step_values(process_index, int(step), state, layout,
+                                           layout_due, bad)
                 if values:
-                    f.add(Event(wall_time=wall_time or time.time(), step=int(step),
+                    f.add(Event(wall_time=state.wall_time or time.time(), step=int(step),
                                 summary=Summary(value=values)))
         self._finish(bad)
+
+    def _add_record(self, r: Record, state: _StepState, layout: dict[str, _Site],
+                    layout_due: set[int], bad: list[str]) -> None:
+        """One record of a step: its scalars and histogram now, or its row of a depth tensor
+        (written by :meth:`_step_values` once the step's batch is read)."""
+        state.wall_time = max(state.wall_time, r.wall_time)
+        try:
+            if self._stacked(r):
+                keys = tuple(k for k in STAT_KEYS if k != "size" and k in r.stats)
+                state.depth_row(r.name, r.mode, r.order).add(
+                    _index_tuple(r.index), keys,
+                    np.array([r.stats[k] for k in keys], dtype=np.float64), lambda: [r])
+                count = int(_nonfinite(r.stats))
+                if self.depth == "tensor":
+                    self._alert(r, r.stats, state.values)
+                else:
+                    self._record_values(r, state.values, layout, layout_due)
+            else:
+                count = self._record_values(r, state.values, layout, layout_due)
+            if count:
+                index = list(_index_tuple(r.index)) if r.index is not None else None
+                state.nonfinite.append([r.name, r.mode, index, count])
+        except Exception as e:  # one bad record must not lose the batch's others
+            bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}")
+
+    def _add_table(self, table: SiteColumns, state: _StepState) -> None:
+        """A finite table of a site inside a scan: its leaves' rows of depth tensors."""
+        state.wall_time = max(state.wall_time, table.wall_time)
+        keys = tuple(table.stat_keys)
+        kept = [i for i, k in enumerate(keys) if k != "size"]
+        positions = [_index_tuple(i) for i in table.index]
+        for leaf, name in enumerate(table.names):
+            rows = np.asarray(table.stats[:, leaf][:, kept], dtype=np.float64)
+            into = state.depth_row(name, table.mode, table.order)
+            for j, position in enumerate(positions):
+                into.add(position, tuple(keys[i] for i in kept), rows[j],
+                         functools.partial(_table_records, table, name))
+
+    def _step_values(self, process_index: int, step: int, state: _StepState,
+                     layout: dict[str, _Site], layout_due: set[int],
+                     bad: list[str]) -> list[Summary.Value]:
+        """What closes a step's event: the non-finite list and the depth tensors."""
+        values = state.values
+        if state.nonfinite:
+            values.append(self._nonfinite_value(process_index, step, state.nonfinite))
+        for (name, mode), rows in state.depth.items():
+            try:
+                self._depth_values(process_index, name, mode, step, rows, values, layout,
+                                   layout_due)
+            except Exception as e:
+                bad.append(f"{name!r} ({mode}, step {step}): {e}")
+        return values
 
     def _finish(self, bad: list[str]) -> None:
         """After a batch: the layout where it changed, then the file out."""
@@ -436,9 +524,10 @@ class TensorBoardExporter:
 
     def write_batch(self, batch: RecordBatch) -> None:
         """Writes a batch; tables of ``stats``/``health`` summaries without a NaN or infinity go
-        from their columns straight to protobuf bytes (one encoded prefix a tag, cached), the
-        other records (full values, histograms, ``sowtel.log`` scalars, non-finite rows) as
-        :meth:`write` converts them; one event per process and step either way."""
+        from their columns straight to protobuf bytes (one encoded prefix a tag, cached), or,
+        for a site inside a scan, into its depth tensor; the other records (full values,
+        histograms, ``sowtel.log`` scalars, non-finite rows) as :meth:`write` converts them; one
+        event per process and step either way."""
         if self._closed:
             raise RuntimeError("TensorBoardExporter.write() after close(): create a new exporter")
         units: list[tuple[int, int, int, SiteColumns | Record]] = []
@@ -456,22 +545,23 @@ class TensorBoardExporter:
         for (process_index, step), same in itertools.groupby(units, key=lambda u: u[:2]):
             f = self._file(process_index)
             layout = self._layouts.setdefault(process_index, {})
-            values: list[Summary.Value] = []
+            state = _StepState()
             encoded: list[bytes] = []
-            wall_time = 0.0
             for *_, unit in same:
                 if isinstance(unit, SiteColumns):
-                    self._table_values(unit, encoded, layout, layout_due)
+                    stacked = unit.index[0] is not None and self.depth != "scalars"
+                    if stacked:
+                        self._add_table(unit, state)
+                    if not stacked or self.depth == "both":
+                        self._table_values(unit, encoded, layout, layout_due)
+                    state.wall_time = max(state.wall_time, unit.wall_time)
                 else:
-                    try:
-                        self._record_values(unit, values, layout, layout_due)
-                    except Exception as e:  # one bad record must not lose the batch's others
-                        bad.append(f"{unit.name!r} ({unit.mode}, step {unit.step}): {e}")
-                wall_time = max(wall_time, unit.wall_time)
+                    self._add_record(unit, state, layout, layout_due, bad)
+            values = self._step_values(process_index, int(step), state, layout, layout_due, bad)
             if values or encoded:
                 # Repeated fields concatenate: the converted values, then the encoded ones.
                 summary = Summary(value=values).SerializeToString() + b"".join(encoded)
-                f.add_bytes(_event_bytes(wall_time or time.time(), int(step), summary))
+                f.add_bytes(_event_bytes(state.wall_time or time.time(), int(step), summary))
         self._finish(bad)
 
     def _table_values(self, table: SiteColumns, encoded: list[bytes],
@@ -510,14 +600,15 @@ class TensorBoardExporter:
                 layout_due.add(table.process_index)
 
     def _record_values(self, r: Record, values: list[Summary.Value],
-                       layout: dict[str, _Site], layout_due: set[int]) -> None:
+                       layout: dict[str, _Site], layout_due: set[int]) -> int:
+        """Adds ``r``'s summary values; returns its count of non-finite elements."""
         if r.summary == "scalar":  # sowtel.log
             values.append(Summary.Value(tag=str(r.name), simple_value=float(r.stats["value"])))
             site = layout.setdefault(r.name, _Site())
             if not site.logged:
                 site.logged = True
                 layout_due.add(r.process_index)
-            return
+            return 0
         key = (r.name, r.mode, r.index)
         prefix = self._prefixes.get(key)
         if prefix is None:
@@ -527,13 +618,12 @@ class TensorBoardExporter:
         if r.value is not None:
             summary = host_summary(r.value, "histogram")
             stats, hist = summary["stats"], summary["histogram"]
-        nonfinite = _nonfinite(stats) > 0
-        if r.process_index not in self._alerted and nonfinite:
-            self._alerted.add(r.process_index)
-            values.append(text(ALERT_TAG, _alert_text(r, stats)).value[0])
+        nonfinite = self._alert(r, stats, values)
+        count = int(_nonfinite(stats))
         if r.shape == () and r.mode != "primal" and not self.scalar_derivatives:
-            return
-        written = self._chosen(key, r.summary, stats, nonfinite)
+            return count
+        written = self._chosen(key, r.summary, stats, nonfinite,
+                               single=math.prod(r.shape) == 1)
         for stat in written:
             values.append(Summary.Value(tag=f"{prefix}/{stat}", simple_value=float(stats[stat])))
         if hist is not None:
@@ -544,14 +634,103 @@ class TensorBoardExporter:
         # A chart of counts once one is non-zero, or for a health site, which has nothing else.
         counts_chart = any(k in COUNT_STATS for k in written) and (
             nonfinite or r.summary == "health")
-        if site.learn(r.mode, frozenset(written), r.index is not None, counts_chart):
+        if site.learn(r.mode, frozenset(written), r.index is not None, counts_chart,
+                      order=r.order):
             layout_due.add(r.process_index)
+        return count
+
+    def _alert(self, r: Record, stats: dict[str, float], values: list[Summary.Value]) -> bool:
+        """Whether ``r`` holds a non-finite value; the run's first such record is an alert."""
+        nonfinite = _nonfinite(stats) > 0
+        if r.process_index not in self._alerted and nonfinite:
+            self._alerted.add(r.process_index)
+            values.append(text(ALERT_TAG, _alert_text(r, stats)).value[0])
+        return nonfinite
+
+    def _stacked(self, r: Record) -> bool:
+        # Full values carry no statistics to stack; they keep their per-position layout.
+        return (self.depth != "scalars" and r.index is not None and r.value is None
+                and r.summary != SCALAR_SUMMARY and bool(r.stats))
+
+    def _depth_values(self, process_index: int, name: str, mode: str, step: int,
+                      rows: _DepthRows, values: list[Summary.Value], layout: dict[str, _Site],
+                      layout_due: set[int]) -> None:
+        """One tensor of every position's statistics, and the headline scalar, of one step.
+
+        A step's records may come in several batches: the tensor is written again with every
+        position seen so far (TensorBoard keeps the last one of a step). A record of a step
+        older than the last one written for its site goes out as per-position scalars, since
+        TensorBoard's loaders drop a tag's later steps when an earlier one follows them.
+        """
+        key = (process_index, name, mode)
+        last = self._last_depth.get(key)
+        if last is not None and step < last[0]:
+            if self.depth == "tensor":  # with "both" they are written as scalars already
+                for make in rows.late:
+                    for r in make():
+                        if r.name == name and r.mode == mode:
+                            self._record_values(r, values, layout, layout_due)
+            return
+        columns = last[1] if last is not None and last[0] == step else {}
+        columns.update(rows.positions)
+        self._last_depth[key] = (step, columns)
+        positions = sorted(columns)
+        stats = list(columns[positions[0]][0])
+        rank = len(positions[0])
+        table = np.empty((rank + len(stats), len(positions)), dtype=np.float32)
+        for j, position in enumerate(positions):
+            keys, row = columns[position]
+            if len(position) != rank:
+                raise ValueError(f"index {position!r} has not the rank {rank} of the site's "
+                                 "others")
+            table[:rank, j] = position
+            table[rank:, j] = row if list(keys) == stats else [
+                dict(zip(keys, row, strict=True)).get(k, math.nan) for k in stats]
+        tag = f"{series_tag(name, mode)}{DEPTH_SUFFIX}"
+        values.append(Summary.Value(tag=tag, metadata=self._depth_metadata(tag, stats, rank),
+                                    tensor=_float_tensor(table)))
+        written: frozenset[str] = frozenset()
+        if "l2" in stats:
+            # The l2 norm of the whole stacked value: of every position's finite elements.
+            l2 = table[rank + stats.index("l2")].astype(np.float64)
+            values.append(Summary.Value(tag=f"{series_tag(name, mode)}/l2",
+                                        simple_value=float(np.sqrt(np.nansum(l2 * l2)))))
+            written = frozenset({"l2"})
+        site = layout.setdefault(name, _Site())
+        if site.learn(mode, written, False, False, order=rows.order):
+            layout_due.add(process_index)
+
+    def _nonfinite_value(self, process_index: int, step: int,
+                         rows: list[list[Any]]) -> Summary.Value:
+        # One small string tensor at the steps that had a NaN or infinity: the plugin's health
+        # overview reads this tag alone instead of every site's counts. A step seen again
+        # (another batch of it) is written again whole, as TensorBoard keeps a step's last.
+        last = self._last_nonfinite.get(process_index)
+        if last is not None and last[0] == step:
+            rows = last[1] + rows
+        self._last_nonfinite[process_index] = (step, rows)
+        first = NONFINITE_TAG not in self._depth_tags
+        self._depth_tags.add(NONFINITE_TAG)
+        tensor = TensorProto(dtype=DT_STRING, tensor_shape=TensorShapeProto(),
+                             string_val=[json.dumps(rows).encode()])
+        return Summary.Value(tag=NONFINITE_TAG, tensor=tensor, metadata=_tensor_metadata(
+            NONFINITE_CONTENT) if first else None)
+
+    def _depth_metadata(self, tag: str, stats: list[str], rank: int) -> Any:
+        # TensorBoard keeps a tag's first metadata: written once per tag and file.
+        if tag in self._depth_tags:
+            return None
+        self._depth_tags.add(tag)
+        return _tensor_metadata(depth_content(stats, rank))
 
     def _chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
-                nonfinite: bool) -> list[str]:
+                nonfinite: bool, single: bool = False) -> list[str]:
         if self.stats is None:
             return list(stats)
         chosen = [k for k in self.stats if k in stats]
+        if self._counts_once_nonzero and single and "mean" in stats:
+            # A sown scalar is its own mean, min and max: one chart of its value.
+            chosen = ["mean"]
         if self._counts_once_nonzero:
             # Counts are zero for almost every series: a chart of them from the first non-zero
             # step on, and for a health summary, whose counts are all it has.
@@ -634,6 +813,67 @@ class TensorBoardExporter:
             raise OSError(f"TensorBoardExporter could not write {self.last_error} when closing")
 
 
+class _DepthRows:
+    """One site and mode's rows of a depth tensor in one step, as they arrive."""
+
+    __slots__ = ("order", "positions", "late")
+
+    def __init__(self, order: int) -> None:
+        self.order = order
+        self.positions: dict[tuple[int, ...], tuple[tuple[str, ...], np.ndarray]] = {}
+        # How to get the records back, should the step come after a later one of the site.
+        self.late: list[Callable[[], Sequence[Record]]] = []
+
+    def add(self, position: tuple[int, ...], keys: tuple[str, ...], row: np.ndarray,
+            records: Callable[[], Sequence[Record]]) -> None:
+        self.positions[position] = (keys, row)
+        if not self.late or self.late[-1] is not records:
+            self.late.append(records)
+
+
+class _StepState:
+    """What one step of one process collects before its event is written."""
+
+    __slots__ = ("values", "depth", "nonfinite", "wall_time")
+
+    def __init__(self) -> None:
+        self.values: list[Summary.Value] = []
+        self.depth: dict[tuple[str, str], _DepthRows] = {}
+        self.nonfinite: list[list[Any]] = []  # [name, mode, index, count]
+        self.wall_time = 0.0
+
+    def depth_row(self, name: str, mode: str, order: int) -> _DepthRows:
+        rows = self.depth.get((name, mode))
+        if rows is None:
+            rows = self.depth[(name, mode)] = _DepthRows(order)
+        return rows
+
+
+def _table_records(table: SiteColumns, name: str) -> list[Record]:
+    return [r for r in table.records() if r.name == name]
+
+
+def _index_tuple(index: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    if index is None:
+        return ()
+    return tuple(int(i) for i in index) if isinstance(index, tuple) else (int(index),)
+
+
+def _float_tensor(table: np.ndarray) -> TensorProto:
+    shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=n) for n in table.shape])
+    return TensorProto(dtype=DT_FLOAT, tensor_shape=shape,
+                       tensor_content=np.ascontiguousarray(table, dtype="<f4").tobytes())
+
+
+def _tensor_metadata(content: bytes) -> SummaryMetadata:
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
+        plugin_name=PLUGIN_NAME, content=content))
+    # TensorBoard serves a plugin's tensors only with data_class DATA_CLASS_TENSOR (field 4,
+    # value 2), which tensorboardX's older copy of the message lacks: appended as raw bytes,
+    # protobuf keeps it as an unknown field and writes it back out.
+    return SummaryMetadata.FromString(meta.SerializeToString() + b"\x20\x02")
+
+
 def _jax_process() -> tuple[int, int]:
     import jax
 
@@ -689,10 +929,17 @@ def _layout_summary(layout: dict[str, _Site]) -> Summary:
     if logged:
         categories[LOG_CATEGORY] = {
             name: ["Multiline", ["^" + re.escape(name) + "$"]] for name in logged}
-    for name, site in sorted(layout.items()):
+    # Sites in program order (the order of their sows), then by name.
+    for name, site in sorted(layout.items(), key=lambda kv: (kv[1].order or 0, kv[0])):
         if site.modes:
             categories[name] = _site_charts(name, site)
     return custom_scalars(categories)
+
+
+def _mode_title(mode: str) -> str:
+    """A mode with the word users know beside it: ``cotangent (gradient)``."""
+    word = _MODE_WORDS.get(mode)
+    return f"{mode} ({word})" if word else mode
 
 
 def _site_charts(name: str, site: _Site) -> dict[str, list[Any]]:
@@ -701,7 +948,7 @@ def _site_charts(name: str, site: _Site) -> dict[str, list[Any]]:
         written = site.modes[mode]
         if mode == "primal" and not site.indexed and {"mean", "min", "max"} <= written:
             prefix = series_tag(name, mode)
-            charts[f"{mode}: mean, band min to max"] = [
+            charts[f"{_mode_title(mode)}: mean, band min to max"] = [
                 "Margin", [f"{prefix}/mean", f"{prefix}/min", f"{prefix}/max"]]
             continue
         preferred = "mean" if mode == "primal" else "l2"
@@ -709,7 +956,7 @@ def _site_charts(name: str, site: _Site) -> dict[str, list[Any]]:
             (k for k in written if k not in COUNT_STATS and k != "size"),
             key=lambda k: _CHART_ORDER.get(k, len(_CHART_ORDER)))[:1]
         for stat in shown:
-            title = f"{mode}: {'l2 norm' if stat == 'l2' else stat}"
+            title = f"{_mode_title(mode)}: {'l2 norm' if stat == 'l2' else stat}"
             charts[title] = ["Multiline", [_chart_regex(name, mode, stat)]]
     if site.nonfinite:
         counts = "(" + "|".join(COUNT_STATS) + ")"

@@ -8,6 +8,7 @@ the interval at which the exporter syncs them, so curves grow while training run
 Example:
     $ sowtel dashboard --logdir runs
     TensorBoard: http://127.0.0.1:6006/
+    sowtel's depth view (layers x steps, health): http://127.0.0.1:6006/#sowtel
     sowtel's layout (one category per site): http://127.0.0.1:6006/#custom_scalars
 """
 
@@ -23,13 +24,16 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["DEFAULT_PORT", "configure_dashboard", "run_dashboard", "pick_port",
-           "dashboard_command"]
+__all__ = ["DEFAULT_PORT", "SAMPLES_PER_PLUGIN", "configure_dashboard", "run_dashboard",
+           "pick_port", "dashboard_command"]
 
 #: The port TensorBoard usually listens on; taken when free.
 DEFAULT_PORT = 6006
 # Matches the exporter's default flush interval, so a new point shows within about 4 s.
 _RELOAD_SECS = 2
+#: TensorBoard's ``--samples_per_plugin``: every one of the sowtel plugin's tensors (0 keeps
+#: every step), as the depth view shows every logging step.
+SAMPLES_PER_PLUGIN = "sowtel=0"
 
 
 def dashboard_command(logdir: str | os.PathLike[str]) -> str:
@@ -141,8 +145,12 @@ def run_dashboard(args: argparse.Namespace) -> int:
         print(f"sowtel dashboard: warning: --logdir {args.logdir!r} does not exist ({logdir}), "
               "so the board is empty until runs are written there: check the path, or start "
               "one with: sowtel demo", file=sys.stderr, flush=True)
+    missing = _missing_extra()
+    if missing:
+        return _fail(missing)
     url = _launch(logdir, args.host, port)
     print(f"TensorBoard: {url}")
+    print(f"sowtel's depth view (layers x steps, health): {url}#sowtel")
     print(f"sowtel's layout (one category per site): {url}#custom_scalars", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -154,13 +162,38 @@ def run_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _missing_extra() -> str | None:
+    """What to install when TensorBoard is not there, else None."""
+    import importlib.util
+
+    for module in ("tensorboard", "tensorboardX"):
+        if importlib.util.find_spec(module) is None:
+            return (f"the dashboard needs the package {module!r}, which is not installed: "
+                    "pip install 'sowtel[tensorboard]'")
+    return None
+
+
+def _plugins() -> list[Any]:
+    """TensorBoard's plugins with sowtel's: loaded here too, so the depth view is there even
+    when the ``tensorboard_plugins`` entry point of an older install is stale."""
+    from tensorboard import default
+
+    from sowtel.tensorboard_plugin import PLUGIN_NAME, TensorBoardPlugin
+
+    others = [p for p in default.get_plugins()
+              if getattr(p, "plugin_name", None) != PLUGIN_NAME]
+    return [*others, TensorBoardPlugin]
+
+
 def _launch(logdir: str, host: str, port: int) -> str:
     from tensorboard import program
 
-    board: Any = program.TensorBoard()
+    board: Any = program.TensorBoard(plugins=_plugins())
     board.configure(argv=[
         "tensorboard", "--logdir", logdir, "--host", host, "--port", str(port),
         "--reload_interval", str(_RELOAD_SECS),
+        # The depth view needs every step of its tensors, not TensorBoard's sample of them.
+        "--samples_per_plugin", SAMPLES_PER_PLUGIN,
     ])
     url: str = board.launch()
     # TensorBoard names the machine in its URL; show the address actually bound.

@@ -126,6 +126,8 @@ def run_demo(args: argparse.Namespace) -> int:
           + _describe(result["sowtel"]))
     if writes_logdir and args.exporter == "tensorboard":
         print(f"Open the dashboard:  {dashboard}")
+        print("Then the SOWTEL tab (#sowtel at the end of its address): every layer of the "
+              "scanned blocks over the steps, and the run's health.")
     elif writes_logdir:
         print(f"Output in {logdir}")
     return 0

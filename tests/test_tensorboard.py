@@ -84,7 +84,7 @@ def test_scalars_and_histograms_read_back_equal_independent_numbers(tmp_path):
         records.append(record("full_value", step, summary="full", x=full[k]))
         records.append(record("health_only", step, summary="health", x=embed[k]))
         records.append(record("shape_only", step, summary="shape", x=embed[k]))
-    exporter = TensorBoardExporter(logdir=tmp_path, stats="all")
+    exporter = TensorBoardExporter(logdir=tmp_path, stats="all", depth="both")
     # In two batches, shuffled inside each, as unordered host callbacks deliver them.
     half = len(records) // 2
     for batch in (records[:half], records[half:]):
@@ -166,16 +166,20 @@ def test_custom_scalars_layout_has_one_readable_chart_per_site_and_mode(tmp_path
     categories = read_layout(acc)
     assert list(categories) == ["a/b", "c"]
     assert list(categories["a/b"]) == [
-        "primal: mean, band min to max", "cotangent: l2 norm", "NaN and infinities"]
-    # c's tangent has scan iterations: its primal chart is no longer one series with a band.
-    assert list(categories["c"]) == ["primal: mean", "cotangent: l2 norm", "tangent: l2 norm"]
-    band = categories["a/b"]["primal: mean, band min to max"].margin.series
+        "primal (activation): mean, band min to max", "cotangent (gradient): l2 norm",
+        "NaN and infinities"]
+    # c's tangent has scan iterations: one headline curve, the l2 norm over all of them.
+    assert list(categories["c"]) == ["primal (activation): mean, band min to max",
+                                     "cotangent (gradient): l2 norm", "tangent: l2 norm"]
+    band = categories["a/b"]["primal (activation): mean, band min to max"].margin.series
     assert [(s.value, s.lower, s.upper) for s in band] == [
         ("a/b/primal/mean", "a/b/primal/min", "a/b/primal/max")]
     scalars = acc.Tags()["scalars"]
-    assert matching(categories["c"]["primal: mean"], scalars) == ["c/primal/mean"]
-    assert matching(categories["c"]["cotangent: l2 norm"], scalars) == ["c/cotangent/l2"]
-    assert matching(categories["c"]["tangent: l2 norm"], scalars) == ["c[2]/tangent/l2"]
+    assert matching(categories["c"]["cotangent (gradient): l2 norm"], scalars) == [
+        "c/cotangent/l2"]
+    assert matching(categories["c"]["tangent: l2 norm"], scalars) == ["c/tangent/l2"]
+    [l2] = acc.Scalars("c/tangent/l2")
+    assert l2.value == pytest.approx(np.linalg.norm(x), rel=1e-6)
     assert matching(categories["a/b"]["NaN and infinities"], scalars) == [
         "a/b/cotangent/nan", "a/b/cotangent/neginf", "a/b/cotangent/posinf"]
     every_chart = [t for charts in categories.values() for ch in charts.values()
@@ -244,7 +248,9 @@ def test_derivatives_of_scalar_sites_are_skipped_unless_asked(tmp_path):
         derivative = sorted(t for t in scalars if t.startswith("loss/") and "/primal/" not in t)
         assert bool(derivative) == asked, derivative
         assert "loss/primal/mean" in scalars and "h/cotangent/l2" in scalars
-        assert ("loss/cotangent/l2" in scalars) == asked
+        # A sown scalar is one chart: its value (the mean), not five equal curves.
+        assert not [t for t in scalars if t.startswith("loss/primal/") and t != "loss/primal/mean"]
+        assert ("loss/cotangent/mean" in scalars) == asked
         # A skipped record still raises the non-finite alert.
         [alert] = acc.Tensors(ALERT_TAG + "/text_summary")
         assert "`loss` (tangent)" in alert.tensor_proto.string_val[0].decode()
@@ -440,7 +446,7 @@ def test_streamed_sows_read_back_equal_stats_of_the_same_arrays(tmp_path):
     rng = np.random.default_rng(3)
     w = rng.normal(size=(5, 16)).astype(np.float32)
     xs = [rng.normal(size=(8, 5)).astype(np.float32) for _ in range(3)]
-    with sowtel.enable(exporter="tensorboard", logdir=tmp_path, stats="all"):
+    with sowtel.enable(exporter="tensorboard", logdir=tmp_path, stats="all", depth="both"):
         for step, x in enumerate(xs):
             grad(w, x, step)
         sowtel.flush()
@@ -556,5 +562,5 @@ def test_layout_has_no_count_chart_until_a_count_is_non_zero_even_with_all_stati
     exporter.write([record("h", 0, x=np.ones(3)), record("g", 0, summary="health", x=np.ones(3))])
     exporter.close()
     categories = read_layout(load(tmp_path))
-    assert list(categories["h"]) == ["primal: mean, band min to max"]
+    assert list(categories["h"]) == ["primal (activation): mean, band min to max"]
     assert list(categories["g"]) == ["NaN and infinities"]  # all that a health summary has
