@@ -329,17 +329,18 @@ class JsonlExporter:
     def write_batch(self, batch: RecordBatch) -> None:
         """Writes a batch: its columnar parts encoded table by table (see
         :func:`columns_lines`), other records as :meth:`write` does, in the batch's order."""
+        self._check_still_there()
         text: list[str] = []
         for part in batch.parts:
             if isinstance(part, SiteColumns) and part.values is None:
                 text.append(columns_lines(part))
             else:
                 if text:
-                    self._file.write("".join(text))
+                    self._append("".join(text))
                     text = []
                 self.write(part.records() if isinstance(part, SiteColumns) else part)
         if text:
-            self._file.write("".join(text))
+            self._append("".join(text))
 
     def write(self, records: Sequence[Record]) -> None:
         self._check_still_there()
@@ -361,7 +362,7 @@ class JsonlExporter:
                                     "values_not_saved", record.name, record.mode, record.step, e)
             obj = record_to_json(record, value_file)
             obj.update(extra)
-            lines.append(json.dumps(obj, allow_nan=False, separators=(",", ":")))
+            lines.append(_dumps(obj))
         if lines:
             self._append("\n".join(lines) + "\n")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -179,27 +180,45 @@ def test_jsonl_batch_lines_are_the_records_json(tmp_path):
     assert read_records(tmp_path / "records.jsonl")[0].name == "s0"
 
 
-def test_tensorboard_batch_writes_the_scalars_write_writes(tmp_path):
+@pytest.mark.parametrize("depth", ["tensor", "scalars"])
+def test_tensorboard_batch_writes_what_write_writes(tmp_path, depth):
     from tensorboard.backend.event_processing import event_accumulator as ea
 
     from sowtel.exporters.tensorboard import TensorBoardExporter
 
     batch_dir, plain_dir = tmp_path / "batch", tmp_path / "plain"
-    by_batch = TensorBoardExporter(logdir=batch_dir)
+    by_batch = TensorBoardExporter(logdir=batch_dir, depth=depth)
     plain = WriteOnly()
     _stream("stats", [by_batch, plain])
-    by_write = TensorBoardExporter(logdir=plain_dir)
+    by_write = TensorBoardExporter(logdir=plain_dir, depth=depth)
     by_write.write(plain.records)
     by_write.close()
 
-    def scalars(run: os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-        acc = ea.EventAccumulator(os.fspath(run), size_guidance={ea.SCALARS: 0})
+    def read(run: os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+        acc = ea.EventAccumulator(os.fspath(run), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
         acc.Reload()
-        return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
-                for tag in acc.Tags()["scalars"]}
+        scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+                   for tag in acc.Tags()["scalars"]}
+        depths = {tag: [(e.step, tf_array(e.tensor_proto).tolist()) for e in acc.Tensors(tag)]
+                  for tag in acc.Tags()["tensors"] if tag.endswith("/depth")}
+        return scalars, depths
 
-    got, want = scalars(batch_dir), scalars(plain_dir)
-    assert got == want and len(got) == LAYERS * SITES * 5  # five statistics a series
+    (got, got_depth), (want, want_depth) = read(batch_dir), read(plain_dir)
+    assert got == want and got_depth == want_depth
+    if depth == "scalars":
+        assert len(got) == LAYERS * SITES * 5 and not got_depth  # five statistics a series
+    else:
+        # A site's layers are one tensor a step, and one headline curve: the l2 over layers.
+        assert sorted(got) == [f"s{i}/primal/l2" for i in range(SITES)]
+        assert sorted(got_depth) == [f"s{i}/primal/depth" for i in range(SITES)]
+        steps, table = got_depth["s0/primal/depth"][0]
+        assert steps == 0 and table[0] == list(range(LAYERS))  # the index row, then the stats
+
+
+def tf_array(proto: Any) -> Any:
+    from tensorboard.util import tensor_util
+
+    return tensor_util.make_ndarray(proto)
 
 
 def test_otel_one_event_a_site_and_step_with_positions_as_lists():
