@@ -340,6 +340,8 @@ class Jitted:
         self._warmed.add(key)
 
         def compile_plain() -> None:
+            # Lowering reads only shapes, dtypes and shardings: the logging step may donate the
+            # arguments meanwhile (a deleted array still lowers, on JAX 0.10.2 and 0.12).
             try:
                 with self._quiet():
                     self._plain.lower(*args, **kwargs).compile()

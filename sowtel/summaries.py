@@ -153,7 +153,7 @@ def flatten(x: Any) -> Any:
 
     sharding = getattr(_aval(x), "sharding", None)
     spec = getattr(sharding, "spec", None)
-    if spec is None or x.ndim < 2 or all(p is None for p in spec[1:]):
+    if sharding is None or spec is None or x.ndim < 2 or all(p is None for p in spec[1:]):
         return jnp.ravel(x)
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -232,6 +232,7 @@ def _variadic(x: Any, mask: Any, ctype: Any, counts: bool = False) -> tuple[Any,
 
     inits = (zero, zero, zero, jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype),
              zero, zero) + (zero,) * (3 * counts)
+    operands: tuple[Any, ...]
     if mask is None:
         ones = jnp.ones_like(x)
         operands = (ones, x, jnp.zeros_like(x), x, x, jnp.abs(x), ones - jnp.abs(jnp.sign(x)))
@@ -249,7 +250,7 @@ def _variadic(x: Any, mask: Any, ctype: Any, counts: bool = False) -> tuple[Any,
         parts = tuple(jnp.concatenate([o, jnp.full((pad,), i, ftype)]).reshape(-1, _ROW)
                       for o, i in zip(operands, inits, strict=True))
     if parts[0].ndim >= 2:
-        parts = jax.lax.reduce(parts, inits, merge, (x.ndim - 1,))
+        parts = jax.lax.reduce(parts, inits, merge, (parts[0].ndim - 1,))
     k, m, m2, mn, mx, a, z, *c = jax.lax.reduce(parts, inits, merge,
                                                  tuple(range(parts[0].ndim)))
     if counts:

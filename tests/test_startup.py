@@ -111,3 +111,24 @@ def test_second_process_with_persistent_cache_compiles_nothing(tmp_path: Path) -
     assert first["misses"] >= 2 and first["steps"] == [0, 2]  # the logging and plain programs
     second = run()
     assert second == {"hits": first["misses"], "misses": 0, "steps": [0, 2]}
+
+
+def test_background_compile_with_donated_arguments() -> None:
+    traced_in: list[str] = []
+
+    def step(w, x):
+        traced_in.append(threading.current_thread().name)
+        h = sowtel.sow(jnp.tanh(x @ w), "h")
+        return w * 0.5, (h ** 2).sum()
+
+    jitted = sowtel.jit(step, donate_argnums=0)
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    with sowtel.enable(exporter="memory", every=2) as session:
+        for _ in range(4):
+            w, loss = jitted(w, x)
+        sowtel.flush()
+    assert sorted(traced_in) == sorted([threading.current_thread().name, "sowtel-compile"])
+    assert float(w[0, 0]) == 0.5 ** 4
+    assert float(loss) == float((jnp.tanh(x @ jnp.full((3, 2), 0.5 ** 3)) ** 2).sum())
+    assert [(r.step, r.stats["max"]) for r in session.exporters[0].records] == [
+        (0, float(jnp.tanh(3.0))), (2, float(jnp.tanh(3 * 0.25)))]
