@@ -24,6 +24,7 @@ Example:
 from sowtel.capture import Intermediates, save_intermediates
 from sowtel.dumps import dump, load
 from sowtel.jit import jit
+from sowtel.locate import NonFiniteEvent, NonFiniteReport, locate_nonfinite
 from sowtel.naming import scope
 from sowtel.primitive import at_step, sow
 from sowtel.records import Record
@@ -33,5 +34,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Intermediates", "Record", "Session", "at_step", "disable", "dump", "enable", "export",
-    "flush", "jit", "load", "log", "save_intermediates", "scope", "sow", "status",
+    "flush", "jit", "load", "locate_nonfinite", "log", "NonFiniteEvent", "NonFiniteReport",
+    "save_intermediates", "scope", "sow", "status",
 ]
