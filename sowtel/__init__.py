@@ -26,6 +26,7 @@ from sowtel.dumps import dump, load
 from sowtel.jit import jit
 from sowtel.locate import NonFiniteEvent, NonFiniteReport, locate_nonfinite
 from sowtel.naming import scope
+from sowtel.nonfinite import NonFiniteError, NonFiniteWarning
 from sowtel.primitive import at_step, sow
 from sowtel.records import Record
 from sowtel.session import Session, disable, enable, export, flush, log, status
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Intermediates", "Record", "Session", "at_step", "disable", "dump", "enable", "export",
-    "flush", "jit", "load", "locate_nonfinite", "log", "NonFiniteEvent", "NonFiniteReport",
+    "flush", "jit", "load", "locate_nonfinite", "log", "NonFiniteError", "NonFiniteEvent",
+    "NonFiniteReport", "NonFiniteWarning",
     "save_intermediates", "scope", "sow", "status",
 ]

@@ -229,9 +229,13 @@ class Jitted:
         config = ctx.stream
         if config not in self._strides:
             self._discover(config, args, kwargs)
+        guard = session.guard  # sowtel.nonfinite: may raise a pending NonFiniteError
+        health = guard is not None and guard.health_at(step)
+        if guard is not None:
+            guard.before_call(self, step, args, kwargs)
         while True:
             due = self._due(config, step)
-            if not due:
+            if not due and not health:
                 with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                     return self._plain(*args, **kwargs)
             gather = multihost.replicated_sharding((args, kwargs))  # several processes only
@@ -239,9 +243,10 @@ class Jitted:
                 if self._callbacks.get(config):
                     # Its while-body sites call back later: they read this step on the host.
                     with session.host_step_block(step):
-                        out, summaries = self._program(config, due, gather)(*args, **kwargs)
+                        out, summaries = self._program(config, due, gather, health)(
+                            *args, **kwargs)
                 else:
-                    out, summaries = self._program(config, due, gather)(*args, **kwargs)
+                    out, summaries = self._program(config, due, gather, health)(*args, **kwargs)
             except _NewStride as new:  # raised while tracing: nothing ran
                 self._strides[config].add(new.every)
                 continue
@@ -280,15 +285,15 @@ class Jitted:
             return program
 
     def _program(self, config: StreamConfig, due: frozenset[int] | None,
-                 gather: Any = None) -> Any:
-        key = (config, due, gather)
+                 gather: Any = None, health: bool = False) -> Any:
+        key = (config, due, gather, health)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs.setdefault(key, self._build(config, due, gather))
+            program = self._programs.setdefault(key, self._build(config, due, gather, health))
         return program
 
     def _build(self, config: StreamConfig, due: frozenset[int] | None,
-               gather: Any = None) -> Any:
+               gather: Any = None, health: bool = False) -> Any:
         fun = self._fun
         strides = self._strides.setdefault(config, {config.every})
         in_blocks: set[int] = set()  # sites whose stats are summarised per device (multihost)
@@ -300,10 +305,12 @@ class Jitted:
                 return None
             if every not in strides:
                 raise _NewStride(every)
-            if every not in due:
-                return None
-            site = params["site"]
             summary = params["summary"]
+            if every not in due:
+                if not health:
+                    return None
+                summary = "health"  # the health check of enable(health_every=...)
+            site = params["site"]
             info = StreamSite(
                 name=site.name, mode=params["mode"], tag=site.tag, leaf_names=leaf_names(site),
                 shapes=tuple(tuple(v.shape) for v in leaves),
