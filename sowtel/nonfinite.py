@@ -124,8 +124,9 @@ def is_nonfinite(record: Record) -> bool:
     if record.nonfinite:
         return True
     value = record.value
-    kind = getattr(getattr(value, "dtype", None), "kind", "")
-    return kind in "fc" and kind != "" and not bool(np.isfinite(value).all())
+    if value is None or value.dtype.kind not in "fc":
+        return False
+    return not bool(np.isfinite(value).all())
 
 
 def _check_int(value: Any, what: str, least: int) -> int:

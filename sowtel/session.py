@@ -475,8 +475,8 @@ def enable(
     guard_options = (on_nonfinite, health_every, flight_recorder, record_donated)
     make_guard(*guard_options, None, tags_t)  # checked before exporters open files
     exporters = resolve(exporter, **exporter_options)
-    logdir = next((os.fspath(e.logdir) for e in exporters
-                   if isinstance(getattr(e, "logdir", None), str | os.PathLike)), None)
+    logdirs = [getattr(e, "logdir", None) for e in exporters]  # where post-mortems go
+    logdir = next((os.fspath(d) for d in logdirs if isinstance(d, str | os.PathLike)), None)
     session = Session(
         exporters, summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
         exclude=exclude_fn, every=every, queue_size=queue_size, on_full=on_full,
