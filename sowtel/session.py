@@ -548,7 +548,9 @@ def flush(timeout: float | None = 30.0) -> bool:
     """Blocks until every record accepted so far has reached every exporter.
 
     Returns False if ``timeout`` seconds passed first; True (and does nothing) with nothing
-    enabled.
+    enabled. Under ``enable(on_nonfinite="raise")`` it raises :class:`sowtel.NonFiniteError`
+    when a record with a NaN or an infinity arrived since the last alert (``"warn"`` /
+    ``"dump"``: a warning).
 
     Example:
         >>> import sowtel
