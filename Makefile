@@ -17,7 +17,9 @@ JAX_TESTS ?= tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/t
 	tests/test_session.py tests/test_summaries.py tests/test_dumps.py tests/test_postmortem.py \
 	tests/test_docstrings.py tests/test_examples.py tests/test_flax.py tests/test_naming.py \
 	tests/test_defaults.py tests/test_jit.py tests/test_reliability.py tests/test_multiprocess.py \
-	tests/test_transform_regressions.py
+	tests/test_transform_regressions.py tests/test_transform_labels.py \
+	tests/test_explicit_sharding.py tests/test_startup.py tests/test_locate.py \
+	tests/test_nonfinite.py tests/test_columnar.py tests/test_hardening.py
 
 .PHONY: demo test test-old test-new system-deps lint bench clean
 

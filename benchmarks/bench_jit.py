@@ -9,6 +9,12 @@ ratio to the plain step (``jax.jit`` of the step without sows) run right around 
   callback a site);
 - **sowtel.jit**: the same session settings through ``sowtel.jit`` (summaries as outputs);
 - **sowtel.jit, every=10**: one step in ten logs; the others run the plain program;
+- **sowtel.jit, health every step only**: ``enable(every=10**9, health_every=1)``: every step
+  sends every site's NaN / inf counts, and nothing else;
+- **sowtel.jit, every=10, health every step**: ``health_every=1``: the nine steps in ten that
+  log nothing send every site's NaN / inf counts;
+- **sowtel.jit, every=10, flight recorder K=1**: keeps references to each call's arguments
+  (``enable(flight_recorder=1)``); no device work is added;
 - **hand-written floor**: the same summaries (``sowtel.summaries.device_summary`` of every
   site's primal and cotangent) returned as outputs of a hand-written step, no sowtel at run time.
 
@@ -17,7 +23,8 @@ size with ``--gpt-full``, for a GPU). Each session has its own memory exporter (
 variant about to run is made the active one, as a single training loop would have it. Records
 per step are counted, so a variant that streamed nothing cannot pass for a fast one.
 
-Run: ``python -m benchmarks.bench_jit [--quick] [--gpt-full] [--markdown FILE]``.
+Run: ``python -m benchmarks.bench_jit [--quick] [--gpt-full] [--workload W] [--nonfinite]
+[--markdown FILE]``.
 """
 
 from __future__ import annotations
@@ -62,7 +69,14 @@ TARGETS = {
     ("gpt", "sowtel.jit, stats every step"): 1.05,
     ("mlp", "callback transport, stats every step"): 1.25,
     ("*", "sowtel.jit, every=10"): 1.01,
+    ("transformer", "sowtel.jit, health every step only"): 1.03,
 }
+
+#: The variants of ``--nonfinite``: what NaN checks cost (docs/debugging-nans.md).
+NONFINITE_VARIANTS = (
+    "plain", "sowtel.jit, every=10", "sowtel.jit, health every step only",
+    "sowtel.jit, every=10, health every step", "sowtel.jit, every=10, flight recorder K=1",
+)
 
 
 class Runner:
@@ -106,7 +120,8 @@ def _floor(work: Workload) -> Callable[..., Any]:
     return jax.jit(step)
 
 
-def variants(work: Workload, stack: ExitStack) -> dict[str, Runner]:
+def variants(work: Workload, stack: ExitStack,
+             only: Sequence[str] | None = None) -> dict[str, Runner]:
     def session(**options: Any) -> sowtel.Session:
         return stack.enter_context(sowtel.enable(
             exporter=MemoryExporter(max_records=256), summary="stats", **options))
@@ -118,16 +133,24 @@ def variants(work: Workload, stack: ExitStack) -> dict[str, Runner]:
         "callback transport, stats every step": Runner(jax.jit(sown), work, session()),
         "sowtel.jit, stats every step": Runner(sowtel.jit(sown), work, session()),
         "sowtel.jit, every=10": Runner(sowtel.jit(sown), work, session(every=10)),
+        "sowtel.jit, health every step only": Runner(
+            sowtel.jit(sown), work, session(every=10**9, health_every=1)),
+        "sowtel.jit, every=10, health every step": Runner(
+            sowtel.jit(sown), work, session(every=10, health_every=1)),
+        "sowtel.jit, every=10, flight recorder K=1": Runner(
+            sowtel.jit(sown), work, session(every=10, flight_recorder=1)),
         "hand-written floor (summaries as outputs)": Runner(_floor(work), work, None),
     }
     activate_session(None)
-    return out
+    return out if only is None else {name: out[name] for name in only}
 
 
-def jit_table(work: Workload, *, rounds: int, steps: int) -> Table:
-    """Times every variant of ``work`` side by side; one table row per variant."""
+def jit_table(work: Workload, *, rounds: int, steps: int,
+              only: Sequence[str] | None = None) -> Table:
+    """Times every variant of ``work`` (or those named in ``only``) side by side; one table
+    row per variant."""
     with ExitStack() as stack:
-        runners = variants(work, stack)
+        runners = variants(work, stack, only)
         t0 = time.perf_counter()
         for r in runners.values():  # compile (and, for sowtel.jit, trace) outside the timing
             for _ in range(11):
@@ -153,7 +176,8 @@ def jit_table(work: Workload, *, rounds: int, steps: int) -> Table:
             drained = t.ratio_to(base, with_drain=True)
             before, calls_before = counts[name]
             recorded = (r.records() - before) / max(r.calls - calls_before, 1)
-            expected = 0 if r.session is None else per_step / (10 if "every=10" in name else 1)
+            logs_all = "every=10" not in name or "health" in name
+            expected = 0 if r.session is None else per_step / (1 if logs_all else 10)
             rec = f"{recorded:.1f}" + ("" if abs(recorded - expected) <= 0.5 * per_step / 10
                                        else f" (expected {expected:.1f})")
             target = TARGETS.get((work.name, name), TARGETS.get(("*", name)))
@@ -175,10 +199,20 @@ def jit_table(work: Workload, *, rounds: int, steps: int) -> Table:
         return table
 
 
-def run(quick: bool = False, gpt_full: bool = False) -> list[Table]:
-    """The tables, one per workload (the MLP only, two short rounds, with ``quick``)."""
+def run(quick: bool = False, gpt_full: bool = False,
+        workload: str | None = None, nonfinite: bool = False) -> list[Table]:
+    """The tables, one per workload (the MLP only, two short rounds, with ``quick``; only
+    ``workload`` if given; with ``nonfinite``, the transformer's NaN-check variants only)."""
+    if nonfinite:
+        return [jit_table(transformer_block(), rounds=8, steps=10, only=NONFINITE_VARIANTS)]
     if quick:  # a smoke run of every variant, on a small MLP
         return [jit_table(mlp(batch=32, width=64), rounds=1, steps=10)]
+    if workload == "mlp":
+        return [jit_table(mlp(), rounds=10, steps=10)]
+    if workload == "transformer":
+        return [jit_table(transformer_block(), rounds=8, steps=10)]
+    if workload == "gpt":
+        return [jit_table(gpt() if gpt_full else gpt_reduced(), rounds=6, steps=10)]
     return [
         jit_table(mlp(), rounds=10, steps=10),
         jit_table(transformer_block(), rounds=8, steps=10),
@@ -193,12 +227,18 @@ def tables(quick: bool = False) -> Iterator[Table]:
 def _gpt_full_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-full", action="store_true",
                         help="the GPT workload at full size (d_model 768, seq 512, batch 16)")
+    parser.add_argument("--workload", choices=("mlp", "transformer", "gpt"),
+                        help="only this workload's table")
+    parser.add_argument("--nonfinite", action="store_true",
+                        help="the transformer block's NaN-check variants only (health checks, "
+                             "flight recorder)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m benchmarks.bench_jit [--quick] [--gpt-full] [--markdown FILE]``."""
     return module_main(argv, "bench_jit", __doc__,
-                       lambda args: run(quick=args.quick, gpt_full=args.gpt_full),
+                       lambda args: run(quick=args.quick, gpt_full=args.gpt_full,
+                                        workload=args.workload, nonfinite=args.nonfinite),
                        arguments=_gpt_full_argument)
 
 

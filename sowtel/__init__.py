@@ -24,7 +24,9 @@ Example:
 from sowtel.capture import Intermediates, save_intermediates
 from sowtel.dumps import dump, load
 from sowtel.jit import jit
+from sowtel.locate import NonFiniteEvent, NonFiniteReport, locate_nonfinite
 from sowtel.naming import scope
+from sowtel.nonfinite import NonFiniteError, NonFiniteWarning
 from sowtel.primitive import at_step, sow
 from sowtel.records import Record
 from sowtel.session import Session, disable, enable, export, flush, log, status
@@ -33,5 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Intermediates", "Record", "Session", "at_step", "disable", "dump", "enable", "export",
-    "flush", "jit", "load", "log", "save_intermediates", "scope", "sow", "status",
+    "flush", "jit", "load", "locate_nonfinite", "log", "NonFiniteError", "NonFiniteEvent",
+    "NonFiniteReport", "NonFiniteWarning",
+    "save_intermediates", "scope", "sow", "status",
 ]

@@ -756,3 +756,44 @@ def distributed_client() -> Any:
     client = getattr(getattr(_distributed, "global_state", None), "client", None)
     needed = ("key_value_set", "blocking_key_value_get")
     return client if all(hasattr(client, n) for n in needed) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Where an equation came from (locate_nonfinite): its user frames and its name stack.
+
+
+def equation_frames(eqn: Any) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` of the user frames that traced ``eqn``, innermost first.
+
+    Reads ``eqn.source_info.traceback`` through ``source_info_util.user_frames`` (frames outside
+    JAX and the standard library); an empty list when JAX kept no traceback.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: jnp.log(x))(1.0).eqns[0]
+        >>> [line for _, line, _ in equation_frames(eqn)][:1] != []
+        True
+    """
+    traceback = getattr(eqn.source_info, "traceback", None)
+    if traceback is None:
+        return []
+    return [(f.file_name, int(f.start_line), f.function_name)
+            for f in source_info_util.user_frames(traceback)]
+
+
+def equation_name_stack(eqn: Any) -> list[tuple[str, str]]:
+    """The name stack of ``eqn`` as ``("scope" | "transform", name)`` pairs, outermost first.
+
+    JAX's ``backward_pass`` adds the transform ``transpose`` and remat the scope
+    ``rematted_computation``; ``jax.named_scope`` (and Flax's named calls) add scopes. The stack
+    of an equation inside a sub-jaxpr (a scan body, a jit) is relative to the enclosing equation.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqns = jax.make_jaxpr(jax.grad(lambda x: jnp.sin(x) * 2.0))(1.0).eqns
+        >>> ("transform", "transpose") in equation_name_stack(eqns[-1])
+        True
+    """
+    stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
+    return [("transform" if isinstance(e, source_info_util.Transform) else "scope", e.name)
+            for e in stack]

@@ -274,28 +274,33 @@ class Jitted:
             self._callbacks[config] = False
             if not self._due(config, step):
                 self._discover(config, args, kwargs)
+        guard = session.guard  # sowtel.nonfinite: may raise a pending NonFiniteError
+        health = guard is not None and guard.health_at(step)
+        if guard is not None:
+            guard.before_call(self, step, args, kwargs)
         while True:
             due = self._due(config, step)
-            if not due:
+            if not due and not health:
                 if self._warming:
                     self._join_warming(args, kwargs)
                 with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                     return self._plain(*args, **kwargs)
             gather = multihost.replicated_sharding((args, kwargs))  # several processes only
             try:
-                if (config, due, gather) not in self._traced:
+                if (config, due, gather, health) not in self._traced:
                     if any(e > 1 for e in self._strides[config]):
                         self._warm_plain(args, kwargs)  # other steps will run it
                     # Traced before the call (jax.jit keeps the trace for it): the trace finds
                     # new every= strides and sites in while_loop bodies.
-                    self._program(config, due, gather).trace(*args, **kwargs)
-                    self._traced.add((config, due, gather))
+                    self._program(config, due, gather, health).trace(*args, **kwargs)
+                    self._traced.add((config, due, gather, health))
                 if self._callbacks.get(config):
                     # Its while-body sites call back later: they read this step on the host.
                     with session.host_step_block(step):
-                        out, summaries = self._program(config, due, gather)(*args, **kwargs)
+                        out, summaries = self._program(config, due, gather, health)(
+                            *args, **kwargs)
                 else:
-                    out, summaries = self._program(config, due, gather)(*args, **kwargs)
+                    out, summaries = self._program(config, due, gather, health)(*args, **kwargs)
             except _NewStride as new:  # raised while tracing: nothing ran
                 self._strides[config].add(new.every)
                 continue
@@ -375,15 +380,15 @@ class Jitted:
             return program
 
     def _program(self, config: StreamConfig, due: frozenset[int] | None,
-                 gather: Any = None) -> Any:
-        key = (config, due, gather)
+                 gather: Any = None, health: bool = False) -> Any:
+        key = (config, due, gather, health)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs.setdefault(key, self._build(config, due, gather))
+            program = self._programs.setdefault(key, self._build(config, due, gather, health))
         return program
 
     def _build(self, config: StreamConfig, due: frozenset[int] | None,
-               gather: Any = None) -> Any:
+               gather: Any = None, health: bool = False) -> Any:
         fun = self._fun
         strides = self._strides.setdefault(config, {config.every})
         in_blocks: set[int] = set()  # sites whose stats are summarised per device (multihost)
@@ -395,10 +400,12 @@ class Jitted:
                 return None
             if every not in strides:
                 raise _NewStride(every)
-            if every not in due:
-                return None
-            site = params["site"]
             summary = params["summary"]
+            if every not in due:
+                if not health:
+                    return None
+                summary = "health"  # the health check of enable(health_every=...)
+            site = params["site"]
             info = StreamSite(
                 name=site.name, mode=params["mode"], tag=site.tag, leaf_names=leaf_names(site),
                 shapes=tuple(tuple(v.shape) for v in leaves),

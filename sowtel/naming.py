@@ -99,7 +99,28 @@ def scope(prefix: str) -> Iterator[None]:
     except ValueError as err:
         raise ValueError(str(err).replace("sow name", "sowtel.scope prefix", 1)) from None
     with absolute_prefix(scoped(prefix)):
+        if getattr(_marking, "on", 0):
+            with jax.named_scope(SCOPE_MARK + prefix):
+                yield
+        else:
+            yield
+
+
+# While sowtel.locate_nonfinite traces, a scope also enters JAX's name stack (as
+# ``SCOPE_MARK + prefix``), so that every equation traced inside knows its scope. Only then: the
+# name stack reaches the compiled program's metadata, which is otherwise left as it was.
+SCOPE_MARK = "sowtel.scope:"
+_marking = threading.local()
+
+
+@contextmanager
+def scopes_in_name_stack() -> Iterator[None]:
+    """Scopes entered in this thread inside also enter JAX's name stack (see ``SCOPE_MARK``)."""
+    _marking.on = getattr(_marking, "on", 0) + 1
+    try:
         yield
+    finally:
+        _marking.on -= 1
 
 
 @contextmanager

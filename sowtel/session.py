@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -45,6 +46,7 @@ from sowtel.build import records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
+from sowtel.nonfinite import Guard, make_guard
 from sowtel.primitive import (
     CONTEXT,
     RECEIVERS,
@@ -164,6 +166,7 @@ class Session:
         on_full: str,
         max_bytes: int,
         export_process: int = 0,
+        guard: Guard | None = None,
     ) -> None:
         self.id = next(_ids)
         # What shapes compiled programs, and keys their cache (never the session's identity).
@@ -197,6 +200,7 @@ class Session:
         self._closed = False
         self._effect_errors = 0
         self.scoped = False  # entered as a context manager
+        self.guard = guard  # on_nonfinite, health_every, flight recorder (sowtel.nonfinite)
 
     # -- host-side steps ------------------------------------------------------------------------
 
@@ -314,7 +318,10 @@ class Session:
     def _watch_nonfinite(self, batch: RecordBatch) -> None:
         """Where a session notices a non-finite record: each converted batch (on the
         dispatcher thread) and each batch of exported intermediates passes here once; the
-        rule itself is :func:`sowtel.to_records.first_nonfinite`."""
+        rule itself is :func:`sowtel.to_records.first_nonfinite`, and ``on_nonfinite`` acts
+        through :attr:`guard`."""
+        if self.guard is not None:
+            self.guard.observe(batch)
         if self.first_nonfinite is not None:
             return
         found = first_nonfinite(batch)
@@ -352,7 +359,10 @@ class Session:
         """Blocks until every record accepted so far reached every exporter; False on timeout."""
         timeout = _check_timeout(timeout, "flush")
         self._effects_barrier()
-        return self.dispatcher.flush(timeout)
+        done = self.dispatcher.flush(timeout)
+        if self.guard is not None:
+            self.guard.deliver()  # may raise NonFiniteError
+        return done
 
     def _effects_barrier(self) -> None:
         if self._forked:
@@ -438,6 +448,10 @@ def enable(
     on_full: str = "drop",
     max_bytes: int = 1 << 30,
     export_process: int | None = None,
+    on_nonfinite: Any = None,
+    health_every: int | None = None,
+    flight_recorder: int | None = None,
+    record_donated: bool = False,
     **exporter_options: Any,
 ) -> Session:
     """Streams every selected sow, in every program traced from now on, to ``exporter``.
@@ -460,6 +474,17 @@ def enable(
       export_process: under ``jax.distributed``, the process that exports the records of sites
         whose values span processes (default: ``$SOWTEL_EXPORT_PROCESS``, else 0); records
         of ``shard_map`` shards stay with the process that ran them.
+      on_nonfinite: what a record holding NaN or infinities does: ``None`` (the alert in
+        :func:`status` only), ``"warn"``, ``"raise"`` (the next ``sowtel.jit`` call or
+        ``flush()`` raises :class:`sowtel.NonFiniteError`), ``"dump"`` (a post-mortem with
+        :func:`sowtel.locate_nonfinite`'s report), or a callable taking the record (see
+        :mod:`sowtel.nonfinite`).
+      health_every: ``sowtel.jit`` steps at which no site logs still send every site's
+        ``"health"`` summary every ``health_every`` steps (``1``: a NaN is caught at its step).
+      flight_recorder: keep the arguments of the last K ``sowtel.jit`` calls to write a
+        post-mortem of the step that made a non-finite value (default: 1 under
+        ``on_nonfinite="dump"``, else off); memory: about K+1 extra copies of the arguments.
+      record_donated: also record functions that donate arguments (copies them each call).
       **exporter_options: passed to exporters named by string (``logdir=...``).
 
     Returns:
@@ -498,11 +523,16 @@ def enable(
     multihost.agree(dict(summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
                          exclude=exclude_fn, every=every, export_process=export_process),
                     what="enable")
+    guard_options = (on_nonfinite, health_every, flight_recorder, record_donated)
+    make_guard(*guard_options, None, tags_t)  # checked before exporters open files
     exporters = resolve(exporter, **exporter_options)
+    logdirs = [getattr(e, "logdir", None) for e in exporters]  # where post-mortems go
+    logdir = next((os.fspath(d) for d in logdirs if isinstance(d, str | os.PathLike)), None)
     session = Session(
         exporters, summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
         exclude=exclude_fn, every=every, queue_size=queue_size, on_full=on_full,
         max_bytes=max_bytes, export_process=export_process,
+        guard=make_guard(*guard_options, logdir, tags_t),
     )
     with _lock:
         below = _stack[-1] if _stack else None
@@ -579,7 +609,9 @@ def flush(timeout: float | None = 30.0) -> bool:
     """Blocks until every record accepted so far has reached every exporter.
 
     Returns False if ``timeout`` seconds passed first; True (and does nothing) with nothing
-    enabled.
+    enabled. Under ``enable(on_nonfinite="raise")`` it raises :class:`sowtel.NonFiniteError`
+    when a record with a NaN or an infinity arrived since the last alert (``"warn"`` /
+    ``"dump"``: a warning).
 
     Example:
         >>> import sowtel

@@ -12,7 +12,7 @@ MODULES = [
     "sowtel.records", "sowtel.dispatcher", "sowtel.dumps", "sowtel.postmortem",
     "sowtel.exporters", "sowtel.exporters.memory", "sowtel.exporters.console",
     "sowtel.exporters.jsonl", "sowtel._jax_compat", "sowtel.jit", "sowtel.build",
-    "sowtel._dump_format",
+    "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite",
 ]
 
 
@@ -22,5 +22,5 @@ def test_docstring_examples(name: str) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} failing example(s) in {name}"
     if name in ("sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.jit",
-                "sowtel.build"):
+                "sowtel.build", "sowtel.locate"):
         assert result.attempted > 0

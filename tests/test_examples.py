@@ -48,3 +48,35 @@ def test_training_loops_example_streams_through_sowtel_jit() -> None:
             "('Block_1/act', 'primal')]") in out
     assert "flax nnx: 8 records at steps [0, 1]: [('blocks/0/act', 'cotangent')" in out
     assert "equinox-style: 4 records at steps [0]: [('layer0/act', 'cotangent')" in out
+
+
+def _line_of(path: Path, text: str) -> int:
+    [line] = [i + 1 for i, s in enumerate(path.read_text().splitlines()) if text in s]
+    return line
+
+
+def test_debugging_nans_example_goes_from_the_alert_to_the_line(tmp_path: Path) -> None:
+    import numpy as np
+
+    import sowtel
+
+    script = EXAMPLES / "debugging_nans.py"
+    out = _run(str(script), str(tmp_path))
+    # 1. The NaN of step 23 is caught at step 23 (health every step beside every=10).
+    assert "alert: (23, 'grads/p', 'primal')" in out
+    assert "post-mortem folder: postmortem/step_23" in out
+    assert "the first in program order is 'grads/p' (primal)" in out
+    folder = tmp_path / "postmortem" / "step_23"
+    event = json.loads((folder / "locate.json").read_text())["events"][0]
+    assert (event["primitive"], event["phase"], event["loops"]) == ("log", "backward", ["scan"])
+    assert (event["file"], event["line"]) == (str(script), _line_of(script, "signed_power(h, "))
+    # The layer: the backward scan runs from the last layer down, so the first log of a
+    # negative is in the deepest layer whose input to signed_power is negative.
+    pre = np.asarray(sowtel.load(folder / "step_23.safetensors")["layer/pre"]["primal"])
+    negative = [i for i in range(pre.shape[0]) if (pre[i] < 0).any()]
+    assert event["iteration"] == [max(negative)] and max(negative) < pre.shape[0] - 1
+    # 2. The bf16 overflow: the exp of the hand-written softmax, in block 2.
+    line = _line_of(script, "weights = jnp.exp(logits)")
+    assert "bf16 loss: nan" in out
+    assert (f"locate_nonfinite: exp at {script}:{line} (attention), forward pass, scope block2"
+            in out)

@@ -1,0 +1,346 @@
+"""What a session does when a NaN or an infinity arrives: ``enable(on_nonfinite=...)``.
+
+``sowtel.enable(..., on_nonfinite=..., health_every=..., flight_recorder=...)`` sets a
+:class:`Guard` on the session. It sees every record the session converts (both transports) and
+acts on the first one holding a non-finite value from each step on:
+
+==================  ==========================================================================
+``on_nonfinite``    what happens
+==================  ==========================================================================
+``None``            nothing beyond the usual alert (``status()["first_nonfinite"]``, a log line)
+``"warn"``          a :class:`NonFiniteWarning` at the next ``sowtel.jit`` call or ``flush()``
+``"raise"``         the next ``sowtel.jit`` call (before it runs) or ``flush()`` raises
+                    :class:`NonFiniteError` naming site, mode, step and index
+``"dump"``          a post-mortem of the step (below), with :func:`sowtel.locate_nonfinite`'s
+                    report, then a warning naming its folder
+a callable          called with the :class:`~sowtel.Record`, on the dispatcher thread
+==================  ==========================================================================
+
+Records are checked off the training thread, once the device has computed them, so the call
+that raises is the first one after that (usually the second after the faulty step);
+``flush()`` waits for every record, so it always raises when one is pending.
+
+``health_every=k`` adds a cheap check to ``sowtel.jit`` steps at which no site logs: every
+``k`` steps each site sends its ``"health"`` summary (size and NaN / +inf / -inf counts) instead
+of nothing, so with ``every=100, health_every=1`` a NaN of step 57 is caught at step 57, not at
+step 100. Health records go to the exporters like any other (``summary="health"``).
+
+The flight recorder (``flight_recorder=K``, on with K=1 by default under ``on_nonfinite="dump"``)
+keeps references to the arguments of each ``sowtel.jit`` call: those of the last K calls whose
+records were checked, and of the calls whose records are still on their way. Keeping a reference
+costs no device time, but it keeps the arrays alive: about K+1 extra copies of the arguments
+(for ``step(params, opt_state, batch)``: of the parameters, optimizer state and batch) stay in
+device memory. Arguments a function donates (``donate_argnums``) are deleted by the call, so
+such functions are not recorded unless ``record_donated=True``, which copies them before each
+call (device time and memory). When a non-finite record of a kept step arrives, the step is run
+again through :func:`sowtel.save_intermediates` and written to
+``<logdir>/postmortem/step_<k>/step_<k>.safetensors`` (``logdir``: the first exporter's, else the
+working directory), with every site's full value and derivatives: ``sowtel inspect`` of that
+folder names the first non-finite site in program order. Under ``on_nonfinite="dump"`` the same
+folder gets ``locate.txt`` and ``locate.json``, :func:`sowtel.locate_nonfinite`'s report.
+
+Example:
+    >>> import jax.numpy as jnp, sowtel
+    >>> step = sowtel.jit(lambda x: sowtel.sow(jnp.log(x), "logx").sum())
+    >>> with sowtel.enable(exporter="memory", on_nonfinite="raise"):
+    ...     _ = step(jnp.array([1.0, -1.0]))
+    ...     try:
+    ...         sowtel.flush()
+    ...     except sowtel.NonFiniteError as err:
+    ...         print(err.site, err.mode, err.step)
+    logx primal 0
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from sowtel.records import Record
+from sowtel.to_records import RecordBatch, SiteColumns
+
+__all__ = ["Guard", "NonFiniteError", "NonFiniteWarning", "POLICIES", "make_guard"]
+
+logger = logging.getLogger("sowtel")
+
+POLICIES = (None, "warn", "raise", "dump")
+
+
+class NonFiniteError(FloatingPointError):
+    """A record held NaN or infinite values (``enable(on_nonfinite="raise")``).
+
+    Attributes:
+      record: the :class:`~sowtel.Record`; ``site``, ``mode``, ``step``, ``index``: its fields.
+      postmortem: the post-mortem folder written for the step, if the flight recorder kept it.
+
+    Example:
+        >>> from sowtel.records import Record
+        >>> r = Record(name="h", mode="cotangent", tag="intermediates", step=3, index=2,
+        ...            wall_time=0.0, summary="health", shape=(4,), dtype="float32",
+        ...            stats={"size": 4.0, "nan": 1.0, "posinf": 0.0, "neginf": 0.0})
+        >>> str(NonFiniteError(r))
+        "non-finite value in site 'h' (cotangent) at step 3, index 2: 1 NaN, 0 +inf, 0 -inf"
+    """
+
+    def __init__(self, record: Record, postmortem: Path | None = None) -> None:
+        self.record = record
+        self.site, self.mode, self.step, self.index = (
+            record.name, record.mode, record.step, record.index)
+        self.postmortem = postmortem
+        super().__init__(describe(record) + (f"; post-mortem in {postmortem}" if postmortem
+                                             else ""))
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """A record held NaN or infinite values (``enable(on_nonfinite="warn" | "dump")``)."""
+
+
+def describe(record: Record) -> str:
+    """One line naming a non-finite record: site, mode, step, index and the counts."""
+    where = f"site {record.name!r} ({record.mode}) at step {record.step}"
+    if record.index is not None:
+        where += f", index {record.index}"
+    s = record.stats
+    if "nan" in s:
+        counts = f"{int(s['nan'])} NaN, {int(s.get('posinf', 0))} +inf, " \
+                 f"{int(s.get('neginf', 0))} -inf"
+    else:
+        counts = "non-finite elements in its full value"
+    return f"non-finite value in {where}: {counts}"
+
+
+def is_nonfinite(record: Record) -> bool:
+    """Whether ``record`` counts a NaN or an infinity (statistics, or its full value)."""
+    if record.nonfinite:
+        return True
+    value = record.value
+    if value is None or value.dtype.kind not in "fc":
+        return False
+    return not bool(np.isfinite(value).all())
+
+
+def _check_int(value: Any, what: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        raise ValueError(f"enable {what}={value!r} must be None or an int >= {least}")
+    return int(value)
+
+
+@dataclasses.dataclass
+class _Kept:
+    fun: Any  # the sowtel.jit function
+    step: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class Guard:
+    """A session's policy for non-finite records, its health stride and its flight recorder.
+
+    The session calls :meth:`observe` on the dispatcher thread with the records it converted,
+    ``sowtel.jit`` calls :meth:`before_call` on the training thread before each step, and
+    ``flush()`` calls :meth:`deliver`. Make one with :func:`make_guard`.
+    """
+
+    def __init__(self, on_nonfinite: Any, health_every: int | None, keep: int,
+                 record_donated: bool, logdir: str | None, tags: Sequence[str]) -> None:
+        self.on_nonfinite = on_nonfinite
+        self.health_every = health_every
+        self.keep = keep
+        self.record_donated = record_donated
+        self.logdir = logdir
+        self.tags = tuple(tags)
+        self._lock = threading.Lock()
+        self._pending: Record | None = None
+        self._alerted_step = -1  # alerts are for steps after this one
+        self._checked_step = -1  # the highest step whose records were seen
+        self._kept: collections.deque[_Kept] = collections.deque()
+        self.callback_errors = 0
+        self.postmortems: list[Path] = []
+
+    # -- the dispatcher thread ----------------------------------------------------------------
+
+    def observe(self, records: Sequence[Record] | RecordBatch) -> None:
+        """Looks for the first non-finite record of each step not alerted yet. Never raises.
+
+        Of a :class:`~sowtel.to_records.RecordBatch`, only the tables that hold a NaN or an
+        infinity are turned into records."""
+        try:
+            firsts: dict[int, Record] = {}
+            if isinstance(records, RecordBatch):
+                records = self._candidates(records)
+            for r in records:
+                if r.step > self._checked_step:
+                    self._checked_step = r.step
+                if r.step > self._alerted_step and r.step not in firsts and is_nonfinite(r):
+                    firsts[r.step] = r
+            for step in sorted(firsts):
+                with self._lock:
+                    if step <= self._alerted_step:
+                        continue
+                    self._alerted_step = step
+                    if not callable(self.on_nonfinite):
+                        self._pending = firsts[step]  # one alert at a time: the first
+                        return
+                self.on_nonfinite(firsts[step])
+        except Exception:  # noqa: BLE001 - a user's callable must not stop the dispatcher
+            self.callback_errors += 1
+            if self.callback_errors == 1:
+                logger.exception("sowtel: the on_nonfinite callable raised (counted; logged "
+                                 "once)")
+
+    def _candidates(self, batch: RecordBatch) -> list[Record]:
+        out: list[Record] = []
+        for part in batch.parts:
+            if isinstance(part, SiteColumns):
+                if not part.any_nonfinite and part.values is None:  # full values: look inside
+                    self._checked_step = max(self._checked_step, part.step)
+                    continue
+                out.extend(part.records())
+            else:
+                out.extend(part)
+        return out
+
+    # -- the training thread ------------------------------------------------------------------
+
+    def health_at(self, step: int) -> bool:
+        """Whether a ``sowtel.jit`` step at which no site logs checks the sites' health."""
+        return self.health_every is not None and step % self.health_every == 0
+
+    def before_call(self, fun: Any, step: int, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> None:
+        """Delivers a pending alert (may raise :class:`NonFiniteError`), then keeps the call's
+        arguments if the flight recorder is on."""
+        if self._pending is not None:
+            self.deliver()
+        if self.keep:
+            self._record(fun, step, args, kwargs)
+
+    def deliver(self) -> None:
+        """Acts on a pending non-finite record: post-mortem, then warn or raise."""
+        with self._lock:
+            record, self._pending = self._pending, None
+        if record is None:
+            return
+        folder = self._postmortem(record) if self.keep else None
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(record, folder)
+        if self.on_nonfinite in ("warn", "dump"):
+            where = f"; post-mortem in {folder}" if folder else ""
+            warnings.warn(describe(record) + where, NonFiniteWarning, stacklevel=3)
+
+    # -- the flight recorder -------------------------------------------------------------------
+
+    def _record(self, fun: Any, step: int, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> None:
+        options = getattr(fun, "_options", {})
+        if options.get("donate_argnums") is not None or options.get("donate_argnames"):
+            if not self.record_donated:
+                return
+            # The call deletes donated buffers: keep copies (device time, documented).
+            args, kwargs = jax.tree_util.tree_map(
+                lambda x: x.copy() if isinstance(x, jax.Array) else x, (args, kwargs))
+        kept = self._kept
+        kept.append(_Kept(fun, step, args, kwargs))
+        # Keep the K newest steps whose records were checked, and every step still unchecked
+        # (its records are on their way); at most K + 8 calls in all.
+        checked = self._checked_step
+        n_checked = sum(1 for k in kept if k.step <= checked)
+        while kept and (n_checked > self.keep or len(kept) > self.keep + 8):
+            n_checked -= kept.popleft().step <= checked
+
+    def _postmortem(self, record: Record) -> Path | None:
+        kept = next((k for k in reversed(self._kept) if k.step == record.step), None)
+        if kept is None:
+            logger.warning(
+                "sowtel: no post-mortem for step %s: the flight recorder no longer keeps its "
+                "arguments (it keeps %d); check health every step (health_every=1) or keep "
+                "more steps (flight_recorder=K)", record.step, self.keep)
+            return None
+        try:
+            folder = write_postmortem(getattr(kept.fun, "_fun", kept.fun), kept.args,
+                                      kept.kwargs, step=kept.step, record=record,
+                                      logdir=self.logdir or os.getcwd(), tags=self.tags,
+                                      locate=self.on_nonfinite == "dump")
+            self.postmortems.append(folder)
+            return folder
+        except Exception:  # noqa: BLE001 - a failed post-mortem must not stop training
+            logger.exception("sowtel: the post-mortem of step %s failed", record.step)
+            return None
+
+
+def write_postmortem(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                     step: int, record: Record | None, logdir: str, tags: Sequence[str],
+                     locate: bool) -> Path:
+    """Runs ``fun(*args, **kwargs)`` again through ``save_intermediates`` (streaming off) and
+    writes ``<logdir>/postmortem/step_<step>/step_<step>.safetensors``; with ``locate``, also
+    ``locate.txt`` / ``locate.json`` from :func:`sowtel.locate_nonfinite`. Returns the folder.
+    """
+    from sowtel.capture import save_intermediates
+    from sowtel.dumps import dump
+    from sowtel.locate import locate_nonfinite
+    from sowtel.primitive import CONTEXT
+
+    folder = Path(logdir) / "postmortem" / f"step_{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    inter: dict[str, Any] = {}
+    with CONTEXT(None):  # the re-run streams nothing
+        for tag in tags:
+            _, found = save_intermediates(fun, tag=tag, duplicates="number")(*args, **kwargs)
+            inter.update(found)
+        report = locate_nonfinite(fun, tag=tags[0])(*args, **kwargs) if locate else None
+    metadata: dict[str, Any] = {"postmortem_step": step}
+    if record is not None:
+        metadata["alert"] = describe(record)
+    if report is not None:
+        metadata["first_nonfinite_operation"] = str(report.first) if report.first else None
+        (folder / "locate.txt").write_text(str(report) + "\n")
+        (folder / "locate.json").write_text(json.dumps({
+            "nonfinite_inputs": list(report.nonfinite_inputs),
+            "events": [_event_json(e) for e in report.events]}, indent=1) + "\n")
+    dump(inter, str(folder) + os.sep, step=step, metadata=metadata)
+    return folder
+
+
+def _event_json(event: Any) -> dict[str, Any]:
+    d = dataclasses.asdict(event)
+    d["frames"] = [list(f) for f in event.frames]
+    d["shape"], d["iteration"], d["loops"] = (list(event.shape), list(event.iteration),
+                                              list(event.loops))
+    return d
+
+
+def make_guard(on_nonfinite: Any, health_every: Any, flight_recorder: Any, record_donated: Any,
+               logdir: str | None, tags: Sequence[str]) -> Guard | None:
+    """Checks ``enable``'s non-finite options and returns the session's guard (None if unused).
+
+    Example:
+        >>> make_guard(None, None, None, False, None, ("intermediates",)) is None
+        True
+        >>> make_guard("dump", 1, None, False, "runs", ("intermediates",)).keep
+        1
+    """
+    if not (on_nonfinite in POLICIES or callable(on_nonfinite)):
+        raise ValueError(
+            f"on_nonfinite={on_nonfinite!r} is not a policy: use None, 'warn', 'raise', "
+            "'dump' or a callable that takes the Record")
+    health = None if health_every is None else _check_int(health_every, "health_every", 1)
+    if flight_recorder is None:
+        keep = 1 if on_nonfinite == "dump" else 0
+    else:
+        keep = _check_int(flight_recorder, "flight_recorder", 0)
+    if not isinstance(record_donated, bool):
+        raise ValueError(f"enable record_donated={record_donated!r} must be True or False")
+    if on_nonfinite is None and health is None and keep == 0:
+        return None
+    return Guard(on_nonfinite, health, keep, record_donated, logdir, tags)

@@ -1,0 +1,186 @@
+"""enable(on_nonfinite=..., health_every=..., flight_recorder=...): alerts, health checks and
+post-mortems of the step that made a NaN."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sowtel
+from sowtel.postmortem import configure_inspect, inspect_dump, run_inspect
+
+
+def _model(w: jax.Array, x: jax.Array) -> jax.Array:
+    def layer(h: jax.Array, wi: jax.Array) -> tuple[jax.Array, None]:
+        return sowtel.sow(jnp.tanh(h * wi), "act"), None
+
+    h = jax.lax.scan(layer, x, w)[0]
+    return jnp.sum(sowtel.sow(jnp.log(h), "logh"))  # NaN where h < 0
+
+
+def _step(w: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    loss, g = jax.value_and_grad(_model)(w, x)
+    return w - 0.1 * g, loss
+
+
+GOOD = jnp.ones(3)
+BAD = jnp.array([1.0, -1.0, 1.0])  # a negative activation: log is NaN in one element
+
+
+def test_raise_at_flush_names_site_mode_step_and_index() -> None:
+    step = sowtel.jit(_step)
+    w = jnp.ones((4, 3))
+    with sowtel.enable(exporter="memory", on_nonfinite="raise"):
+        w, _ = step(w, GOOD)
+        assert sowtel.flush() is True
+        w2, _ = step(w, BAD)
+        with pytest.raises(sowtel.NonFiniteError) as info:
+            sowtel.flush()
+        err = info.value
+        assert (err.site, err.mode, err.step, err.index) == ("logh", "primal", 1, None)
+        assert "site 'logh' (primal) at step 1" in str(err) and "1 NaN" in str(err)
+        assert sowtel.flush() is True  # raised once
+
+
+def test_raise_at_the_next_step_call_before_it_runs() -> None:
+    calls = []
+
+    def counted(w: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return _step(w, x)
+
+    step = sowtel.jit(counted)
+    w = jnp.ones((4, 3))
+    with sowtel.enable(exporter="memory", on_nonfinite="raise") as session:
+        step(w, BAD)
+        session.dispatcher.flush(30.0)  # the records are checked (without delivering the alert)
+        with pytest.raises(sowtel.NonFiniteError, match="at step 0"):
+            calls.append(step(w, GOOD))
+        assert calls == []  # the call raised before running
+        step(w, GOOD)  # the alert was delivered once: training may go on
+
+
+def test_warn_and_callable_policies() -> None:
+    step = sowtel.jit(_step)
+    w = jnp.ones((4, 3))
+    with sowtel.enable(exporter="memory", on_nonfinite="warn"):
+        step(w, BAD)
+        with pytest.warns(sowtel.NonFiniteWarning, match="logh"):
+            sowtel.flush()
+    seen: list[sowtel.Record] = []
+    with sowtel.enable(exporter="memory", on_nonfinite=seen.append):
+        for x in (GOOD, BAD, BAD):
+            step(w, x)
+        sowtel.flush()
+    # Once a step: the first non-finite record of steps 1 and 2, forward site first.
+    assert [(r.name, r.mode, r.step) for r in seen] == [("logh", "primal", 1),
+                                                        ("logh", "primal", 2)]
+
+
+def test_health_every_step_catches_the_nan_at_its_step() -> None:
+    step = sowtel.jit(_step)
+    w = jnp.ones((4, 3))
+    with sowtel.enable(exporter="memory", every=10, health_every=1,
+                       on_nonfinite="raise") as session:
+        for k in range(12):
+            x = BAD if k == 7 else GOOD
+            try:
+                step(w, x)
+            except sowtel.NonFiniteError as err:  # raised by a later call, naming step 7
+                assert err.step == 7 and k > 7
+                break
+        else:
+            with pytest.raises(sowtel.NonFiniteError, match="at step 7"):
+                sowtel.flush()
+        sowtel.flush()
+        records = session.exporters[0].records
+    kinds = {(r.step, r.summary) for r in records if r.name == "logh" and r.mode == "primal"}
+    assert (0, "stats") in kinds and (7, "health") in kinds and (3, "health") in kinds
+    at7 = [r for r in records if r.step == 7 and r.name == "logh" and r.mode == "primal"]
+    assert at7[0].stats == {"size": 3.0, "nan": 1.0, "posinf": 0.0, "neginf": 0.0}
+    # A scanned site's health is per iteration, as its statistics are.
+    assert sorted(r.index for r in records if r.step == 3 and r.name == "act"
+                  and r.mode == "primal") == [0, 1, 2, 3]
+
+
+def test_flight_recorder_dump_writes_a_postmortem(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    step = sowtel.jit(_step)
+    w = jnp.ones((4, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sowtel.enable(exporter="jsonl", logdir=str(tmp_path), on_nonfinite="dump") as s:
+            for k in range(5):
+                step(w, BAD if k == 3 else GOOD)
+            sowtel.flush()
+            guard = s.guard
+    alerts = [w for w in caught if issubclass(w.category, sowtel.NonFiniteWarning)]
+    assert len(alerts) == 1 and "post-mortem in" in str(alerts[0].message)
+    folder = tmp_path / "postmortem" / "step_3"
+    assert guard.postmortems == [folder]
+    dump = folder / "step_3.safetensors"
+    inter = sowtel.load(dump)
+    # Every site, full values and cotangents: the forward values against a direct computation.
+    h = BAD
+    for i in range(4):
+        h = jnp.tanh(h * w[i])
+        np.testing.assert_allclose(inter["act"]["primal"][i], h, rtol=1e-6)
+    np.testing.assert_allclose(inter["logh"]["primal"], jnp.log(h), rtol=1e-6)
+    assert set(inter["act"]) == {"primal", "cotangent"}
+    # sowtel inspect names the first non-finite site in program order: the forward logh.
+    report = inspect_dump(dump)
+    assert (report.origin.entry.name, report.origin.entry.mode) == ("logh", "primal")
+    parser = argparse.ArgumentParser()
+    configure_inspect(parser)
+    assert run_inspect(parser.parse_args([str(folder)])) == 0
+    text = capsys.readouterr().out
+    assert "the first in program order is 'logh' (primal)" in text
+    assert "first_nonfinite_operation" in text and "log at " in text
+    located = json.loads((folder / "locate.json").read_text())
+    first = located["events"][0]
+    assert (first["primitive"], first["phase"], first["site"]) == ("log", "forward",
+                                                                    "act (primal)")
+    assert first["file"] == os.path.abspath(__file__) and "log" in (
+        folder / "locate.txt").read_text()
+
+
+def test_flight_recorder_keeps_references_and_skips_donated_arguments() -> None:
+    plain = sowtel.jit(_step)
+    donating = sowtel.jit(_step, donate_argnums=0)
+    x = GOOD
+    with sowtel.enable(exporter="memory", flight_recorder=1) as s:
+        w = jnp.ones((4, 3))
+        plain(w, x)
+        kept = s.guard._kept
+        assert kept[-1].args[0] is w and kept[-1].args[1] is x  # a reference, no copy
+        n = len(kept)
+        donating(jnp.ones((4, 3)), x)
+        assert len(kept) == n  # donated: not recorded unless asked
+        for _ in range(20):
+            plain(w, x)
+        sowtel.flush()
+        plain(w, x)
+        # One checked step, and those still on their way: never more than K + 8.
+        assert 1 <= len(kept) <= 9
+    with sowtel.enable(exporter="memory", flight_recorder=1, record_donated=True) as s:
+        w = jnp.ones((4, 3))
+        donating(w, x)
+        assert s.guard._kept[-1].args[0] is not w  # a copy, made before the call donated w
+        np.testing.assert_array_equal(s.guard._kept[-1].args[0], jnp.ones((4, 3)))
+
+
+def test_bad_options() -> None:
+    with pytest.raises(ValueError, match="on_nonfinite='explode' is not a policy"):
+        sowtel.enable(exporter="memory", on_nonfinite="explode")
+    with pytest.raises(ValueError, match="health_every=0 must be None or an int >= 1"):
+        sowtel.enable(exporter="memory", health_every=0)
+    with pytest.raises(ValueError, match="flight_recorder=-1"):
+        sowtel.enable(exporter="memory", flight_recorder=-1)
+    assert not sowtel.status()["enabled"]
