@@ -581,7 +581,8 @@ class TensorBoardExporter:
                     prefix = self._prefixes.get(key)
                     if prefix is None:
                         prefix = self._prefixes[key] = series_tag(name, table.mode, index)
-                    chosen = self._chosen(key, table.summary, dict.fromkeys(keys, 0.0), False)
+                    chosen = self._chosen(key, table.summary, dict.fromkeys(keys, 0.0), False,
+                                          single=math.prod(table.shapes[leaf]) == 1)
                     known = self._tags[cache] = (
                         [_value_head(f"{prefix}/{stat}") for stat in chosen],
                         [keys.index(stat) for stat in chosen])

@@ -248,13 +248,19 @@ def test_both_transports_give_one_coherent_set_of_records_across_two_processes(t
             (x["name"], x["mode"], str(x["index"]), x["step"]) for x in r["jit"])
         assert {x.process_index for x in lines} == {k}
     # TensorBoard: one run per process; global sites only in process 0's.
-    tags = []
+    # A site's shards and scan iterations are one depth tensor a step (its first row the index).
+    from tensorboard.util import tensor_util
+
+    tags, shards = [], []
     for k in (0, 1):
-        acc = ea.EventAccumulator(str(tmp_path / "tb" / f"process_{k}"))
+        acc = ea.EventAccumulator(str(tmp_path / "tb" / f"process_{k}"),
+                                  size_guidance={ea.TENSORS: 0})
         acc.Reload()
         tags.append({t.split("/")[0] for t in acc.Tags()["scalars"]})
-    assert tags == [{"h", "s[0]", "s[1]", "s[2]", "m[0]", "m[1]", "m[2]", "m[3]"},
-                    {"m[4]", "m[5]", "m[6]", "m[7]"}]
+        shards.append(sorted({int(i) for e in acc.Tensors("m/primal/depth")
+                              for i in tensor_util.make_ndarray(e.tensor_proto)[0]}))
+    assert tags == [{"h", "s", "m"}, {"m"}]
+    assert shards == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_another_process_can_export_the_global_records(tmp_path):
