@@ -161,8 +161,12 @@ def test_every_metric_and_label_a_dashboard_queries_is_one_the_exporter_emits():
         for step in range(2):
             sowtel.export({"a/h": {"primal": np.array([1.0, np.nan, 0.0], np.float32)}},
                           step=step)
+            exporter.write([r for r in sample_records(step) if r.index is not None])
+            sowtel.log({"train/loss": 1.0 / (step + 1)}, step=step)
         assert sowtel.flush()
         text = exposition(exporter)
+    # A gauge per logged name, holding the latest value.
+    assert re.search(r"^sowtel_log_train_loss(\{[^}]*\})? 0\.5$", text, re.MULTILINE), text
     families = set(re.findall(r"^# TYPE (\w+) ", text, re.MULTILINE))
     samples = re.findall(r"^(\w+)\{([^}]*)\}", text, re.MULTILINE)
     labels = {k for _, body in samples for k in re.findall(r'(\w+)="', body)}
@@ -174,6 +178,11 @@ def test_every_metric_and_label_a_dashboard_queries_is_one_the_exporter_emits():
         texts = [e for _, e, _ in prom_expressions(board)]
         texts += [variable_query(v) for v in board["templating"]["list"] if v["type"] == "query"]
         for text in texts:
+            # A matcher on metric names (the logged values' gauges) names a family, not a metric.
+            families_queried = re.findall(r'__name__=~"(sowtel_\w+)\.\+"', text)
+            for prefix in families_queried:
+                assert any(e.startswith(prefix) for e in emitted), (text, prefix)
+            text = re.sub(r'__name__=~"[^"]*"', "", text)
             names = set(re.findall(r"\bsowtel_\w+", text))
             grouped = {n for clause in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", text)
                        for n in re.findall(r"\w+", clause)}
@@ -296,6 +305,11 @@ def mlp_loss(params, x, step):
     with sowtel.at_step(step):
         h = sowtel.sow(jnp.tanh(x @ w1), "mlp/h1")
         sowtel.sow(jnp.log(h), "mlp/log_h1")  # negative entries give NaN: a diagnostic site
+
+        def layer(c, scale):  # three residual layers under scan: the depth panels' data
+            return c + sowtel.sow(jnp.tanh(c) * scale, "mlp/layers"), None
+
+        h, _ = jax.lax.scan(layer, h, jnp.array([0.5, 0.25, 0.125]))
         out = sowtel.sow(h @ w2, "mlp/out")
     return jnp.mean(out ** 2)
 
@@ -311,7 +325,7 @@ def test_every_promql_expression_returns_data_from_a_real_prometheus(prometheus)
     otel = OTelExporter(prometheus="127.0.0.1:0")
     target = urllib.parse.urlparse(otel.prometheus_url).netloc
     targets.write_text(json.dumps([{"targets": [target]}]))
-    sites = ["mlp/h1", "mlp/log_h1", "mlp/out"]
+    sites = ["mlp/h1", "mlp/log_h1", "mlp/layers", "mlp/out"]
     values = {"job": "sowtel", "site": any_of(sites), "mode": any_of(["cotangent", "primal"]),
               **BUILTIN_VALUES}
     missing: list[str] = []
@@ -320,6 +334,7 @@ def test_every_promql_expression_returns_data_from_a_real_prometheus(prometheus)
         while True:
             for _ in range(20):
                 params = jax.tree.map(lambda p, g: p - 0.01 * g, params, grad(params, x, step))
+                sowtel.log({"loss": float(mlp_loss(params, x, step))}, step=step)
                 step += 1
             time.sleep(0.25)
             missing = []

@@ -36,30 +36,45 @@ import collections
 import importlib
 import logging
 import math
-import os
 import threading
 import time
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from opentelemetry import metrics as metrics_api
 from opentelemetry import trace as trace_api
 from opentelemetry.context import Context
-from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import (
-    MetricExporter,
-    MetricExportResult,
-    MetricReader,
-    MetricsData,
-    PeriodicExportingMetricReader,
-)
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from sowtel.records import STAT_KEYS, Record
+from sowtel.exporters.otel._metrics import (
+    COUNT_STATS,
+    COUNTER_NAMES,
+    GAUGE_NAMES,
+    NONFINITE_KINDS,
+    SCOPE_NAME,
+    SeriesState,
+    flush_push_readers,
+    hub_for,
+    sowtel_version,
+)
+from sowtel.exporters.otel._providers import (
+    TROUBLE_BACKOFF_S,
+    CountingMetricExporter,
+    CountingSpanExporter,
+    Runner,
+    check_items,
+    check_positive,
+    check_prometheus,
+    check_service_name,
+    is_api_default,
+    process_index_and_count,
+    run_with_deadline,
+)
+from sowtel.records import SCALAR_SUMMARY, STAT_KEYS, Record
 from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = [
@@ -80,180 +95,17 @@ SPAN_NAME = "sowtel.step"
 EVENT_NAME = "sowtel.record"
 #: Name of the span event raised once, at the first record with NaN or infinite elements.
 ALERT_EVENT_NAME = "sowtel.nonfinite"
-#: Instrumentation scope of the tracer and the meter.
-SCOPE_NAME = "sowtel"
 
-#: Gauges: the latest value of each statistic per site, plus the latest step.
-GAUGE_NAMES: dict[str, str] = {stat: f"sowtel.{stat}" for stat in STAT_KEYS} | {
-    "step": "sowtel.step"
-}
-#: Counters (cumulative, monotonic).
-COUNTER_NAMES: dict[str, str] = {
-    "exported": "sowtel.records.exported",
-    "dropped": "sowtel.records.dropped",
-    "exporter_errors": "sowtel.exporter.errors",
-    "nonfinite": "sowtel.nonfinite_elements",
-    "span_events_dropped": "sowtel.span_events.dropped",
-    "export_failures": "sowtel.export.failures",
-}
 
 #: Default bound, in seconds, on each of ``flush()`` and ``close()``.
 DEFAULT_TIMEOUT_S = 2.0
 
-_COUNT_STATS = frozenset({"size", "nan", "posinf", "neginf", "zeros"})
-_NONFINITE_KINDS = ("nan", "posinf", "neginf")
 #: On a span event that holds the records of several positions of one site (a ``sowtel.jit``
 #: table): how many; its ``sowtel.index`` and ``sowtel.stat.*`` attributes are then lists.
 RECORDS_ATTR = "sowtel.records"
 _STAT_ATTR = {stat: f"sowtel.stat.{stat}" for stat in STAT_KEYS}
-_GAUGE_UNITS = {stat: "{element}" for stat in _COUNT_STATS} | {"step": "{step}"}
-_GAUGE_DESCRIPTIONS = {
-    "size": "Number of elements of the sown value",
-    "mean": "Mean of the finite elements",
-    "std": "Standard deviation (ddof=0) of the finite elements",
-    "min": "Minimum of the finite elements",
-    "max": "Maximum of the finite elements",
-    "l2": "Euclidean norm of the finite elements",
-    "mean_abs": "Mean absolute value of the finite elements",
-    "nan": "NaN elements in the latest record",
-    "posinf": "+inf elements in the latest record",
-    "neginf": "-inf elements in the latest record",
-    "zeros": "Zero elements in the latest record",
-    "step": "Step of the latest record",
-}
-_MAX_SERVICE_NAME = 255
-# After an export failure or a timed-out flush, flush() leaves exporting to the SDK's own
-# schedule for this long, so a dead endpoint does not hold up the records behind it.
-_TROUBLE_BACKOFF_S = 10.0
 # How many steps remember their last span part, so late records continue the numbering.
 _REMEMBERED_STEPS = 1024
-_SIGNALS = ("traces", "metrics")
-
-
-def _check_service_name(service_name: Any) -> str:
-    if service_name is None:
-        service_name = os.environ.get("OTEL_SERVICE_NAME") or "sowtel"
-    if not isinstance(service_name, str):
-        raise TypeError(
-            f"service_name={service_name!r} is a {type(service_name).__name__}, not a str: "
-            "pass a name such as 'my-trainer'"
-        )
-    if (
-        not service_name.strip()
-        or service_name != service_name.strip()
-        or len(service_name) > _MAX_SERVICE_NAME
-        or not service_name.isprintable()
-    ):
-        raise ValueError(
-            f"service_name={service_name!r} is not a valid service name: it must be 1 to "
-            f"{_MAX_SERVICE_NAME} printable characters without leading or trailing whitespace, "
-            "such as 'my-trainer'"
-        )
-    return service_name
-
-
-def _check_positive(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        math.isfinite(value) and value > 0
-    ):
-        raise ValueError(f"{what}={value!r} must be a positive number of seconds, such as 2.0")
-    return float(value)
-
-
-def _check_prometheus(address: Any) -> tuple[str, int] | None:
-    if address is None:
-        return None
-    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(
-            f"prometheus={address!r} is not a 'host:port' address: use, for example, "
-            "'127.0.0.1:9464' (port 0 picks a free port)"
-        )
-    return host.strip("[]"), int(port)
-
-
-def _check_items(items: Any, kind: type, what: str) -> list[Any]:
-    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
-        raise TypeError(f"{what}={items!r} must be a list of {kind.__name__} instances")
-    out = list(items)
-    for item in out:
-        if not isinstance(item, kind):
-            raise TypeError(
-                f"{what} holds {item!r}, which is not a {kind.__module__}.{kind.__name__}: "
-                f"pass {kind.__name__} instances"
-            )
-    return out
-
-
-def _is_api_default(provider: Any) -> bool:
-    # The API's proxies and no-ops live in the API packages; any SDK or vendor provider does not.
-    module = type(provider).__module__
-    return module.startswith(("opentelemetry.trace", "opentelemetry.metrics"))
-
-
-def _process_index_and_count() -> tuple[int, int]:
-    try:
-        import jax
-
-        return int(jax.process_index()), int(jax.process_count())
-    except Exception:  # a process without a usable JAX backend is process 0 of 1
-        return 0, 1
-
-
-class _Runner:
-    """One daemon thread, reused, that runs the provider calls which may hang.
-
-    The SDK's ``force_flush`` ignores its timeout and an OTLP exporter retries for as long as
-    its own, so those calls run here while the caller waits at most its deadline. One thread
-    serves every flush of an exporter (a thread a flush would be started thousands of times in
-    a run); it is started on first use.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._calls: collections.deque[Callable[[], None]] = collections.deque()
-        self._ready = threading.Condition(threading.Lock())
-        self._thread: threading.Thread | None = None
-
-    def run(self, fn: Callable[[], object], timeout_s: float, name: str) -> bool:
-        """Runs ``fn`` there; returns whether it finished, without raising, within
-        ``timeout_s``."""
-        done = threading.Event()
-        failure: list[BaseException] = []
-
-        def call() -> None:
-            try:
-                fn()
-            except BaseException as e:  # reported below, on the caller's thread
-                failure.append(e)
-            finally:
-                done.set()
-
-        with self._ready:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
-                self._thread.start()
-            self._calls.append(call)
-            self._ready.notify()
-        finished = done.wait(max(0.0, timeout_s))
-        if failure:
-            _log.warning("sowtel otel exporter: %s failed: %r", name, failure[0])
-            return False
-        return finished
-
-    def _serve(self) -> None:
-        while True:
-            with self._ready:
-                while not self._calls:
-                    self._ready.wait()
-                call = self._calls.popleft()
-            call()
-
-
-def _run_with_deadline(fn: Callable[[], object], timeout_s: float, name: str) -> bool:
-    """Runs ``fn`` on a thread of its own; returns whether it finished within ``timeout_s``
-    (for a call made once, such as a shutdown left to finish in the background)."""
-    return _Runner(f"sowtel-otel-{name}").run(fn, timeout_s, name)
 
 
 def _plain_index(index: Any) -> int | list[int] | None:
@@ -266,7 +118,7 @@ def _plain_index(index: Any) -> int | list[int] | None:
 
 def _plain_stat(stat: str, value: Any) -> float | int:
     v = float(value)
-    return int(v) if stat in _COUNT_STATS and math.isfinite(v) else v
+    return int(v) if stat in COUNT_STATS and math.isfinite(v) else v
 
 
 class _PendingEvent(NamedTuple):
@@ -275,294 +127,6 @@ class _PendingEvent(NamedTuple):
     wall_time: float
     seq: int
     attributes: dict[str, Any]
-
-
-class _CountingSpanExporter(SpanExporter):
-    """Hands spans to ``inner`` and counts the exports that fail."""
-
-    def __init__(self, inner: SpanExporter, on_failure: Callable[[str], None]):
-        self._inner = inner
-        self._on_failure = on_failure
-        self._aborted = False
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self._aborted:
-            self._on_failure("traces")
-            return SpanExportResult.FAILURE
-        try:
-            result = self._inner.export(spans)
-        except Exception:
-            result = SpanExportResult.FAILURE
-        if result is not SpanExportResult.SUCCESS:
-            self._on_failure("traces")
-        return result
-
-    def abort(self) -> None:
-        """Makes pending and future exports fail at once (retry back-offs are interrupted)."""
-        self._aborted = True
-        self._inner.shutdown()
-
-    def shutdown(self) -> None:
-        self._inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._inner.force_flush(timeout_millis)
-
-
-class _CountingMetricExporter(MetricExporter):
-    """Hands metrics to ``inner`` and counts the exports that fail."""
-
-    def __init__(self, inner: MetricExporter, on_failure: Callable[[str], None]):
-        # The reader asks the exporter for its temporality and aggregation: keep the inner's.
-        super().__init__(
-            preferred_temporality=getattr(inner, "_preferred_temporality", None),
-            preferred_aggregation=getattr(inner, "_preferred_aggregation", None),
-        )
-        self._inner = inner
-        self._on_failure = on_failure
-        self._aborted = False
-
-    def export(
-        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
-    ) -> MetricExportResult:
-        if self._aborted:
-            self._on_failure("metrics")
-            return MetricExportResult.FAILURE
-        try:
-            result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-        except Exception:
-            result = MetricExportResult.FAILURE
-        if result is not MetricExportResult.SUCCESS:
-            self._on_failure("metrics")
-        return result
-
-    def abort(self) -> None:
-        """Makes pending and future exports fail at once (retry back-offs are interrupted)."""
-        self._aborted = True
-        self._inner.shutdown()
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return self._inner.force_flush(timeout_millis)
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        self._inner.shutdown(timeout_millis=timeout_millis)
-
-
-class _SeriesState:
-    """What one exporter has seen, read by the metric callbacks at collection time.
-
-    Records only update dictionaries here; the SDK turns them into data points when a reader
-    collects (a periodic export or a Prometheus scrape), so a record costs no metric work.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        # series key -> (attributes, stats, step) of the latest record
-        self.latest: dict[tuple[Any, ...], tuple[dict[str, Any], dict[str, float], int]] = {}
-        self.exported: dict[tuple[Any, ...], list[Any]] = {}  # key -> [attributes, count]
-        self.nonfinite: dict[tuple[Any, ...], list[Any]] = {}  # (key, kind) -> [attrs, count]
-        self.span_events_dropped = 0
-        self.export_failures = dict.fromkeys(_SIGNALS, 0)
-
-    def observe_stat(self, stat: str) -> list[tuple[dict[str, Any], float]]:
-        with self.lock:
-            if stat == "step":
-                return [(attrs, float(step)) for attrs, _, step in self.latest.values()]
-            return [
-                (attrs, stats[stat]) for attrs, stats, _ in self.latest.values() if stat in stats
-            ]
-
-    def observe_counter(self, counter: str) -> list[tuple[dict[str, Any], float]]:
-        with self.lock:
-            if counter == "exported":
-                return [(attrs, n) for attrs, n in self.exported.values()]
-            if counter == "nonfinite":
-                return [(attrs, n) for attrs, n in self.nonfinite.values()]
-            if counter == "span_events_dropped":
-                return [({}, self.span_events_dropped)]
-            if counter == "export_failures":
-                return [({"sowtel.signal": s}, n) for s, n in self.export_failures.items()]
-        return []
-
-
-def _session_status() -> dict[str, Any]:
-    # The dispatcher keeps these counters; sowtel may be absent, disabled or of another shape.
-    try:
-        import sowtel
-
-        status = getattr(sowtel, "status", None)
-        counters = status() if callable(status) else {}
-        return counters if isinstance(counters, dict) else {}
-    except Exception:
-        return {}
-
-
-def _per_exporter(counters: Any) -> list[tuple[dict[str, Any], float]]:
-    if not isinstance(counters, dict):
-        return []
-    return [({"sowtel.exporter": str(label)}, float(n or 0)) for label, n in counters.items()]
-
-
-def _observe_dropped() -> list[tuple[dict[str, Any], float]]:
-    """Records dropped: at the session's queue, and in each exporter's backlog."""
-    status = _session_status()
-    queue = [({"sowtel.stage": "queue"}, float(status.get("dropped", 0) or 0))]
-    backlogs = [
-        ({"sowtel.stage": "exporter"} | attrs, n)
-        for attrs, n in _per_exporter(status.get("exporter_dropped"))
-    ]
-    return queue + backlogs
-
-
-def _observe_exporter_errors() -> list[tuple[dict[str, Any], float]]:
-    """Calls of each exporter that raised (the dispatcher isolates and counts them)."""
-    return _per_exporter(_session_status().get("errors"))
-
-
-class _MetricHub:
-    """sowtel's instruments on one meter provider, shared by every exporter that uses it.
-
-    The SDK keeps the first callbacks of an instrument registered twice, so the callbacks read
-    every live exporter's state rather than belonging to one exporter.
-    """
-
-    def __init__(self, meter: metrics_api.Meter):
-        self._lock = threading.Lock()
-        self._states: list[_SeriesState] = []
-        for stat, name in GAUGE_NAMES.items():
-            meter.create_observable_gauge(
-                name,
-                callbacks=[self._gauge_callback(stat)],
-                unit=_GAUGE_UNITS.get(stat, ""),
-                description=_GAUGE_DESCRIPTIONS[stat],
-            )
-        meter.create_observable_counter(
-            COUNTER_NAMES["exported"], callbacks=[self._counter_callback("exported")],
-            unit="{record}", description="Records written by the OpenTelemetry exporter",
-        )
-        meter.create_observable_counter(
-            COUNTER_NAMES["nonfinite"], callbacks=[self._counter_callback("nonfinite")],
-            unit="{element}", description="NaN and infinite elements seen, by kind",
-        )
-        meter.create_observable_counter(
-            COUNTER_NAMES["span_events_dropped"],
-            callbacks=[self._counter_callback("span_events_dropped")],
-            unit="{event}", description="Span events the SDK dropped beyond its event limit",
-        )
-        meter.create_observable_counter(
-            COUNTER_NAMES["export_failures"],
-            callbacks=[self._counter_callback("export_failures")],
-            unit="{batch}", description="Failed exports of sowtel's own OTLP exporters",
-        )
-        meter.create_observable_counter(
-            COUNTER_NAMES["dropped"], callbacks=[self._session_callback(_observe_dropped)],
-            unit="{record}",
-            description="Records dropped by the session's queue or an exporter's backlog",
-        )
-        meter.create_observable_counter(
-            COUNTER_NAMES["exporter_errors"],
-            callbacks=[self._session_callback(_observe_exporter_errors)],
-            unit="{call}", description="Exporter calls that raised, by exporter",
-        )
-
-    def add(self, state: _SeriesState) -> None:
-        with self._lock:
-            self._states.append(state)
-
-    def remove(self, state: _SeriesState) -> None:
-        with self._lock:
-            self._states = [s for s in self._states if s is not state]
-
-    def _live(self) -> list[_SeriesState]:
-        with self._lock:
-            return list(self._states)
-
-    def _gauge_callback(self, stat: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def callback(options: CallbackOptions) -> Iterable[Observation]:
-            latest: dict[tuple[Any, ...], tuple[dict[str, Any], float]] = {}
-            for state in self._live():
-                for attrs, value in state.observe_stat(stat):
-                    latest[_attrs_key(attrs)] = (attrs, value)
-            return [Observation(v, attrs) for attrs, v in latest.values()]
-
-        return callback
-
-    def _counter_callback(self, counter: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def callback(options: CallbackOptions) -> Iterable[Observation]:
-            total: dict[tuple[Any, ...], list[Any]] = {}
-            for state in self._live():
-                for attrs, value in state.observe_counter(counter):
-                    total.setdefault(_attrs_key(attrs), [attrs, 0.0])[1] += value
-            return [Observation(v, attrs) for attrs, v in total.values()]
-
-        return callback
-
-    def _session_callback(
-        self, observe: Callable[[], list[tuple[dict[str, Any], float]]]
-    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def callback(options: CallbackOptions) -> Iterable[Observation]:
-            if not self._live():
-                return []
-            return [Observation(v, attrs) for attrs, v in observe()]
-
-        return callback
-
-
-def _is_pull_reader(reader: Any) -> bool:
-    try:
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    except ImportError:
-        return False
-    return isinstance(reader, PrometheusMetricReader)
-
-
-def _flush_push_readers(meter_provider: Any, millis: int) -> None:
-    """Flushes a meter provider's push readers (OTLP, console), never its pull readers.
-
-    ``MeterProvider.force_flush`` collects every reader; a Prometheus reader queues each such
-    collection until the next scrape, which then serves every queued copy: each flush between
-    two scrapes would add a duplicate of every series.
-    """
-    # The SDK keeps its readers private (checked on opentelemetry-sdk 1.45); without them, the
-    # provider's own flush is the fallback.
-    readers = getattr(meter_provider, "_metric_readers", None)
-    if not isinstance(readers, (list, tuple)):
-        force_flush = getattr(meter_provider, "force_flush", None)
-        if callable(force_flush):
-            force_flush(millis)
-        return
-    for reader in readers:
-        if not _is_pull_reader(reader):
-            reader.force_flush(timeout_millis=millis)
-
-
-def _attrs_key(attrs: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in attrs.items()))
-
-
-_HUBS: weakref.WeakKeyDictionary[Any, _MetricHub] = weakref.WeakKeyDictionary()
-_HUBS_LOCK = threading.Lock()
-
-
-def _hub_for(meter_provider: Any) -> _MetricHub:
-    with _HUBS_LOCK:
-        try:
-            hub = _HUBS.get(meter_provider)
-        except TypeError:  # a provider that takes no weak references gets a hub of its own
-            return _MetricHub(meter_provider.get_meter(SCOPE_NAME, _version()))
-        if hub is None:
-            hub = _MetricHub(meter_provider.get_meter(SCOPE_NAME, _version()))
-            _HUBS[meter_provider] = hub
-        return hub
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("sowtel")
-    except Exception:
-        return "0"
 
 
 class OTelExporter:
@@ -645,7 +209,7 @@ class OTelExporter:
                 "MeterProvider: pass opentelemetry.sdk.metrics.MeterProvider(...), or None to "
                 "use the global one"
             )
-        self._service_name = _check_service_name(service_name)
+        self._service_name = check_service_name(service_name)
         if otlp_protocol not in ("grpc", "http/protobuf"):
             raise ValueError(
                 f"otlp_protocol={otlp_protocol!r} is not an OTLP protocol: use 'grpc' or "
@@ -659,11 +223,11 @@ class OTelExporter:
                 f"otlp_endpoint={otlp_endpoint!r} is not an http(s) URL: use, for example, "
                 "'http://127.0.0.1:4317' (gRPC) or 'http://127.0.0.1:4318' (http/protobuf)"
             )
-        prometheus_address = _check_prometheus(prometheus)
-        processors = _check_items(span_processors, SpanProcessor, "span_processors")
-        readers = _check_items(metric_readers, MetricReader, "metric_readers")
-        self._timeout_s = _check_positive(timeout_s, "timeout_s")
-        interval_s = _check_positive(metrics_interval_s, "metrics_interval_s")
+        prometheus_address = check_prometheus(prometheus)
+        processors = check_items(span_processors, SpanProcessor, "span_processors")
+        readers = check_items(metric_readers, MetricReader, "metric_readers")
+        self._timeout_s = check_positive(timeout_s, "timeout_s")
+        interval_s = check_positive(metrics_interval_s, "metrics_interval_s")
         if max_events_per_span is not None and (
             isinstance(max_events_per_span, bool)
             or not isinstance(max_events_per_span, int)
@@ -681,10 +245,10 @@ class OTelExporter:
                 "meter_provider=: add the exporter or reader to your own provider instead"
             )
 
-        self._process_index, process_count = _process_index_and_count()
+        self._process_index, process_count = process_index_and_count()
         self._errors: collections.Counter[str] = collections.Counter()
-        self._state = _SeriesState()
-        self._counted_exporters: list[_CountingSpanExporter | _CountingMetricExporter] = []
+        self._state = SeriesState()
+        self._counted_exporters: list[CountingSpanExporter | CountingMetricExporter] = []
         self._prometheus_server: Any = None
         self._prometheus_thread: Any = None
         self.prometheus_url: str | None = None
@@ -693,11 +257,11 @@ class OTelExporter:
         # A provider passed in is used as it is; the global one only if an SDK was installed.
         if tracer_provider is None and not configures_own:
             global_tracer = trace_api.get_tracer_provider()
-            if not _is_api_default(global_tracer):
+            if not is_api_default(global_tracer):
                 tracer_provider = global_tracer
         if meter_provider is None and not configures_own:
             global_meter = metrics_api.get_meter_provider()
-            if not _is_api_default(global_meter):
+            if not is_api_default(global_meter):
                 meter_provider = global_meter
         own_tracer = tracer_provider is None
         own_meter = meter_provider is None
@@ -719,7 +283,7 @@ class OTelExporter:
             for processor in processors:
                 tracer_provider.add_span_processor(processor)
             if otlp_endpoint:
-                span_exporter = _CountingSpanExporter(
+                span_exporter = CountingSpanExporter(
                     self._otlp_exporter("traces", otlp_endpoint, otlp_protocol), self._count_failure
                 )
                 self._counted_exporters.append(span_exporter)
@@ -733,7 +297,7 @@ class OTelExporter:
                 )
         if own_meter:
             if otlp_endpoint:
-                metric_exporter = _CountingMetricExporter(
+                metric_exporter = CountingMetricExporter(
                     self._otlp_exporter("metrics", otlp_endpoint, otlp_protocol),
                     self._count_failure,
                 )
@@ -759,13 +323,14 @@ class OTelExporter:
         self._owns_meter_provider = own_meter
         self._tracer_provider: Any = tracer_provider
         self._meter_provider: Any = meter_provider
-        self._tracer = tracer_provider.get_tracer(SCOPE_NAME, _version())
+        self._tracer = tracer_provider.get_tracer(SCOPE_NAME, sowtel_version())
         self._event_limit = (
             max_events_per_span
             if max_events_per_span is not None
             else self._provider_event_limit(tracer_provider)
         )
-        self._hub = _hub_for(meter_provider)
+        self._hub = hub_for(meter_provider)
+        self._new_logged: set[str] = set()  # logged names whose gauge may not exist yet
         self._hub.add(self._state)
 
         # Records of the newest step wait here until a later step shows the step is complete.
@@ -778,7 +343,7 @@ class OTelExporter:
         self._attrs_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._event_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._stuck: threading.Event | None = None
-        self._runner = _Runner("sowtel-otel-flush")
+        self._runner = Runner("sowtel-otel-flush")
         self._closed = False
 
     # -- configuration -------------------------------------------------------------------------
@@ -877,6 +442,8 @@ class OTelExporter:
         with self._state.lock:
             for record, stats, step in accepted:
                 self._update_series(record, stats, step)
+        while self._new_logged:
+            self._hub.log_gauge(self._new_logged.pop())
         newest = self._newest_step
         for step in sorted(self._pending):
             if (newest is not None and step < newest) or self._over_limit(step):
@@ -906,7 +473,7 @@ class OTelExporter:
         step = int(table.step)
         keys = table.stat_keys
         names = [_STAT_ATTR.get(k, f"sowtel.stat.{k}") for k in keys]
-        counts = [k in _COUNT_STATS for k in keys]
+        counts = [k in COUNT_STATS for k in keys]
         rows = table.stats.tolist()
         index = [_plain_index(i) for i in table.index]
         flat_index: list[Any] = (index if all(isinstance(i, int) for i in index)
@@ -959,7 +526,7 @@ class OTelExporter:
         if self._closed:
             return
         self._emit_all()
-        if time.monotonic() - self._trouble_at < _TROUBLE_BACKOFF_S:
+        if time.monotonic() - self._trouble_at < TROUBLE_BACKOFF_S:
             return
         self._bounded("flush", self._force_flush, self._timeout_s)
 
@@ -986,7 +553,7 @@ class OTelExporter:
                     self._count_error("abort", e)
             if owned:
                 # Releases the providers' threads in the background; nothing waits for it.
-                _run_with_deadline(work, 0.0, "shutdown")
+                run_with_deadline(work, 0.0, "shutdown")
         self._hub.remove(self._state)
         if self._prometheus_server is not None:
             self._prometheus_server.shutdown()
@@ -1024,15 +591,21 @@ class OTelExporter:
 
     def _update_series(self, record: Record, stats: dict[str, float], step: int) -> None:
         # Called with the state lock held.
-        key, attrs = self._series_attributes(record)
         state = self._state
+        if record.summary == SCALAR_SUMMARY:
+            # A logged number is a gauge of its own, not a site's series.
+            if "value" in stats:
+                state.logged[record.name] = float(stats["value"])
+                self._new_logged.add(record.name)
+            return
+        key, attrs = self._series_attributes(record)
         state.latest[key] = (attrs, stats, step)
         counted = state.exported.get(key)
         if counted is None:
             state.exported[key] = [attrs, 1]
         else:
             counted[1] += 1
-        for kind in _NONFINITE_KINDS:
+        for kind in NONFINITE_KINDS:
             n = stats.get(kind, 0.0)
             if n > 0:
                 entry = state.nonfinite.get((key, kind))
@@ -1086,14 +659,14 @@ class OTelExporter:
             events.append((EVENT_NAME, attrs, t_ns))
             # A table's event (RECORDS_ATTR) holds no NaN or infinity: it is never the alert.
             nonfinite = 0 if RECORDS_ATTR in attrs else sum(
-                attrs.get(_STAT_ATTR[k], 0) for k in _NONFINITE_KINDS)
+                attrs.get(_STAT_ATTR[k], 0) for k in NONFINITE_KINDS)
             if not self._alerted and nonfinite > 0:
                 self._alerted = True
                 alert = {
                     "sowtel.name": attrs["sowtel.name"],
                     "sowtel.mode": attrs["sowtel.mode"],
                     "sowtel.step": step,
-                } | {f"sowtel.stat.{k}": attrs.get(f"sowtel.stat.{k}", 0) for k in _NONFINITE_KINDS}
+                } | {f"sowtel.stat.{k}": attrs.get(f"sowtel.stat.{k}", 0) for k in NONFINITE_KINDS}
                 if "sowtel.index" in attrs:
                     alert["sowtel.index"] = attrs["sowtel.index"]
                 events.append((ALERT_EVENT_NAME, alert, t_ns))
@@ -1166,7 +739,7 @@ class OTelExporter:
         force_flush = getattr(self._tracer_provider, "force_flush", None)
         if callable(force_flush):
             force_flush(millis)
-        _flush_push_readers(self._meter_provider, millis)
+        flush_push_readers(self._meter_provider, millis)
 
     def _shutdown_owned(self) -> None:
         millis = int(self._timeout_s * 1000)
@@ -1177,4 +750,4 @@ class OTelExporter:
         if self._owns_meter_provider:
             self._meter_provider.shutdown(timeout_millis=millis)
         else:
-            _flush_push_readers(self._meter_provider, millis)
+            flush_push_readers(self._meter_provider, millis)
