@@ -16,7 +16,8 @@ JAX_NEW ?= jax>=0.12,<0.13 jaxlib>=0.12,<0.13
 JAX_TESTS ?= tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/test_sow.py \
 	tests/test_session.py tests/test_summaries.py tests/test_dumps.py tests/test_postmortem.py \
 	tests/test_docstrings.py tests/test_examples.py tests/test_flax.py tests/test_naming.py \
-	tests/test_defaults.py tests/test_jit.py tests/test_reliability.py tests/test_multiprocess.py
+	tests/test_defaults.py tests/test_jit.py tests/test_reliability.py tests/test_multiprocess.py \
+	tests/test_watch.py tests/test_frameworks.py tests/test_trackers.py
 
 .PHONY: demo test test-old test-new system-deps lint bench clean
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import doctest
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import equinox as eqx
 import flax.linen as nn
@@ -32,6 +35,7 @@ def _program(fn, *args) -> str:  # type: ignore[no-untyped-def]
     return re.sub(r"module @\S+", "module", jax.jit(fn).lower(*args).as_text())
 
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 X = jnp.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]])
 Y = jnp.array([[1.0], [-1.0]])
 
@@ -326,3 +330,12 @@ def test_equinox_filter_jit_trains_as_eqx_filter_jit() -> None:
 def test_docstring_examples(module: object) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_watch_models_example_trains_three_frameworks() -> None:
+    done = subprocess.run([sys.executable, str(EXAMPLES / "watch_models.py"), "memory"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("linen", "nnx", "equinox"):
+        assert f"{name}: final loss 0.0" in done.stdout, done.stdout
+    assert "66 series" in done.stdout
