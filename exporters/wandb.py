@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import wandb
 
@@ -61,7 +61,8 @@ class WandbExporter:
                              "'disabled'")
         self._owned = run is None
         if run is None:
-            run = wandb.init(project=project, name=name, dir=dir, mode=mode, config=config,
+            run = wandb.init(project=project, name=name, dir=dir, mode=cast(Any, mode),
+                             config=config,
                              settings=settings, reinit="create_new")
         elif not callable(getattr(run, "log", None)):
             raise TypeError(f"run={run!r} is not a W&B run: pass the result of wandb.init()")

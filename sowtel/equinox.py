@@ -168,6 +168,8 @@ class _Static:
     leaves, compared by value as ``eqx.filter_jit`` compares them."""
 
     def __init__(self, value: Any) -> None:
+        self.leaves: list[Any]
+        self.treedef: Any
         self.leaves, self.treedef = jax.tree_util.tree_flatten(value)
         try:
             self._hash = hash((self.treedef, tuple(self.leaves)))

@@ -108,7 +108,7 @@ def _patch(classes: set[type]) -> None:
             original = own if own is not None else cls.__call__
             original = getattr(original, "__sowtel_original__", original)
             _PATCHED[cls] = [own, 1]
-            cls.__call__ = _recording_call(original)  # type: ignore[operator]
+            cls.__call__ = _recording_call(original)  # type: ignore[method-assign]
 
 
 def _unpatch(classes: set[type]) -> None:
@@ -121,7 +121,7 @@ def _unpatch(classes: set[type]) -> None:
                 if entry[0] is None:
                     del cls.__call__  # type: ignore[misc]
                 else:
-                    cls.__call__ = entry[0]  # type: ignore[operator]
+                    cls.__call__ = entry[0]  # type: ignore[method-assign]
 
 
 @contextmanager
