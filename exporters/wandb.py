@@ -70,8 +70,6 @@ class WandbExporter:
         self._defined: set[str] = set()
         self._closed = False
         self.run.define_metric(STEP_METRIC)
-        if self._owned:  # every metric of the run is sowtel's: one pattern declares them all
-            self.run.define_metric("*", step_metric=STEP_METRIC)
 
     def write(self, records: Sequence[Record]) -> None:
         if self._closed:
@@ -83,10 +81,10 @@ class WandbExporter:
             data: dict[str, Any] = {STEP_METRIC: batch.step, **batch.scalars}
             for key, (edges, counts) in batch.histograms.items():
                 data[key] = wandb.Histogram(np_histogram=(counts, edges))
-            if not self._owned:  # only sowtel's own metrics of someone else's run
-                for key in data.keys() - self._defined - {STEP_METRIC}:
-                    self.run.define_metric(key, step_metric=STEP_METRIC)
-                    self._defined.add(key)
+            # Each metric once, by name (not a "*" pattern: the run may hold metrics of others).
+            for key in data.keys() - self._defined - {STEP_METRIC}:
+                self.run.define_metric(key, step_metric=STEP_METRIC)
+                self._defined.add(key)
             self.run.log(data)
         if bad:
             raise ValueError(f"WandbExporter skipped {len(bad)} record(s) it could not convert, "
