@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -236,6 +237,7 @@ class NnxJitted:
 
         _name_after(pure, fun)
         self._fun = fun
+        self._donate = donate_state
         self._jitted: Jitted = Jitted(
             pure, {**options, "static_argnums": 0, **({"donate_argnums": 1} if donate_state
                                                       else {})})
@@ -247,7 +249,10 @@ class NnxJitted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         nnx = _nnx()
         graphdef, state = self._split(args, kwargs)
-        state_out, out_state, out_graphdef = self._jitted(graphdef, state)
+        with warnings.catch_warnings():
+            if self._donate:  # state no output can reuse (a step counter's int): expected
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            state_out, out_state, out_graphdef = self._jitted(graphdef, state)
         nnx.update(_graph_nodes((args, kwargs)), state_out)
         return nnx.merge(out_graphdef.value, out_state)
 

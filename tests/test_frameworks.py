@@ -233,6 +233,16 @@ def test_nnx_jit_trains_in_place_exactly_as_nnx_jit() -> None:
     assert ("optim/updates/out/kernel", "primal", 2) in got
 
 
+def test_nnx_jit_donated_state_trains_the_same() -> None:
+    runs = []
+    for donate in (False, True):
+        model = NnxMLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        step = sowtel.nnx.jit(_nnx_step, donate_state=donate)
+        runs.append([float(step(model, optimizer, X, Y)) for _ in range(3)])
+    assert runs[0] == runs[1] and runs[0][2] < runs[0][0]
+
+
 def test_nnx_jit_outputs_and_errors() -> None:
     model = NnxMLP(nnx.Rngs(0))
     f = sowtel.nnx.jit(lambda m, x, k: (m(x) * k, m.out))
