@@ -19,7 +19,8 @@ JAX_TESTS ?= tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/t
 	tests/test_defaults.py tests/test_jit.py tests/test_reliability.py tests/test_multiprocess.py \
 	tests/test_transform_regressions.py tests/test_transform_labels.py \
 	tests/test_explicit_sharding.py tests/test_startup.py tests/test_locate.py \
-	tests/test_nonfinite.py tests/test_columnar.py tests/test_hardening.py
+	tests/test_nonfinite.py tests/test_columnar.py tests/test_hardening.py \
+	tests/test_watch.py tests/test_frameworks.py tests/test_trackers.py
 
 .PHONY: demo test test-old test-new system-deps lint bench clean
 

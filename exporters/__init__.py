@@ -47,6 +47,9 @@ _BUILTIN: dict[str, str] = {
     "jsonl": "sowtel.exporters.jsonl:JsonlExporter",
     "tensorboard": "sowtel.exporters.tensorboard:TensorBoardExporter",
     "otel": "sowtel.exporters.otel:OTelExporter",
+    "wandb": "sowtel.exporters.wandb:WandbExporter",
+    "mlflow": "sowtel.exporters.mlflow:MlflowExporter",
+    "trackio": "sowtel.exporters.trackio:TrackioExporter",
 }
 _REGISTERED: dict[str, Callable[..., Exporter]] = {}
 
@@ -97,7 +100,8 @@ def _factory(name: str) -> Callable[..., Exporter]:
         try:
             return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
         except ImportError as e:
-            extra = {"tensorboard": "tensorboard", "otel": "otel"}.get(name, "all")
+            extra = {"tensorboard": "tensorboard", "otel": "otel", "wandb": "wandb",
+                     "mlflow": "mlflow", "trackio": "trackio"}.get(name, "all")
             raise ImportError(
                 f"exporter {name!r} needs optional dependencies: "
                 f"pip install 'sowtel[{extra}]' ({e})"

@@ -72,7 +72,15 @@ from tensorboardX.record_writer import masked_crc32c
 from tensorboardX.summary import custom_scalars, histogram_raw, text
 
 from sowtel.exporters import check_logdir
-from sowtel.records import SCALAR_SUMMARY, STAT_KEYS, Record
+from sowtel.records import (
+    COUNT_STATS,
+    DEFAULT_STATS,
+    SCALAR_SUMMARY,
+    STAT_KEYS,
+    Record,
+    StatChoice,
+    series_tag,
+)
 from sowtel.summaries import host_summary
 from sowtel.tensorboard_plugin import (
     DEPTH_SUFFIX,
@@ -91,10 +99,6 @@ __all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFA
 ALERT_TAG = "sowtel/alerts"
 #: Tag under which TensorBoard's custom-scalars plugin looks for its layout.
 LAYOUT_TAG = "custom_scalars__config__"
-#: The statistics written by default: those that change from step to step for most sites.
-DEFAULT_STATS: tuple[str, ...] = ("mean", "std", "min", "max", "l2")
-#: Counts written by default only from the first step one of them is non-zero.
-COUNT_STATS: tuple[str, ...] = ("nan", "posinf", "neginf")
 #: Category of the custom-scalars layout holding the scalars of :func:`sowtel.log`.
 LOG_CATEGORY = "logged scalars"
 #: Layouts of scan-stacked sites (``depth=``): a tensor for the plugin, scalars, or both.
@@ -146,45 +150,10 @@ def _frame_bytes(data: bytes) -> bytes:
                      struct.pack("<I", masked_crc32c(data))))
 
 
-def _index_text(index: int | tuple[int, ...] | None) -> str:
-    if index is None:
-        return ""
-    if isinstance(index, tuple):
-        return "[" + ",".join(str(int(i)) for i in index) + "]"
-    return f"[{int(index)}]"
-
-
-def series_tag(name: str, mode: str, index: int | tuple[int, ...] | None = None) -> str:
-    """The tag prefix of one series: ``{name}[index]/{mode}``; scalars append ``/{stat}``.
-
-    Example:
-        >>> series_tag("block0/attn", "cotangent", 3)
-        'block0/attn[3]/cotangent'
-        >>> series_tag("h", "primal")
-        'h/primal'
-    """
-    return f"{name}{_index_text(index)}/{mode}"
-
-
 def _chart_regex(name: str, mode: str | None, stat: str) -> str:
     # One statistic of one site and mode (any mode for None), every scan iteration.
     modes = "[^/]+" if mode is None else re.escape(mode)
     return "^" + re.escape(name) + r"(\[[0-9,]+\])?/" + modes + "/" + stat + "$"
-
-
-def _check_stats(stats: Any) -> tuple[str, ...] | None:
-    """``stats=`` as a tuple of names, or None for every statistic a record carries."""
-    if isinstance(stats, str) and stats in ("default", "all"):
-        return None if stats == "all" else DEFAULT_STATS
-    items = [stats] if isinstance(stats, str) else stats
-    if (not isinstance(items, (list, tuple)) or not items
-            or not all(isinstance(k, str) and k in STAT_KEYS for k in items)):
-        raise ValueError(
-            f"stats={stats!r} is not a choice of statistics: use 'default' "
-            f"({', '.join(DEFAULT_STATS)}, and the non-finite counts once non-zero), 'all', or "
-            f"a list of some of {', '.join(STAT_KEYS)}"
-        )
-    return tuple(dict.fromkeys(items))
 
 
 class _Site:
@@ -365,8 +334,8 @@ class TensorBoardExporter:
             )
         self.depth = depth
         self.flush_secs = float(flush_secs)
-        self.stats = _check_stats(stats)
-        self._counts_once_nonzero = stats == "default"
+        self._choice = StatChoice(stats)
+        self.stats = self._choice.stats
         self.scalar_derivatives = scalar_derivatives
         self.logdir = os.path.abspath(check_logdir(logdir))
         self.errors = 0
@@ -376,7 +345,6 @@ class TensorBoardExporter:
         self._files: dict[int, _EventFile] = {}
         self._prefixes: dict[tuple[str, str, Any], str] = {}
         self._layouts: dict[int, dict[str, _Site]] = {}
-        self._counting: set[tuple[str, str, Any]] = set()  # series whose counts are written
         # Per (name, mode, index, statistics, summary): its tags and their columns, for tables.
         self._tags: dict[tuple[Any, ...], tuple[list[bytes], list[int]]] = {}
         self._layout_due: set[int] = set()
@@ -726,20 +694,10 @@ class TensorBoardExporter:
 
     def _chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
                 nonfinite: bool, single: bool = False) -> list[str]:
-        if self.stats is None:
-            return list(stats)
-        chosen = [k for k in self.stats if k in stats]
-        if self._counts_once_nonzero and single and "mean" in stats:
-            # A sown scalar is its own mean, min and max: one chart of its value.
-            chosen = ["mean"]
-        if self._counts_once_nonzero:
-            # Counts are zero for almost every series: a chart of them from the first non-zero
-            # step on, and for a health summary, whose counts are all it has.
-            if (nonfinite or summary == "health") and key not in self._counting:
-                self._counting.add(key)
-                self._tags.clear()  # cached tag lists of tables now lack this series' counts
-            if key in self._counting:
-                chosen += [k for k in COUNT_STATS if k in stats]
+        counting = len(self._choice.counting)
+        chosen = self._choice.chosen(key, summary, stats, nonfinite, single=single)
+        if len(self._choice.counting) != counting:
+            self._tags.clear()  # cached tag lists of tables now lack this series' counts
         return chosen
 
     def _recreate_deleted(self) -> None:

@@ -39,3 +39,15 @@ __all__ = [
     "NonFiniteReport", "NonFiniteWarning",
     "save_intermediates", "scope", "sow", "status",
 ]
+
+# Integrations whose frameworks are optional: imported on first use, so `sowtel.optax.watch`
+# works after a plain `import sowtel` and `import sowtel` never needs Flax, Optax or Equinox.
+_INTEGRATIONS = ("flax", "nnx", "optax", "equinox")
+
+
+def __getattr__(name: str) -> object:
+    if name in _INTEGRATIONS:
+        import importlib
+
+        return importlib.import_module(f"sowtel.{name}")
+    raise AttributeError(f"module 'sowtel' has no attribute {name!r}")

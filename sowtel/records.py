@@ -117,3 +117,97 @@ class Record:
         """Count of NaN and infinite elements (0 when the summary does not count them)."""
         s = self.stats
         return int(s.get("nan", 0) + s.get("posinf", 0) + s.get("neginf", 0))
+
+
+# -- How exporters name series and choose statistics (TensorBoard tags, tracker metrics) -------
+
+#: The statistics exporters write by default: those that change from step to step for most sites.
+DEFAULT_STATS: tuple[str, ...] = ("mean", "std", "min", "max", "l2")
+#: Counts written by default only from the first step one of them is non-zero.
+COUNT_STATS: tuple[str, ...] = ("nan", "posinf", "neginf")
+
+
+def index_text(index: int | tuple[int, ...] | None, brackets: str = "[]", sep: str = ",") -> str:
+    """A record's index as written after its name: ``[3]``, ``[1,0]``, or ``""`` for None.
+
+    Example:
+        >>> index_text((1, 0)), index_text(None), index_text(3, brackets=":", sep=":")
+        ('[1,0]', '', ':3')
+    """
+    if index is None:
+        return ""
+    items = index if isinstance(index, tuple) else (index,)
+    return brackets[0] + sep.join(str(int(i)) for i in items) + brackets[1:]
+
+
+def series_tag(name: str, mode: str, index: int | tuple[int, ...] | None = None) -> str:
+    """The name prefix of one series: ``{name}[index]/{mode}``; scalars append ``/{stat}``.
+
+    Example:
+        >>> series_tag("block0/attn", "cotangent", 3)
+        'block0/attn[3]/cotangent'
+        >>> series_tag("h", "primal")
+        'h/primal'
+    """
+    return f"{name}{index_text(index)}/{mode}"
+
+
+def check_stats(stats: Any) -> tuple[str, ...] | None:
+    """An exporter's ``stats=`` as a tuple of names, or None for every statistic a record has.
+
+    Example:
+        >>> check_stats("default"), check_stats(["max", "mean"]), check_stats("all")
+        (('mean', 'std', 'min', 'max', 'l2'), ('max', 'mean'), None)
+    """
+    if isinstance(stats, str) and stats in ("default", "all"):
+        return None if stats == "all" else DEFAULT_STATS
+    items = [stats] if isinstance(stats, str) else stats
+    if (not isinstance(items, (list, tuple)) or not items
+            or not all(isinstance(k, str) and k in STAT_KEYS for k in items)):
+        raise ValueError(
+            f"stats={stats!r} is not a choice of statistics: use 'default' "
+            f"({', '.join(DEFAULT_STATS)}, and the non-finite counts once non-zero), 'all', or "
+            f"a list of some of {', '.join(STAT_KEYS)}"
+        )
+    return tuple(dict.fromkeys(items))
+
+
+class StatChoice:
+    """Which statistics of each record an exporter writes, from its ``stats=`` option.
+
+    ``"default"`` writes :data:`DEFAULT_STATS`, and :data:`COUNT_STATS` of a series from the
+    first record in which one of them is non-zero on (always for ``"health"`` records);
+    ``"all"`` everything a record carries; a list exactly those.
+
+    Example:
+        >>> choice = StatChoice("default")
+        >>> choice.chosen(("h", "primal", None), "stats", {"mean": 1.0, "nan": 0.0}, False)
+        ['mean']
+        >>> choice.chosen(("h", "primal", None), "stats", {"mean": 1.0, "nan": 2.0}, True)
+        ['mean', 'nan']
+    """
+
+    def __init__(self, stats: str | Sequence[str] = "default") -> None:
+        self.stats = check_stats(stats)
+        self._counts_once_nonzero = stats == "default"
+        #: The series whose counts are written (from their first non-zero count on).
+        self.counting: set[tuple[str, str, Any]] = set()
+
+    def chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
+               nonfinite: bool, single: bool = False) -> list[str]:
+        """The statistics of ``stats`` to write for the series ``key`` now; ``single``: the
+        value is one number, so by default only its ``mean`` (its value) is written."""
+        if self.stats is None:
+            return list(stats)
+        chosen = [k for k in self.stats if k in stats]
+        if self._counts_once_nonzero and single and "mean" in stats:
+            # A sown scalar is its own mean, min and max: one chart of its value.
+            chosen = ["mean"]
+        if self._counts_once_nonzero:
+            # Counts are zero for almost every series: written from the first non-zero step on,
+            # and for a health summary, whose counts are all it has.
+            if nonfinite or summary == "health":
+                self.counting.add(key)
+            if key in self.counting:
+                chosen += [k for k in COUNT_STATS if k in stats]
+        return chosen

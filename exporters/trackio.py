@@ -1,0 +1,88 @@
+"""The ``trackio`` exporter: sow sites as Trackio metrics and histograms (local-first).
+
+Metrics are named as the TensorBoard exporter names its tags (see ``sowtel.exporters._tracker``):
+``{name}/{mode}/{stat}`` scalars, ``{name}/{mode}`` histograms (``trackio.Histogram`` from the
+device's buckets), ``{name}[i]/...`` for scan iterations and shards, ``sowtel.log`` scalars by
+their name; each ``run.log`` call holds one step's metrics at that step.
+
+Trackio keeps projects in a local SQLite database under ``$TRACKIO_DIR`` (read when trackio is
+first imported; by default in the Hugging Face cache); ``trackio show`` opens its dashboard.
+The exporter starts a run (``trackio.init(project, name=...)``) and finishes it on
+``close()``; or pass ``run=`` to log into a run you started (left open). Trackio is an optional
+extra: ``pip install 'sowtel[trackio]'``.
+
+Example:
+    >>> import sowtel  # doctest: +SKIP
+    >>> with sowtel.enable(exporter="trackio", project="my-model"):  # doctest: +SKIP
+    ...     train()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import trackio
+
+from sowtel.exporters._tracker import StepMetrics
+from sowtel.records import Record
+
+__all__ = ["TrackioExporter"]
+
+
+class TrackioExporter:
+    """Logs records to a Trackio run (see the module docs).
+
+    Args:
+      run: a run from ``trackio.init`` to log into (left open on close); else one is started.
+      project, name, config: ``trackio.init``'s, for the run started here.
+      stats: ``"default"``, ``"all"`` or a list of statistics, as for the TensorBoard exporter.
+      scalar_derivatives: log derivative records of scalar sites too.
+      histograms: log histograms of ``"histogram"`` and ``"full"`` records.
+    """
+
+    label = "trackio"
+
+    def __init__(self, *, run: Any = None, project: str = "sowtel", name: str | None = None,
+                 config: dict[str, Any] | None = None, stats: str | Sequence[str] = "default",
+                 scalar_derivatives: bool = False, histograms: bool = True) -> None:
+        self._metrics = StepMetrics(stats, scalar_derivatives=scalar_derivatives,
+                                    histograms=histograms)
+        self._owned = run is None
+        if run is None:
+            if not isinstance(project, str) or not project:
+                raise ValueError(f"project={project!r} must be a non-empty project name")
+            # No GPU or CPU sampling threads of Trackio's own: sowtel only logs its records.
+            run = trackio.init(project=project, name=name, config=config,
+                               auto_log_gpu=False, auto_log_cpu=False)
+        elif not callable(getattr(run, "log", None)):
+            raise TypeError(f"run={run!r} is not a Trackio run: pass the result of "
+                            "trackio.init()")
+        self.run = run
+        self._closed = False
+
+    def write(self, records: Sequence[Record]) -> None:
+        if self._closed:
+            raise RuntimeError("TrackioExporter.write() after close(): create a new exporter")
+        bad: list[str] = []
+        batches = self._metrics.convert(
+            records, lambda r, e: bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}"))
+        for batch in batches:
+            data: dict[str, Any] = dict(batch.scalars)
+            for key, (edges, counts) in batch.histograms.items():
+                data[key] = trackio.Histogram(np_histogram=(counts, edges))
+            self.run.log(data, step=batch.step)
+        if bad:
+            raise ValueError(f"TrackioExporter skipped {len(bad)} record(s) it could not "
+                             f"convert, first {bad[0]}")
+
+    def flush(self) -> None:
+        """Trackio writes logged metrics in its own background thread; nothing is held here."""
+
+    def close(self) -> None:
+        """Finishes the run (writing what Trackio still holds) if this exporter started it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owned:
+            self.run.finish()

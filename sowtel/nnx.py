@@ -1,0 +1,320 @@
+"""Flax NNX: module outputs as sites (``sowtel.nnx.capture``) and ``nnx.jit`` with streaming
+(``sowtel.nnx.jit``).
+
+An idiomatic NNX training step updates the model and the optimizer in place. Under
+``jax.jit`` (and so under :func:`sowtel.jit`) those updates are lost: the step silently does not
+train; NNX steps need ``nnx.jit``. :func:`jit` keeps ``nnx.jit``'s semantics (the modules,
+optimizers and RNG streams passed in are updated in place, shared references included) and
+streams the step's sites as :func:`sowtel.jit` does: summaries as outputs of the compiled step,
+the plain program on steps that log nothing.
+
+:func:`capture` makes the output of every NNX module's ``__call__`` in a model a site named
+by the module's attribute path (``blocks/0/__call__``, ``__call__`` for the model itself),
+with no ``sow`` in the model's code.
+
+Flax is imported when first needed, so ``import sowtel`` never requires it.
+
+Example:
+    >>> import jax.numpy as jnp, optax, sowtel, sowtel.nnx, sowtel.optax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(model, sowtel.optax.watch(optax.sgd(0.1)), wrt=nnx.Param)
+    >>> @sowtel.nnx.jit
+    ... def step(model, optimizer, x, y):
+    ...     def loss(model):
+    ...         with sowtel.nnx.capture(model):
+    ...             return jnp.mean((model(x) - y) ** 2)
+    ...     value, grads = nnx.value_and_grad(loss)(model)
+    ...     optimizer.update(model, grads)
+    ...     return value
+    >>> x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+    >>> with sowtel.enable(exporter="memory") as session:
+    ...     losses = [float(step(model, optimizer, x, y)) for _ in range(3)]
+    ...     _ = sowtel.flush()
+    >>> losses[2] < losses[0]  # the model trained in place
+    True
+    >>> sorted({r.name for r in session.exporters[0].records})[:3]
+    ['__call__', 'optim/grads/bias', 'optim/grads/kernel']
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import jax
+
+from sowtel import _module_sites, naming
+from sowtel.jit import Jitted
+
+__all__ = ["capture", "jit"]
+
+
+def _nnx() -> Any:
+    try:
+        from flax import nnx
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("sowtel.nnx needs Flax: pip install flax (or sowtel[dev])") from err
+    return nnx
+
+
+# -- capture ----------------------------------------------------------------------------------
+
+# Each patched class: [its own __call__ before (or None), how many contexts hold the patch].
+_PATCHED: dict[type, list[Any]] = {}
+_patch_lock = threading.Lock()
+# Per thread, the modules of the models captured there: id -> (path, selector, options), and
+# the ids of the modules whose call is being recorded (a subclass's __call__ that calls
+# super().__call__() is one call, one site).
+_LOCAL = threading.local()
+
+
+def _captured() -> dict[int, Any]:
+    if not hasattr(_LOCAL, "modules"):
+        _LOCAL.modules, _LOCAL.inside = {}, set()
+    return _LOCAL.modules  # type: ignore[no-any-return]
+
+
+def _recording_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        entry = _captured().get(id(self))
+        if entry is None or id(self) in _LOCAL.inside:
+            return original(self, *args, **kwargs)
+        name, base, options = entry
+        _LOCAL.inside.add(id(self))
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            _LOCAL.inside.discard(id(self))
+        return _module_sites.sow_output(out, name, base, **options)
+
+    __call__.__sowtel_original__ = original  # type: ignore[attr-defined]
+    return __call__
+
+
+def _patch(classes: set[type]) -> None:
+    with _patch_lock:
+        # The originals are looked up before any class is patched: a subclass's must be its own
+        # (or its base's unpatched) method, never another patch.
+        new = {cls: cls.__dict__.get("__call__") for cls in classes if cls not in _PATCHED}
+        for cls in classes:
+            if cls in _PATCHED:
+                _PATCHED[cls][1] += 1
+        for cls, own in new.items():
+            original = own if own is not None else cls.__call__
+            original = getattr(original, "__sowtel_original__", original)
+            _PATCHED[cls] = [own, 1]
+            cls.__call__ = _recording_call(original)  # type: ignore[method-assign]
+
+
+def _unpatch(classes: set[type]) -> None:
+    with _patch_lock:
+        for cls in classes:
+            entry = _PATCHED[cls]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _PATCHED[cls]
+                if entry[0] is None:
+                    del cls.__call__  # type: ignore[misc]
+                else:
+                    cls.__call__ = entry[0]  # type: ignore[method-assign]
+
+
+@contextmanager
+def capture(model: Any, filter: Any = None, *, tag: str = "intermediates",
+            summary: str | None = None, every: int | None = None) -> Iterator[None]:
+    """Makes the output of every ``__call__`` of ``model``'s NNX modules a site.
+
+    Sites are named by the module's attribute path in ``model``: ``encoder/blocks/0/__call__``,
+    and ``__call__`` for ``model`` itself. They stream (with their cotangents under
+    ``nnx.grad`` / ``jax.grad``), and :func:`sowtel.save_intermediates` captures them. A module
+    called twice gives ``..._0`` and ``..._1``, as repeated sows do; outputs that are not
+    pytrees of arrays are left alone.
+
+    Enter it inside the step, around the model's call, with the model the step was given: under
+    ``nnx.jit`` (and :func:`jit`) the step sees its own copies of the modules. Only calls made in
+    the thread that entered the context are recorded. With nothing enabled it adds nothing to
+    the compiled program.
+
+    Args:
+      model: an ``nnx.Module``; its submodules are found with ``nnx.iter_modules``.
+      filter: ``None`` (every module), a function ``filter(module, "__call__") -> bool``, or
+        glob patterns on the site name (as ``enable(include=...)`` matches).
+      tag, summary, every: as for :func:`sowtel.sow`, for every site made here.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, sowtel, sowtel.nnx
+        >>> from flax import nnx
+        >>> class MLP(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.hidden = nnx.Linear(2, 3, rngs=rngs)
+        ...         self.out = nnx.Linear(3, 1, rngs=rngs)
+        ...     def __call__(self, x):
+        ...         return self.out(nnx.relu(self.hidden(x))).sum()
+        >>> model = MLP(nnx.Rngs(0))
+        >>> def loss(model, x):
+        ...     with sowtel.nnx.capture(model, filter="hidden/*"):
+        ...         return model(x)
+        >>> _, inter = sowtel.save_intermediates(nnx.grad(loss))(model, jnp.ones(2))
+        >>> list(inter), list(inter["hidden/__call__"])
+        (['hidden/__call__'], ['primal', 'cotangent'])
+    """
+    nnx = _nnx()
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"sowtel.nnx.capture needs an nnx.Module, got {type(model).__name__} "
+            f"{model!r:.60}: for Linen modules use sowtel.flax.capture")
+    select = _module_sites.check_filter(filter, "sowtel.nnx.capture")
+    _module_sites.check_options(tag, every)
+    base = naming.current_prefix()
+    options = {"tag": tag, "summary": summary, "every": every}
+    mine: dict[int, Any] = {}
+    for path, module in nnx.iter_modules(model):
+        name = _module_sites.site_name(path, "__call__")
+        if callable(module) and select(module, "__call__", name):
+            mine[id(module)] = (name, base, options)
+    classes = {type(m) for _, m in nnx.iter_modules(model) if id(m) in mine}
+    captured = _captured()
+    previous = {k: captured[k] for k in mine if k in captured}
+    captured.update(mine)
+    _patch(classes)
+    try:
+        yield
+    finally:
+        _unpatch(classes)
+        for k in mine:
+            captured.pop(k, None)
+        captured.update(previous)
+
+
+# -- jit --------------------------------------------------------------------------------------
+
+
+def _name_after(pure: Callable[..., Any], fun: Callable[..., Any]) -> None:
+    # Names only: jax.jit reads the signature of a __wrapped__ function, and pure's differs.
+    for attr in ("__name__", "__qualname__", "__module__"):
+        if hasattr(fun, attr):
+            setattr(pure, attr, getattr(fun, attr))
+
+
+class _Static:
+    """A pytree node with no leaves that carries a static value through ``jax.jit``'s outputs."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(v))
+
+
+def _graph_nodes(tree: Any) -> list[Any]:
+    """The NNX graph nodes (modules, optimizers, RNG streams, variables) in ``tree``, in order:
+    what a step can update in place (arrays and Python values beside them cannot be)."""
+    from flax.nnx import graph
+
+    is_node = getattr(graph, "is_graph_node", None) or graph.is_node
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_node) if is_node(x)]
+
+
+class NnxJitted:
+    """What :func:`jit` returns: call it as the ``nnx.jit`` function it stands for."""
+
+    def __init__(self, fun: Callable[..., Any], donate_state: bool,
+                 options: dict[str, Any]) -> None:
+        nnx = _nnx()
+
+        def pure(graphdef: Any, state: Any) -> tuple[Any, Any, _Static]:
+            args, kwargs = nnx.merge(graphdef, state)
+            out = fun(*args, **kwargs)
+            _, state_out = nnx.split(_graph_nodes((args, kwargs)))
+            out_graphdef, out_state = nnx.split(out)
+            return state_out, out_state, _Static(out_graphdef)
+
+        _name_after(pure, fun)
+        self._fun = fun
+        self._donate = donate_state
+        self._jitted: Jitted = Jitted(
+            pure, {**options, "static_argnums": 0, **({"donate_argnums": 1} if donate_state
+                                                      else {})})
+        functools.update_wrapper(self, fun)
+
+    def _split(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return _nnx().split((args, kwargs))  # type: ignore[no-any-return]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        nnx = _nnx()
+        graphdef, state = self._split(args, kwargs)
+        with warnings.catch_warnings():
+            if self._donate:  # state no output can reuse (a step counter's int): expected
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            state_out, out_state, out_graphdef = self._jitted(graphdef, state)
+        nnx.update(_graph_nodes((args, kwargs)), state_out)
+        return nnx.merge(out_graphdef.value, out_state)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The lowered program of a step that logs nothing (``jax.jit``'s ``Lowered``)."""
+        return self._jitted.lower(*self._split(args, kwargs))
+
+    def lower_logging(self, *args: Any, step: int = 0, **kwargs: Any) -> Any:
+        """The lowered program of a logging step at ``step`` (see ``sowtel.jit``)."""
+        return self._jitted.lower_logging(*self._split(args, kwargs), step=step)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"sowtel.nnx.jit({getattr(self._fun, '__qualname__', self._fun)!r})"
+
+
+def jit(fun: Callable[..., Any] | None = None, /, *, donate_state: bool = False,
+        **jax_jit_options: Any) -> Any:
+    """``nnx.jit`` that streams: NNX modules passed in are updated in place, sites stream.
+
+    The arguments may hold NNX modules, optimizers and ``nnx.Rngs`` (shared references
+    included), arrays, and static Python values (numbers, strings: part of the cache key, as
+    under ``nnx.jit``). After the call every module passed in holds the state the step left it
+    in, exactly as under ``nnx.jit``; the result may hold arrays and modules (new objects).
+    Streaming is :func:`sowtel.jit`'s: with no session, or on a step that logs nothing, the
+    program is the plain one; on a logging step the summaries come back as outputs.
+
+    Args:
+      fun: the step.
+      donate_state: donate the buffers of the state passed in (``nnx.jit``'s donation of the
+        modules' arguments), so the update can reuse them.
+      jax_jit_options: further ``jax.jit`` options for the compiled step (``keep_unused``,
+        ``device``, ...); positions and shardings of individual arguments are not taken.
+
+    Example:
+        >>> import jax.numpy as jnp, sowtel, sowtel.nnx
+        >>> from flax import nnx
+        >>> class Counter(nnx.Module):
+        ...     def __init__(self):
+        ...         self.count = nnx.Variable(jnp.zeros(()))
+        >>> @sowtel.nnx.jit
+        ... def bump(counter, by):
+        ...     counter.count[...] += sowtel.sow(jnp.float32(by), "by")
+        ...     return counter.count[...]
+        >>> counter = Counter()
+        >>> _ = bump(counter, 2), bump(counter, 3)
+        >>> float(counter.count[...])
+        5.0
+    """
+    if fun is None:
+        return lambda f: jit(f, donate_state=donate_state, **jax_jit_options)
+    if not callable(fun):
+        raise TypeError(f"sowtel.nnx.jit needs a callable, got {type(fun).__name__} "
+                        f"{fun!r:.60}: pass the training-step function")
+    if not isinstance(donate_state, bool):
+        raise TypeError(f"sowtel.nnx.jit donate_state={donate_state!r} must be True or False")
+    for option in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames",
+                   "in_shardings"):
+        if option in jax_jit_options:
+            raise TypeError(
+                f"sowtel.nnx.jit does not take {option}=: non-array arguments are already "
+                "static, and the state passed in is donated with donate_state=True")
+    return NnxJitted(fun, donate_state, jax_jit_options)

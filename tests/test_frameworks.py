@@ -1,0 +1,351 @@
+"""Watching models without editing them: sowtel.flax.capture (Linen), sowtel.nnx.capture and
+sowtel.nnx.jit (NNX), sowtel.equinox.capture and filter_jit; each with an Optax optimizer.
+
+Values are checked against the frameworks' own ways of reaching them (Flax's
+capture_intermediates, direct calls of submodules) and cotangents against jax.grad of an
+explicit perturbation of the module's output."""
+
+from __future__ import annotations
+
+import doctest
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import sowtel
+import sowtel.equinox
+import sowtel.flax
+import sowtel.nnx
+import sowtel.optax
+from sowtel.exporters.memory import MemoryExporter
+
+
+def _program(fn, *args) -> str:  # type: ignore[no-untyped-def]
+    """The lowered program of ``jax.jit(fn)``, without the module's name (the function's)."""
+    return re.sub(r"module @\S+", "module", jax.jit(fn).lower(*args).as_text())
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+X = jnp.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]])
+Y = jnp.array([[1.0], [-1.0]])
+
+
+# -- Linen ------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.tanh(nn.Dense(4)(x))
+
+
+class Encoder(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Block()(Block()(x))
+
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(Encoder()(x))
+
+
+def _linen_loss(params, x, y, capture=True):  # type: ignore[no-untyped-def]
+    if capture:
+        with sowtel.flax.capture():
+            pred = Model().apply(params, x)
+    else:
+        pred = Model().apply(params, x)
+    return jnp.mean((pred - y) ** 2)
+
+
+def _perturbed_linen_loss(eps, params, x, y, target):  # type: ignore[no-untyped-def]
+    """The loss with ``eps`` added to the output of the module at path ``target``."""
+    def add(next_fun, args, kwargs, context):  # type: ignore[no-untyped-def]
+        out = next_fun(*args, **kwargs)
+        mod = context.module
+        if context.method_name == "__call__" and mod.scope is not None and tuple(
+                mod.scope.path) == target:
+            out = out + eps
+        return out
+
+    with nn.intercept_methods(add):
+        pred = Model().apply(params, x)
+    return jnp.mean((pred - y) ** 2)
+
+
+def test_linen_capture_names_values_and_cotangents() -> None:
+    params = Model().init(jax.random.key(0), X)
+    _, inter = sowtel.save_intermediates(jax.grad(_linen_loss))(params, X, Y)
+    names = {"Encoder_0/Block_0/Dense_0/__call__", "Encoder_0/Block_0/__call__",
+             "Encoder_0/Block_1/Dense_0/__call__", "Encoder_0/Block_1/__call__",
+             "Encoder_0/__call__", "Dense_0/__call__", "__call__"}
+    assert set(inter) == names
+    # Flax's own capture_intermediates gives every __call__ output.
+    _, state = Model().apply(params, X, capture_intermediates=True, mutable=["intermediates"])
+    flat = {"/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path): v
+            for path, v in jax.tree_util.tree_flatten_with_path(state["intermediates"])[0]}
+    for name in names:  # Flax files each output as a one-element tuple: <path>/__call__/0
+        np.testing.assert_allclose(inter[name]["primal"], flat[name + "/0"], rtol=1e-6)
+    for target in [("Encoder_0", "Block_0"), ("Encoder_0",), ("Dense_0",)]:
+        name = "/".join(target) + "/__call__"
+        zeros = jnp.zeros_like(inter[name]["primal"])
+        expected = jax.grad(_perturbed_linen_loss)(zeros, params, X, Y, target)
+        np.testing.assert_allclose(inter[name]["cotangent"], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_linen_capture_filter_and_identical_program() -> None:
+    params = Model().init(jax.random.key(0), X)
+
+    def loss(params, x):  # type: ignore[no-untyped-def]
+        with sowtel.flax.capture(filter="*/Block_1/__call__"):
+            return Model().apply(params, x).sum()
+
+    _, inter = sowtel.save_intermediates(loss)(params, X)
+    assert list(inter) == ["Encoder_0/Block_1/__call__"]
+    _, inter = sowtel.save_intermediates(lambda p, x: _linen_loss(p, x, Y, capture=False))(
+        params, X)
+    assert list(inter) == []
+    # Nothing enabled: the capture context adds nothing to the compiled program.
+    with_capture = _program(_linen_loss, params, X, Y)
+    without = _program(lambda p, x, y: _linen_loss(p, x, y, capture=False), params, X, Y)
+    assert with_capture == without
+    with pytest.raises(TypeError, match="filter"):
+        with sowtel.flax.capture(filter=3):
+            pass
+
+
+@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
+def test_linen_training_streams_with_optax(transport: str) -> None:
+    params = Model().init(jax.random.key(0), X)
+    tx = sowtel.optax.watch(optax.adam(1e-2), every=2)
+    state = tx.init(params)
+
+    def step(params, state, x, y):  # type: ignore[no-untyped-def]
+        loss, grads = jax.value_and_grad(_linen_loss)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    memory = MemoryExporter()
+    compiled = sowtel.jit(step) if transport == "sowtel.jit" else jax.jit(step)
+    losses = []
+    with sowtel.enable(exporter=memory):
+        for k in range(4):
+            with sowtel.at_step(k):
+                params, state, loss = compiled(params, state, X, Y)
+            losses.append(float(loss))
+        sowtel.flush()
+    assert losses[-1] < losses[0]
+    got = {(r.name, r.mode, r.step) for r in memory.records}
+    assert ("Encoder_0/Block_1/__call__", "cotangent", 3) in got
+    assert ("optim/grads/params/Dense_0/kernel", "primal", 2) in got
+    assert not any(n.startswith("optim/") and s % 2 for n, _, s in got)
+
+
+# -- NNX --------------------------------------------------------------------------------------
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.Linear(3, 4, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)]) if hasattr(
+            nnx, "List") else [nnx.Linear(4, 4, rngs=rngs) for _ in range(2)]
+        self.out = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, x):  # type: ignore[no-untyped-def]
+        h = nnx.relu(self.hidden(x))
+        for block in self.blocks:
+            h = jnp.tanh(block(h))
+        return self.out(h)
+
+
+def _nnx_loss(model, x, y):  # type: ignore[no-untyped-def]
+    with sowtel.nnx.capture(model):
+        return jnp.mean((model(x) - y) ** 2)
+
+
+def test_nnx_capture_names_values_and_cotangents() -> None:
+    model = NnxMLP(nnx.Rngs(0))
+    _, inter = sowtel.save_intermediates(nnx.grad(_nnx_loss))(model, X, Y)
+    assert set(inter) == {"hidden/__call__", "blocks/0/__call__", "blocks/1/__call__",
+                          "out/__call__", "__call__"}
+    h = model.hidden(X)
+    np.testing.assert_allclose(inter["hidden/__call__"]["primal"], h, rtol=1e-6)
+
+    def rest(h):  # type: ignore[no-untyped-def]
+        h = nnx.relu(h)
+        for block in model.blocks:
+            h = jnp.tanh(block(h))
+        return jnp.mean((model.out(h) - Y) ** 2)
+
+    np.testing.assert_allclose(inter["hidden/__call__"]["cotangent"], jax.grad(rest)(h),
+                               rtol=1e-5, atol=1e-7)
+    # The classes are as they were after the context.
+    assert "__call__" not in nnx.Linear.__dict__ or not hasattr(
+        nnx.Linear.__call__, "__sowtel_original__")
+    graphdef, state = nnx.split(model)
+    with_capture = _program(lambda s, x: _nnx_loss(nnx.merge(graphdef, s), x, Y), state, X)
+    without = _program(lambda s, x: jnp.mean((nnx.merge(graphdef, s)(x) - Y) ** 2), state, X)
+    assert with_capture == without
+
+
+def _nnx_step(model, optimizer, x, y):  # type: ignore[no-untyped-def]
+    loss, grads = nnx.value_and_grad(_nnx_loss)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+
+def test_nnx_jit_trains_in_place_exactly_as_nnx_jit() -> None:
+    runs = []
+    for jitter, session in ((nnx.jit, False), (sowtel.nnx.jit, False), (sowtel.nnx.jit, True)):
+        model = NnxMLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, sowtel.optax.watch(optax.adam(1e-2)), wrt=nnx.Param)
+        step = jitter(_nnx_step)
+        memory = MemoryExporter()
+        losses = []
+        with sowtel.enable(exporter=memory, every=2) if session else _nothing():
+            for _ in range(5):
+                losses.append(float(step(model, optimizer, X, Y)))
+            sowtel.flush()
+        runs.append((losses, nnx.state(model, nnx.Param), memory.records))
+    (ref_losses, ref_params, _), *others = runs
+    assert ref_losses[-1] < ref_losses[0] - 1e-3  # nnx.jit trains
+    for losses, params, _ in others:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+        for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref_params),
+                        strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    records = runs[2][2]
+    got = {(r.name, r.mode, r.step) for r in records}
+    assert {s for _, _, s in got} == {0, 2, 4}
+    assert ("blocks/1/__call__", "cotangent", 4) in got
+    assert ("optim/updates/out/kernel", "primal", 2) in got
+
+
+def test_nnx_jit_donated_state_trains_the_same() -> None:
+    runs = []
+    for donate in (False, True):
+        model = NnxMLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        step = sowtel.nnx.jit(_nnx_step, donate_state=donate)
+        runs.append([float(step(model, optimizer, X, Y)) for _ in range(3)])
+    assert runs[0] == runs[1] and runs[0][2] < runs[0][0]
+
+
+def test_nnx_jit_outputs_and_errors() -> None:
+    model = NnxMLP(nnx.Rngs(0))
+    f = sowtel.nnx.jit(lambda m, x, k: (m(x) * k, m.out))
+    y, out = f(model, X, 2)
+    np.testing.assert_allclose(y, model(X) * 2, rtol=1e-6)
+    assert isinstance(out, nnx.Linear)
+    with pytest.raises(TypeError, match="static_argnums"):
+        sowtel.nnx.jit(lambda m: m, static_argnums=0)
+    with pytest.raises(TypeError, match="nnx.Module"):
+        with sowtel.nnx.capture(lambda x: x):
+            pass
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# -- Equinox ----------------------------------------------------------------------------------
+
+
+def _eqx_model() -> eqx.nn.MLP:
+    return eqx.nn.MLP(3, 1, width_size=4, depth=2, activation=jnp.tanh, key=jax.random.key(0))
+
+
+def _eqx_loss(model, x, y):  # type: ignore[no-untyped-def]
+    pred = jax.vmap(sowtel.equinox.capture(model))(x)
+    return jnp.mean((pred - y) ** 2)
+
+
+def test_equinox_capture_names_values_and_cotangents() -> None:
+    model = _eqx_model()
+    grads, inter = sowtel.save_intermediates(eqx.filter_grad(_eqx_loss))(model, X, Y)
+    assert set(inter) == {"layers/0/__call__", "layers/1/__call__", "layers/2/__call__",
+                          "__call__"}
+    assert type(grads) is type(model)  # the gradients keep the model's structure
+    h0 = jax.vmap(model.layers[0])(X)
+    np.testing.assert_allclose(inter["layers/0/__call__"]["primal"], h0, rtol=1e-6)
+
+    def rest(h):  # type: ignore[no-untyped-def]
+        h = jnp.tanh(h)
+        h = jnp.tanh(jax.vmap(model.layers[1])(h))
+        return jnp.mean((jax.vmap(model.layers[2])(h) - Y) ** 2)
+
+    np.testing.assert_allclose(inter["layers/0/__call__"]["cotangent"], jax.grad(rest)(h0),
+                               rtol=1e-5, atol=1e-7)
+    wrapped = sowtel.equinox.capture(model)
+    assert wrapped.layers[0].weight.shape == (4, 3)  # attributes read through
+    params, static = eqx.partition(model, eqx.is_array)
+    with_capture = _program(lambda p, x: _eqx_loss(eqx.combine(p, static), x, Y), params, X)
+    without = _program(lambda p, x: jnp.mean((jax.vmap(eqx.combine(p, static))(x) - Y) ** 2),
+                       params, X)
+    assert with_capture == without
+
+
+def test_equinox_filter_jit_trains_as_eqx_filter_jit() -> None:
+    tx = sowtel.optax.watch(optax.adam(1e-2), every=2)
+
+    def step(model, state, x, y):  # type: ignore[no-untyped-def]
+        loss, grads = eqx.filter_value_and_grad(_eqx_loss)(model, x, y)
+        updates, state = tx.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, loss
+
+    runs = []
+    for jitter, session in ((eqx.filter_jit, False), (sowtel.equinox.filter_jit, True)):
+        model = _eqx_model()
+        state = tx.init(eqx.filter(model, eqx.is_array))
+        compiled = jitter(step)
+        memory = MemoryExporter()
+        losses = []
+        with sowtel.enable(exporter=memory) if session else _nothing():
+            for _ in range(4):
+                model, state, loss = compiled(model, state, X, Y)
+                losses.append(float(loss))
+            sowtel.flush()
+        runs.append((losses, model, memory.records))
+    (ref_losses, ref_model, _), (losses, model, records) = runs
+    assert ref_losses[-1] < ref_losses[0]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)),
+                    jax.tree_util.tree_leaves(eqx.filter(ref_model, eqx.is_array)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    got = {(r.name, r.mode, r.step) for r in records}
+    assert ("layers/2/__call__", "cotangent", 3) in got
+    assert ("optim/grads/layers/0/weight", "primal", 2) in got
+    assert not any(n.startswith("optim/") and s % 2 for n, _, s in got)
+    with pytest.raises(ValueError, match="donate"):
+        sowtel.equinox.filter_jit(step, donate="some")
+
+
+@pytest.mark.parametrize("module", [sowtel.flax, sowtel.nnx, sowtel.equinox])
+def test_docstring_examples(module: object) -> None:
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_watch_models_example_trains_three_frameworks() -> None:
+    done = subprocess.run([sys.executable, str(EXAMPLES / "watch_models.py"), "memory"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("linen", "nnx", "equinox"):
+        assert f"{name}: final loss 0.0" in done.stdout, done.stdout
+    assert "66 series" in done.stdout
