@@ -23,6 +23,7 @@ are not generated; remove an entry once its fix lands. CI runs a fixed, derandom
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -50,7 +51,7 @@ T = np.array([1.0, -0.5, 0.25], np.float32)
 XS = np.stack([X, np.array([-0.2, 0.5, 0.1], np.float32)])
 
 JAX_NEW = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
-EXAMPLES = int(os.environ.get("SOWTEL_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("SOWTEL_FUZZ_EXAMPLES", "120"))
 
 TRANSFORMS = ("fwd", "grad", "jvp", "jvp_grad", "vmap_grad")
 REVERSE = frozenset({"grad", "jvp_grad", "vmap_grad"})
@@ -102,8 +103,27 @@ KNOWN_BROKEN: dict[str, tuple[str, Callable[[str, str | None, tuple[str, ...], s
 }
 
 
+# SOWTEL_FUZZ_INCLUDE_BROKEN=1 generates them too, to count what the open defects still break.
+INCLUDE_BROKEN = os.environ.get("SOWTEL_FUZZ_INCLUDE_BROKEN") == "1"
+
+
 def broken(kind: str, policy: str | None, outer: tuple[str, ...], transform: str) -> bool:
-    return any(rule(kind, policy, outer, transform) for _, rule in KNOWN_BROKEN.values())
+    return not INCLUDE_BROKEN and any(
+        rule(kind, policy, outer, transform) for _, rule in KNOWN_BROKEN.values())
+
+
+def known_defects(transform: str, nodes: tuple[Node, ...]) -> set[str]:
+    """The KNOWN_BROKEN entries a program hits (for counting with SOWTEL_FUZZ_INCLUDE_BROKEN)."""
+    hit: set[str] = set()
+
+    def walk(nodes: tuple[Node, ...], outer: tuple[str, ...]) -> None:
+        for n in nodes:
+            hit.update(k for k, (_, rule) in KNOWN_BROKEN.items()
+                       if rule(n.kind, n.policy, outer, transform))
+            walk(n.body, (*outer, n.kind))
+
+    walk(nodes, ())
+    return hit
 
 
 # -- programs ---------------------------------------------------------------------------------
@@ -132,7 +152,7 @@ class Site:
 
     kind: str  # "plain", "cjvp" (inside a custom_jvp function), "cvjp_f", "cvjp_b"
     axes: tuple[tuple[str, int], ...]  # enclosing ("loop" | "batch", size), outermost first
-    in_while: bool
+    whiles: int  # enclosing while_loops
 
 
 ACTS: dict[str, Callable[[Any], Any]] = {
@@ -140,12 +160,15 @@ ACTS: dict[str, Callable[[Any], Any]] = {
     "tanh": lambda v: jnp.tanh(v * 1.3),
     "poly": lambda v: 0.5 * v * v + v - 0.1,
 }
-WRAPPERS = ("scan", "fori", "cond", "while", "remat", "vmap", "jit", "shard")
+WRAPPERS = ("scan", "fori", "cond", "while", "remat", "vmap", "jit", "shard", "explicit")
+SHARDED = frozenset({"shard", "explicit"})
 
 
 @st.composite
 def programs(draw: Any) -> tuple[str, tuple[Node, ...]]:
     transform = draw(st.sampled_from(TRANSFORMS))
+    # One program shards one way: an auto-axes constraint fails inside an explicit mesh.
+    sharding = draw(st.sampled_from(sorted(SHARDED)))
     counter = [0]
 
     def fresh() -> str:
@@ -163,7 +186,7 @@ def programs(draw: Any) -> tuple[str, tuple[Node, ...]]:
         if depth < 2:
             kinds += [w for w in WRAPPERS
                       if not (w == "while" and (transform in REVERSE or LOOPS & set(outer)))
-                      and not (w == "shard" and "shard" in outer)]
+                      and not (w in SHARDED and (w != sharding or SHARDED & set(outer)))]
         kinds = [k for k in kinds if not broken(k, None, outer, transform)]
         kind = draw(st.sampled_from(kinds))
         if kind in ("site", "cjvp", "cvjp"):
@@ -180,25 +203,39 @@ def programs(draw: Any) -> tuple[str, tuple[Node, ...]]:
 def layout(nodes: tuple[Node, ...], transform: str) -> dict[str, Site]:
     sites: dict[str, Site] = {}
 
-    def walk(nodes: tuple[Node, ...], axes: tuple[tuple[str, int], ...], in_while: bool) -> None:
+    def walk(nodes: tuple[Node, ...], axes: tuple[tuple[str, int], ...], whiles: int) -> None:
         for n in nodes:
             if n.kind == "site":
-                sites[n.name] = Site("plain", axes, in_while)
+                sites[n.name] = Site("plain", axes, whiles)
             elif n.kind == "cjvp":
-                sites[n.name] = Site("cjvp", axes, in_while)
+                sites[n.name] = Site("cjvp", axes, whiles)
             elif n.kind == "cvjp":
-                sites[n.name] = Site("cvjp_f", axes, in_while)
-                sites[n.name + "_bwd"] = Site("cvjp_b", axes, in_while)
+                sites[n.name] = Site("cvjp_f", axes, whiles)
+                sites[n.name + "_bwd"] = Site("cvjp_b", axes, whiles)
             else:
                 extra = {"scan": (("loop", LOOP_LENGTH),), "fori": (("loop", LOOP_LENGTH),),
                          "vmap": (("batch", BATCH),)}.get(n.kind, ())
-                walk(n.body, axes + extra, in_while or n.kind == "while")
+                walk(n.body, axes + extra, whiles + (n.kind == "while"))
 
-    walk(nodes, (("batch", BATCH),) if transform == "vmap_grad" else (), False)
+    walk(nodes, (("batch", BATCH),) if transform == "vmap_grad" else (), 0)
     return sites
 
 
 MESH = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+# Explicit axes, and a value sharded on its first and last axes ([2@a, ..., 4@b]): the layout
+# a reshape to one dimension cannot keep.
+EXPLICIT_MESH = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+
+def mesh_for(nodes: tuple[Node, ...]) -> Any:
+    """The context a program is traced in: the explicit mesh (``jax.set_mesh`` from JAX 0.11 on)
+    where it reshards onto it; none otherwise, as a sharding constraint on an auto mesh would
+    fail inside it."""
+    if not any(n.kind == "explicit" or "explicit(" in repr(n) for n in nodes):
+        return contextlib.nullcontext()
+    if hasattr(jax, "set_mesh"):
+        return jax.set_mesh(EXPLICIT_MESH)
+    return jax.sharding.use_mesh(EXPLICIT_MESH)
 
 
 def build(nodes: tuple[Node, ...], ref: bool) -> Callable[[Any, Any], tuple[Any, dict[str, Any]]]:
@@ -288,6 +325,12 @@ def build(nodes: tuple[Node, ...], ref: bool) -> Callable[[Any, Any], tuple[Any,
             hs = jax.lax.with_sharding_constraint(hs, NamedSharding(MESH, P("d")))
             out, v = run_block(body, hs, e)
             return jnp.mean(out, axis=0), v
+        if n.kind == "explicit":
+            hs = (1.0 + 0.1 * jnp.arange(2, dtype=jnp.float32))[:, None, None] * h[None, :, None]
+            hs = hs * (1.0 - 0.05 * jnp.arange(4, dtype=jnp.float32))
+            hs = jax.sharding.reshard(hs, NamedSharding(EXPLICIT_MESH, P("a", None, "b")))
+            out, v = run_block(body, hs, e)
+            return jnp.mean(out, axis=(0, 2)), v
         raise AssertionError(n.kind)
 
     return lambda h, eps: run_block(nodes, h, eps)
@@ -397,6 +440,8 @@ def _site_shapes(nodes: tuple[Node, ...], vshape: tuple[int, ...],
             out.update(_site_shapes(n.body, vshape, stack + (BATCH,)))
         elif n.kind == "shard":
             out.update(_site_shapes(n.body, (8, *vshape), stack))
+        elif n.kind == "explicit":
+            out.update(_site_shapes(n.body, (2, *vshape, 4), stack))
         else:
             out.update(_site_shapes(n.body, vshape, stack))
     return out
@@ -424,7 +469,10 @@ def close(got: Any, want: Any, what: str) -> None:
                                equal_nan=True, err_msg=what)
 
 
-def check_capture(nodes: tuple[Node, ...], transform: str) -> tuple[Any, dict[str, dict[str, np.ndarray]]]:
+Captured = dict[str, dict[str, np.ndarray]]
+
+
+def check_capture(nodes: tuple[Node, ...], transform: str) -> tuple[Any, Captured]:
     fn, args = under_test(nodes, transform)
     result, captured = jax.jit(save_intermediates(fn))(*args)
     expected = expected_values(nodes, transform)
@@ -445,7 +493,7 @@ def check_capture(nodes: tuple[Node, ...], transform: str) -> tuple[Any, dict[st
 
 
 def check_stream(nodes: tuple[Node, ...], transform: str, result: Any,
-                 captured: dict[str, dict[str, np.ndarray]], transport: str) -> None:
+                 captured: Captured, transport: str) -> None:
     fn, args = under_test(nodes, transform)
     jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
     with sowtel.enable(exporter="memory", summary="full") as session:
@@ -467,8 +515,8 @@ def check_stream(nodes: tuple[Node, ...], transform: str, result: Any,
         loops = [i for i, (kind, _) in enumerate(site.axes) if kind == "loop"]
         for mode, value in modes.items():
             got = seen.get((name, mode), [])
-            if site.in_while:  # one record per iteration, no index; the last is the capture
-                assert len(got) == LOOP_LENGTH and all(r.index is None for r in got), got
+            if site.whiles:  # one record per iteration, no index; the last is the capture
+                assert len(got) == LOOP_LENGTH**site.whiles and all(r.index is None for r in got), got
                 assert any(np.allclose(r.value, value, rtol=2e-4, atol=2e-5) for r in got)
                 continue
             want = {}
@@ -500,9 +548,10 @@ def check_stream(nodes: tuple[Node, ...], transform: str, result: Any,
 @given(programs())
 def test_random_programs_capture_and_stream_right(program: tuple[str, tuple[Node, ...]]) -> None:
     transform, nodes = program
-    result, captured = check_capture(nodes, transform)
-    for transport in ("callback", "sowtel.jit"):
-        check_stream(nodes, transform, result, captured, transport)
+    with mesh_for(nodes):
+        result, captured = check_capture(nodes, transform)
+        for transport in ("callback", "sowtel.jit"):
+            check_stream(nodes, transform, result, captured, transport)
 
 
 def test_known_broken_entries_name_their_issue_item() -> None:
@@ -514,7 +563,8 @@ def test_known_broken_entries_name_their_issue_item() -> None:
 @pytest.mark.parametrize("kind", ["site", "cjvp", "cvjp"])
 def test_reference_and_program_agree_without_sowtel(kind: str) -> None:
     # The fuzzer's premise: with nothing enabled, the sow program computes the reference's loss.
-    nodes = (Node("scan", body=(Node(kind, "a"),)), Node("cond", body=(Node("site", "b"),)))
+    nodes = (Node("scan", body=(Node(kind, "a"),)), Node("cond", body=(Node("site", "b"),)),
+             Node("shard", body=(Node("site", "c"),)))
     ref = build(nodes, ref=True)
     zeros = _zeros_for(nodes, X)
     want = loss(ref(X, zeros)[0])
