@@ -516,7 +516,8 @@ def check_stream(nodes: tuple[Node, ...], transform: str, result: Any,
         for mode, value in modes.items():
             got = seen.get((name, mode), [])
             if site.whiles:  # one record per iteration, no index; the last is the capture
-                assert len(got) == LOOP_LENGTH**site.whiles and all(r.index is None for r in got), got
+                assert len(got) == LOOP_LENGTH**site.whiles, got
+                assert all(r.index is None for r in got), got
                 assert any(np.allclose(r.value, value, rtol=2e-4, atol=2e-5) for r in got)
                 continue
             want = {}
