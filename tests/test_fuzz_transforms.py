@@ -228,14 +228,11 @@ EXPLICIT_MESH = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisT
 
 
 def mesh_for(nodes: tuple[Node, ...]) -> Any:
-    """The context a program is traced in: the explicit mesh (``jax.set_mesh`` from JAX 0.11 on)
-    where it reshards onto it; none otherwise, as a sharding constraint on an auto mesh would
-    fail inside it."""
+    """The context a program is traced in: the explicit mesh where it reshards onto it; none
+    otherwise, as a sharding constraint on an auto mesh would fail inside it."""
     if not any(n.kind == "explicit" or "explicit(" in repr(n) for n in nodes):
         return contextlib.nullcontext()
-    if hasattr(jax, "set_mesh"):
-        return jax.set_mesh(EXPLICIT_MESH)
-    return jax.sharding.use_mesh(EXPLICIT_MESH)
+    return jax.set_mesh(EXPLICIT_MESH)
 
 
 def build(nodes: tuple[Node, ...], ref: bool) -> Callable[[Any, Any], tuple[Any, dict[str, Any]]]:
