@@ -391,6 +391,8 @@ def flash_setup() -> tuple[Any, Any, list[Any]]:
     return model, model.init(jax.random.key(6), batch[0]), [batch] * STEPS
 
 
+@pytest.mark.xfail(JAX_NEW, strict=True, reason="issue 19 item 2: JAX 0.12, a sow in an nn.scan "
+                   "body: 'broadcasted variable has a data dependency on the scan body'")
 def test_scan_remat_flash_attention_trains_the_same() -> None:
     model, params, batches = flash_setup()
     check_training(flash_step(model), params, batches, {"layers/attn_out"})
