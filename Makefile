@@ -16,9 +16,12 @@ JAX_NEW ?= jax>=0.12,<0.13 jaxlib>=0.12,<0.13
 JAX_TESTS ?= tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/test_sow.py \
 	tests/test_session.py tests/test_summaries.py tests/test_dumps.py tests/test_postmortem.py \
 	tests/test_docstrings.py tests/test_examples.py tests/test_flax.py tests/test_naming.py \
-	tests/test_defaults.py tests/test_jit.py tests/test_reliability.py tests/test_multiprocess.py
+	tests/test_defaults.py tests/test_jit.py tests/test_reliability.py tests/test_multiprocess.py \
+	tests/test_fuzz_transforms.py tests/test_ported_models.py tests/test_peer_ports.py
+# The derivative fuzzer's budget for `make fuzz` (the suite runs a fixed, smaller one).
+FUZZ_EXAMPLES ?= 2000
 
-.PHONY: demo test test-old test-new system-deps lint bench clean
+.PHONY: demo test test-old test-new fuzz system-deps lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +53,11 @@ test-new:
 	else $(MAKE) --no-print-directory $(STAMP_NEW) && \
 	  $(VENV_NEW)/bin/python -c 'import jax; print("JAX", jax.__version__)' && \
 	  $(VENV_NEW)/bin/pytest -q $(JAX_TESTS); fi
+
+# The derivative fuzzer at a larger budget, on both JAX ends (reproducible: derandomized).
+fuzz: $(STAMP) $(STAMP_NEW)
+	SOWTEL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/pytest -q tests/test_fuzz_transforms.py
+	SOWTEL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV_NEW)/bin/pytest -q tests/test_fuzz_transforms.py
 
 # Prometheus and Chromium for the end-to-end tests: installed with apt when possible, else a
 # message with the command to run, within seconds.
