@@ -265,3 +265,21 @@ def test_custom_jvp_in_jitted_fori_under_jvp_keeps_its_index() -> None:
 
     records = stream(jax.jit(lambda x, t: jax.jvp(f, (x,), (t,))), X, X)
     assert sorted((r.step, r.index) for r in records) == [(0, 0), (0, 1)]
+
+
+@pytest.mark.parametrize("jit", [jax.jit, sowtel.jit], ids=["callback", "sowtel.jit"])
+@pytest.mark.xfail(strict=True, reason="a sow in a scan inside a while_loop body streams without "
+                   "its scan index, though capture stacks its iterations")
+def test_scan_inside_while_streams_its_index(jit: Any) -> None:
+    def f(x: Any) -> Any:
+        def body(s: Any) -> Any:
+            i, c = s
+            c, _ = jax.lax.scan(lambda c, t: (sow(jnp.sin(c + t), "s"), None), c, jnp.arange(2.0))
+            return i + 1, c
+
+        return jax.lax.while_loop(lambda s: s[0] < 2, body, (0, x))[1].sum()
+
+    _, inter = save_intermediates(f)(X)
+    assert inter["s"]["primal"].shape == (2, 3)  # the scan's iterations, of the last while pass
+    records = stream(jit(f), X)
+    assert sorted(r.index for r in records) == [0, 0, 1, 1]
