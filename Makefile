@@ -20,9 +20,12 @@ JAX_TESTS ?= tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/t
 	tests/test_transform_regressions.py tests/test_transform_labels.py \
 	tests/test_explicit_sharding.py tests/test_startup.py tests/test_locate.py \
 	tests/test_nonfinite.py tests/test_columnar.py tests/test_hardening.py \
-	tests/test_watch.py tests/test_frameworks.py tests/test_trackers.py
+	tests/test_watch.py tests/test_frameworks.py tests/test_trackers.py \
+	tests/test_fuzz_transforms.py tests/test_ported_models.py tests/test_peer_ports.py
+# The derivative fuzzer's budget for `make fuzz` (the suite runs a fixed, smaller one).
+FUZZ_EXAMPLES ?= 2000
 
-.PHONY: demo test test-old test-new system-deps lint bench clean
+.PHONY: demo test test-old test-new fuzz system-deps lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +57,11 @@ test-new:
 	else $(MAKE) --no-print-directory $(STAMP_NEW) && \
 	  $(VENV_NEW)/bin/python -c 'import jax; print("JAX", jax.__version__)' && \
 	  $(VENV_NEW)/bin/pytest -q $(JAX_TESTS); fi
+
+# The derivative fuzzer at a larger budget, on both JAX ends (reproducible: derandomized).
+fuzz: $(STAMP) $(STAMP_NEW)
+	SOWTEL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/pytest -q tests/test_fuzz_transforms.py
+	SOWTEL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV_NEW)/bin/pytest -q tests/test_fuzz_transforms.py
 
 # Prometheus and Chromium for the end-to-end tests: installed with apt when possible, else a
 # message with the command to run, within seconds.

@@ -1,0 +1,576 @@
+"""A derivative fuzzer: random small programs of sows inside JAX's transforms and control flow.
+
+Hypothesis draws a program as a tree of constructs (scan, fori_loop, cond, while_loop,
+jax.checkpoint with a policy, vmap, jit, a sharding constraint over 8 host devices, custom_jvp,
+custom_vjp with a sow in its backward rule) around elementwise sites, and one outer transform
+(forward, grad, jvp, jvp of grad, vmap of grad). The same tree builds two functions:
+
+- the program under test, where each site is ``sowtel.sow``;
+- a reference without sowtel, where each site adds an explicit perturbation ``eps[name]`` and
+  returns the site's value as an output (stacked as sowtel documents: a loop's iterations on a
+  new leading axis, vmap's batch axis leading, the untaken branch of a cond filled with NaN).
+
+Every captured value (``save_intermediates``) is checked against the reference: primals against
+its outputs, cotangents against ``jax.grad`` with respect to the zero perturbation, tangents
+against ``jax.jvp`` of the reference. Every streamed record (the callback transport under
+``jax.jit``, and ``sowtel.jit``) is checked against the captured value at its index: the labels
+(name, mode, step, index), the full value, and the device's stats against numpy.
+
+Constructs that hit a known, open defect are listed in ``KNOWN_BROKEN`` with the issue item and
+are not generated; remove an entry once its fix lands. CI runs a fixed, derandomized budget;
+``make fuzz`` runs more (``SOWTEL_FUZZ_EXAMPLES``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sowtel
+from sowtel import save_intermediates, sow
+from tests.reference import numpy_stats
+
+K = 3  # the width of every value: compile time dominates, so values stay tiny
+LOOP_LENGTH = 2
+BATCH = 2
+X = np.array([0.4, -0.3, 0.7], np.float32)
+T = np.array([1.0, -0.5, 0.25], np.float32)
+XS = np.stack([X, np.array([-0.2, 0.5, 0.1], np.float32)])
+
+JAX_NEW = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
+EXAMPLES = int(os.environ.get("SOWTEL_FUZZ_EXAMPLES", "120"))
+
+TRANSFORMS = ("fwd", "grad", "jvp", "jvp_grad", "vmap_grad")
+REVERSE = frozenset({"grad", "jvp_grad", "vmap_grad"})
+LOOPS = frozenset({"scan", "fori"})
+POLICIES = {
+    "default": None,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    "save_anything_except_these_names": (
+        jax.checkpoint_policies.save_anything_except_these_names("nothing")),
+}
+
+# Constructs that hit an open defect of issue 19, by item, and the rule that keeps them out of
+# the generated programs (kind, policy, enclosing kinds, transform) -> broken.
+KNOWN_BROKEN: dict[str, tuple[str, Callable[[str, str | None, tuple[str, ...], str], bool]]] = {
+    "explicit-sharding": (
+        "issue 19 item 1: summaries of a value on an explicit-axes mesh raise ShardingTypeError",
+        lambda kind, policy, outer, tr: kind == "explicit"),
+    "grad-of-checkpoint-of-loop": (
+        "issue 19 item 3: JAX 0.12, grad of checkpoint(scan) cannot capture inside eval_jaxpr",
+        lambda kind, policy, outer, tr: JAX_NEW and kind in LOOPS and "remat" in outer
+        and tr in REVERSE),
+    "grad-through-saving-policy": (
+        "issue 19 item 4: everything_saveable / save_anything_except_these_names: KeyError",
+        lambda kind, policy, outer, tr: kind == "remat" and tr in REVERSE
+        and policy in ("everything_saveable", "save_anything_except_these_names")),
+    "cond-inside-loop": (
+        "issue 19 item 5: the callback transport numbers a skipped branch's indices wrongly",
+        lambda kind, policy, outer, tr: kind == "cond" and bool(LOOPS & set(outer))),
+    "cond-under-vmap": (
+        "issue 19 item 7: vmap of cond reports values and cotangents of the untaken branch",
+        lambda kind, policy, outer, tr: kind == "cond" and ("vmap" in outer or tr == "vmap_grad")),
+    "custom-vjp-nested": (
+        "issue 19 item 8: a custom_vjp bwd sow inside scan/fori/cond/checkpoint/jit is 'primal'",
+        lambda kind, policy, outer, tr: kind == "cvjp"
+        and bool({"scan", "fori", "cond", "remat", "jit"} & set(outer))),
+    "custom-jvp-in-loop-callback": (
+        "issue 19 item 9: the callback transport loses the loop index of a sow in a custom_jvp "
+        "function inside a loop (under jvp too, e.g. jit(fori_loop(custom_jvp)))",
+        lambda kind, policy, outer, tr: kind == "cjvp" and tr != "fwd"
+        and bool(LOOPS & set(outer))),
+    "jvp-of-grad-of-checkpoint": (
+        "issue 19 item 10: jvp-of-grad through checkpoint: 'sow name used 2 times'",
+        lambda kind, policy, outer, tr: kind == "remat" and tr == "jvp_grad"),
+    "loop-inside-while": (
+        "issue 19, found by this fuzzer: a sow in a scan inside a while_loop body streams "
+        "without its scan index (both transports), though capture stacks it",
+        lambda kind, policy, outer, tr: kind in LOOPS and "while" in outer),
+    "loop-under-vmap": (
+        "issue 19 item 12: vmap of scan captures (T, B, ...), not the batch axis leading",
+        lambda kind, policy, outer, tr: kind in LOOPS and ("vmap" in outer or tr == "vmap_grad")),
+}
+
+
+# SOWTEL_FUZZ_INCLUDE_BROKEN=1 generates them too, to count what the open defects still break.
+INCLUDE_BROKEN = os.environ.get("SOWTEL_FUZZ_INCLUDE_BROKEN") == "1"
+
+
+def broken(kind: str, policy: str | None, outer: tuple[str, ...], transform: str) -> bool:
+    return not INCLUDE_BROKEN and any(
+        rule(kind, policy, outer, transform) for _, rule in KNOWN_BROKEN.values())
+
+
+def known_defects(transform: str, nodes: tuple[Node, ...]) -> set[str]:
+    """The KNOWN_BROKEN entries a program hits (for counting with SOWTEL_FUZZ_INCLUDE_BROKEN)."""
+    hit: set[str] = set()
+
+    def walk(nodes: tuple[Node, ...], outer: tuple[str, ...]) -> None:
+        for n in nodes:
+            hit.update(k for k, (_, rule) in KNOWN_BROKEN.items()
+                       if rule(n.kind, n.policy, outer, transform))
+            walk(n.body, (*outer, n.kind))
+
+    walk(nodes, ())
+    return hit
+
+
+# -- programs ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One construct: ``kind`` is a site kind ("site", "cjvp", "cvjp") or a wrapper of ``body``."""
+
+    kind: str
+    name: str = ""  # sites: the sown name (cvjp: its forward name; "<name>_bwd" is the backward)
+    act: str = "sin"
+    policy: str | None = None
+    body: tuple[Node, ...] = ()
+
+    def __repr__(self) -> str:
+        if not self.body:
+            return f"{self.kind}({self.name}:{self.act})"
+        extra = f"[{self.policy}]" if self.policy else ""
+        return f"{self.kind}{extra}({', '.join(map(repr, self.body))})"
+
+
+@dataclasses.dataclass
+class Site:
+    """What the test expects of one sown name: where it sits and which modes it reports."""
+
+    kind: str  # "plain", "cjvp" (inside a custom_jvp function), "cvjp_f", "cvjp_b"
+    axes: tuple[tuple[str, int], ...]  # enclosing ("loop" | "batch", size), outermost first
+    whiles: int  # enclosing while_loops
+
+
+ACTS: dict[str, Callable[[Any], Any]] = {
+    "sin": jnp.sin,
+    "tanh": lambda v: jnp.tanh(v * 1.3),
+    "poly": lambda v: 0.5 * v * v + v - 0.1,
+}
+WRAPPERS = ("scan", "fori", "cond", "while", "remat", "vmap", "jit", "shard", "explicit")
+SHARDED = frozenset({"shard", "explicit"})
+
+
+@st.composite
+def programs(draw: Any) -> tuple[str, tuple[Node, ...]]:
+    transform = draw(st.sampled_from(TRANSFORMS))
+    # One program shards one way: an auto-axes constraint fails inside an explicit mesh.
+    sharding = draw(st.sampled_from(sorted(SHARDED)))
+    counter = [0]
+
+    def fresh() -> str:
+        counter[0] += 1
+        return f"s{counter[0]}"
+
+    def block(outer: tuple[str, ...], depth: int) -> tuple[Node, ...]:
+        n = draw(st.integers(1, 2))
+        return tuple(node(outer, depth) for _ in range(n))
+
+    def node(outer: tuple[str, ...], depth: int) -> Node:
+        kinds = ["site", "cjvp"]
+        if transform != "jvp":  # JAX has no forward mode of a custom_vjp
+            kinds.append("cvjp")
+        if depth < 2:
+            kinds += [w for w in WRAPPERS
+                      if not (w == "while" and (transform in REVERSE or LOOPS & set(outer)))
+                      and not (w in SHARDED and (w != sharding or SHARDED & set(outer)))]
+        kinds = [k for k in kinds if not broken(k, None, outer, transform)]
+        kind = draw(st.sampled_from(kinds))
+        if kind in ("site", "cjvp", "cvjp"):
+            return Node(kind, fresh(), draw(st.sampled_from(sorted(ACTS))))
+        policy = None
+        if kind == "remat":
+            policies = [p for p in POLICIES if not broken(kind, p, outer, transform)]
+            policy = draw(st.sampled_from(policies))
+        return Node(kind, policy=policy, body=block((*outer, kind), depth + 1))
+
+    return transform, block((), 0)
+
+
+def layout(nodes: tuple[Node, ...], transform: str) -> dict[str, Site]:
+    sites: dict[str, Site] = {}
+
+    def walk(nodes: tuple[Node, ...], axes: tuple[tuple[str, int], ...], whiles: int) -> None:
+        for n in nodes:
+            if n.kind == "site":
+                sites[n.name] = Site("plain", axes, whiles)
+            elif n.kind == "cjvp":
+                sites[n.name] = Site("cjvp", axes, whiles)
+            elif n.kind == "cvjp":
+                sites[n.name] = Site("cvjp_f", axes, whiles)
+                sites[n.name + "_bwd"] = Site("cvjp_b", axes, whiles)
+            else:
+                extra = {"scan": (("loop", LOOP_LENGTH),), "fori": (("loop", LOOP_LENGTH),),
+                         "vmap": (("batch", BATCH),)}.get(n.kind, ())
+                walk(n.body, axes + extra, whiles + (n.kind == "while"))
+
+    walk(nodes, (("batch", BATCH),) if transform == "vmap_grad" else (), 0)
+    return sites
+
+
+MESH = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+# Explicit axes, and a value sharded on its first and last axes ([2@a, ..., 4@b]): the layout
+# a reshape to one dimension cannot keep.
+EXPLICIT_MESH = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+
+def mesh_for(nodes: tuple[Node, ...]) -> Any:
+    """The context a program is traced in: the explicit mesh where it reshards onto it; none
+    otherwise, as a sharding constraint on an auto mesh would fail inside it."""
+    if not any(n.kind == "explicit" or "explicit(" in repr(n) for n in nodes):
+        return contextlib.nullcontext()
+    return jax.set_mesh(EXPLICIT_MESH)
+
+
+def build(nodes: tuple[Node, ...], ref: bool) -> Callable[[Any, Any], tuple[Any, dict[str, Any]]]:
+    """The program as ``(h, eps) -> (h, values)``: sows (``ref=False``, eps and values unused),
+    or explicit perturbations whose site values are returned (``ref=True``)."""
+
+    def run_block(nodes: tuple[Node, ...], h: Any, eps: Any) -> tuple[Any, dict[str, Any]]:
+        values: dict[str, Any] = {}
+        for n in nodes:
+            h, v = run_node(n, h, eps)
+            values.update(v)
+        return h, values
+
+    def names(nodes: tuple[Node, ...]) -> list[str]:
+        out = []
+        for n in nodes:
+            if n.kind == "cvjp":
+                out += [n.name, n.name + "_bwd"]
+            elif n.body:
+                out += names(n.body)
+            else:
+                out.append(n.name)
+        return out
+
+    def sub(eps: Any, nodes: tuple[Node, ...]) -> Any:
+        return None if eps is None else {k: eps[k] for k in names(nodes)}
+
+    def run_node(n: Node, h: Any, eps: Any) -> tuple[Any, dict[str, Any]]:
+        act = ACTS[n.act]
+        if n.kind == "site":
+            v = act(h)
+            if not ref:
+                return sow(v, n.name), {}
+            v = v + eps[n.name]
+            return v, {n.name: v}
+        if n.kind == "cjvp":
+            if ref:
+                v = act(h) + eps[n.name]
+                return v, {n.name: v}
+            return custom_jvp_site(act, n.name)(h), {}
+        if n.kind == "cvjp":
+            if ref:
+                h_in = h + eps[n.name + "_bwd"]
+                v = act(h_in) + eps[n.name]
+                return v, {n.name: v, n.name + "_bwd": h_in}
+            return custom_vjp_site(act, n.name)(h), {}
+        body, e = n.body, sub(eps, n.body)
+        if n.kind in ("scan", "fori"):
+            shift = jnp.arange(LOOP_LENGTH, dtype=jnp.float32) * 0.2
+            if ref or n.kind == "scan":
+                def step(c: Any, xs: Any) -> tuple[Any, Any]:
+                    s, ei = xs
+                    return run_block(body, c + s, ei)
+
+                return jax.lax.scan(step, h, (shift, e))
+            return jax.lax.fori_loop(
+                0, LOOP_LENGTH, lambda i, c: run_block(body, c + shift[i], None)[0], h), {}
+        if n.kind == "cond":
+            def taken(c: Any) -> tuple[Any, Any]:
+                return run_block(body, c, e)
+
+            def skipped(c: Any) -> tuple[Any, Any]:
+                return c * 0.5, jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), e or {})
+
+            return jax.lax.cond(jnp.sum(h) > 0.2, taken, skipped, h)
+        if n.kind == "while":
+            def wbody(state: Any) -> Any:
+                i, c, _ = state
+                c, v = run_block(body, c, e)
+                return i + 1, c, v
+
+            zeros = jax.tree.map(jnp.zeros_like, e or {})
+            _, h, v = jax.lax.while_loop(lambda s: s[0] < LOOP_LENGTH, wbody, (0, h, zeros))
+            return h, v
+        if n.kind == "remat":
+            fn = jax.checkpoint(lambda c, ei: run_block(body, c, ei), policy=POLICIES[n.policy])
+            return fn(h, e)
+        if n.kind == "jit":
+            return jax.jit(lambda c, ei: run_block(body, c, ei))(h, e)
+        if n.kind == "vmap":
+            hb = jnp.stack([h, 0.5 * h + 0.1])
+            out, v = jax.vmap(lambda c, ei: run_block(body, c, ei))(hb, e)
+            return 0.6 * out[0] + 0.4 * out[1], v
+        if n.kind == "shard":
+            scale = 1.0 + 0.1 * jnp.arange(8, dtype=jnp.float32)
+            hs = jnp.expand_dims(scale, range(1, h.ndim + 1)) * h
+            hs = jax.lax.with_sharding_constraint(hs, NamedSharding(MESH, P("d")))
+            out, v = run_block(body, hs, e)
+            return jnp.mean(out, axis=0), v
+        if n.kind == "explicit":
+            hs = (1.0 + 0.1 * jnp.arange(2, dtype=jnp.float32))[:, None, None] * h[None, :, None]
+            hs = hs * (1.0 - 0.05 * jnp.arange(4, dtype=jnp.float32))
+            hs = jax.sharding.reshard(hs, NamedSharding(EXPLICIT_MESH, P("a", None, "b")))
+            out, v = run_block(body, hs, e)
+            return jnp.mean(out, axis=(0, 2)), v
+        raise AssertionError(n.kind)
+
+    return lambda h, eps: run_block(nodes, h, eps)
+
+
+def custom_jvp_site(act: Callable[[Any], Any], name: str) -> Callable[[Any], Any]:
+    @jax.custom_jvp
+    def f(h: Any) -> Any:
+        return sow(act(h), name)
+
+    @f.defjvp
+    def f_jvp(primals: Any, tangents: Any) -> Any:
+        (h,), (t,) = primals, tangents
+        y, dy = jax.jvp(act, (h,), (t,))
+        return f(h), dy
+
+    return f
+
+
+def custom_vjp_site(act: Callable[[Any], Any], name: str) -> Callable[[Any], Any]:
+    @jax.custom_vjp
+    def f(h: Any) -> Any:
+        return sow(act(h), name)
+
+    def fwd(h: Any) -> Any:
+        return sow(act(h), name), h
+
+    def bwd(h: Any, ct: Any) -> Any:
+        return (sow(jax.vjp(act, h)[1](ct)[0], name + "_bwd"),)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def loss(h: Any) -> Any:
+    return jnp.sum(jnp.tanh(h) ** 2 + 0.1 * h)
+
+
+# -- the expected values ----------------------------------------------------------------------
+
+MODES = {  # transform -> site kind -> the modes save_intermediates reports
+    "fwd": {"plain": {"primal"}, "cjvp": {"primal"}, "cvjp_f": {"primal"}, "cvjp_b": set()},
+    "grad": {"plain": {"primal", "cotangent"}, "cjvp": {"primal"}, "cvjp_f": {"primal"},
+             "cvjp_b": {"cotangent"}},
+    "jvp": {"plain": {"primal", "tangent"}, "cjvp": {"primal"}},
+    "jvp_grad": {"plain": {"primal", "tangent", "cotangent", "cotangent.tangent"},
+                 "cjvp": {"primal"}, "cvjp_f": {"primal", "tangent"},
+                 "cvjp_b": {"cotangent", "cotangent.tangent"}},
+}
+MODES["vmap_grad"] = MODES["grad"]
+
+
+def expected_values(nodes: tuple[Node, ...], transform: str) -> dict[str, dict[str, np.ndarray]]:
+    """Every site's every mode, from the reference program alone."""
+    ref = build(nodes, ref=True)
+
+    def eps_like(x: Any) -> dict[str, Any]:
+        return _zeros_for(nodes, x)
+
+    def primal(x: Any) -> dict[str, Any]:
+        return ref(x, eps_like(x))[1]
+
+    def cot(x: Any) -> dict[str, Any]:
+        return jax.grad(lambda e: loss(ref(x, e)[0]))(eps_like(x))
+
+    def modes(x: Any, t: Any) -> dict[str, dict[str, Any]]:
+        if transform == "fwd":
+            return {"primal": primal(x)}
+        if transform in ("grad", "vmap_grad"):
+            return {"primal": primal(x), "cotangent": cot(x)}
+        p, tan = jax.jvp(primal, (x,), (t,))
+        if transform == "jvp":
+            return {"primal": p, "tangent": tan}
+        c, ctan = jax.jvp(cot, (x,), (t,))
+        return {"primal": p, "tangent": tan, "cotangent": c, "cotangent.tangent": ctan}
+
+    if transform == "vmap_grad":
+        out = jax.jit(jax.vmap(modes))(XS, jnp.zeros_like(XS))
+    else:
+        out = jax.jit(modes)(X, T)
+    out = jax.tree.map(np.asarray, out)
+    taken = {k: ~np.isnan(v) for k, v in out["primal"].items()}  # NaN marks an untaken branch
+    result: dict[str, dict[str, np.ndarray]] = {}
+    for mode, values in out.items():
+        for name, v in values.items():
+            result.setdefault(name, {})[mode] = np.where(taken[name], v, np.nan)
+    return result
+
+
+def _zeros_for(nodes: tuple[Node, ...], x: Any) -> dict[str, Any]:
+    """Zero perturbations of each site's stacked shape (loops and vmaps stack, sharding widens)."""
+    shapes = _site_shapes(nodes, tuple(np.shape(x)))
+    return {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+
+
+def _site_shapes(nodes: tuple[Node, ...], vshape: tuple[int, ...],
+                 stack: tuple[int, ...] = ()) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {}
+    for n in nodes:
+        if n.kind in ("site", "cjvp"):
+            out[n.name] = stack + vshape
+        elif n.kind == "cvjp":
+            out[n.name] = out[n.name + "_bwd"] = stack + vshape
+        elif n.kind in LOOPS:
+            out.update(_site_shapes(n.body, vshape, stack + (LOOP_LENGTH,)))
+        elif n.kind == "vmap":
+            out.update(_site_shapes(n.body, vshape, stack + (BATCH,)))
+        elif n.kind == "shard":
+            out.update(_site_shapes(n.body, (8, *vshape), stack))
+        elif n.kind == "explicit":
+            out.update(_site_shapes(n.body, (2, *vshape, 4), stack))
+        else:
+            out.update(_site_shapes(n.body, vshape, stack))
+    return out
+
+
+def under_test(nodes: tuple[Node, ...], transform: str) -> tuple[Callable[..., Any], tuple]:
+    program = build(nodes, ref=False)
+
+    def f(x: Any) -> Any:
+        return loss(program(x, None)[0])
+
+    if transform == "fwd":
+        return f, (X,)
+    if transform == "grad":
+        return jax.grad(f), (X,)
+    if transform == "jvp":
+        return lambda x, t: jax.jvp(f, (x,), (t,)), (X, T)
+    if transform == "jvp_grad":
+        return lambda x, t: jax.jvp(jax.grad(f), (x,), (t,)), (X, T)
+    return jax.vmap(jax.grad(f)), (XS,)
+
+
+def close(got: Any, want: Any, what: str) -> None:
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-4, atol=2e-5,
+                               equal_nan=True, err_msg=what)
+
+
+Captured = dict[str, dict[str, np.ndarray]]
+
+
+def check_capture(nodes: tuple[Node, ...], transform: str) -> tuple[Any, Captured]:
+    fn, args = under_test(nodes, transform)
+    result, captured = jax.jit(save_intermediates(fn))(*args)
+    expected = expected_values(nodes, transform)
+    sites = layout(nodes, transform)
+    assert set(captured) == {k for k, s in sites.items() if MODES[transform][s.kind]}
+    out = {}
+    for name, site in sites.items():
+        want_modes = MODES[transform][site.kind]
+        if not want_modes:
+            continue
+        assert set(captured[name]) == want_modes, name
+        out[name] = {}
+        for mode in want_modes:
+            got = np.asarray(captured[name][mode])
+            close(got, expected[name][mode], f"{name} {mode}")
+            out[name][mode] = got
+    return result, out
+
+
+def check_stream(nodes: tuple[Node, ...], transform: str, result: Any,
+                 captured: Captured, transport: str) -> None:
+    fn, args = under_test(nodes, transform)
+    jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
+    with sowtel.enable(exporter="memory", summary="full") as session:
+        streamed = jax.block_until_ready(jit(fn)(*args))
+        assert sowtel.flush(timeout=60)
+        status = sowtel.status()
+    assert status["dropped"] == 0 and not any(status["errors"].values()), status
+    # Streaming leaves the program's results as they are (capture returned them too).
+    for got, want in zip(jax.tree.leaves(streamed), jax.tree.leaves(result), strict=True):
+        close(got, np.asarray(want), "the program's own result")
+    records = session.exporters[0].records
+    sites = layout(nodes, transform)
+    seen: dict[tuple[str, str], list[Any]] = {}
+    for r in records:
+        seen.setdefault((r.name, r.mode), []).append(r)
+    assert set(seen) <= {(n, m) for n, d in captured.items() for m in d}, sorted(seen)
+    for name, modes in captured.items():
+        site = sites[name]
+        loops = [i for i, (kind, _) in enumerate(site.axes) if kind == "loop"]
+        for mode, value in modes.items():
+            got = seen.get((name, mode), [])
+            if site.whiles:  # one record per iteration, no index; the last is the capture
+                assert len(got) == LOOP_LENGTH**site.whiles, got
+                assert all(r.index is None for r in got), got
+                assert any(np.allclose(r.value, value, rtol=2e-4, atol=2e-5) for r in got)
+                continue
+            want = {}
+            for idx in np.ndindex(*(site.axes[i][1] for i in loops)):
+                where = [slice(None)] * value.ndim
+                for axis, i in zip(loops, idx, strict=True):
+                    where[axis] = i
+                v = value[tuple(where)]
+                if np.isnan(v).all():
+                    continue  # an untaken branch: nothing runs, nothing streams
+                key = None if not idx else idx[0] if len(idx) == 1 else tuple(idx)
+                want[key] = v
+            by_index = {r.index: r for r in got}
+            assert len(by_index) == len(got), f"{name} {mode}: repeated index"
+            assert set(by_index) == set(want), (name, mode, sorted(by_index, key=str),
+                                                sorted(want, key=str))
+            for key, v in want.items():
+                r = by_index[key]
+                assert r.step == 0 and r.shape == v.shape, (r, v.shape)
+                close(r.value, v, f"{name} {mode} {key} streamed")
+                stats = numpy_stats(v)
+                for k in ("mean", "min", "max", "l2"):
+                    assert math.isclose(r.stats[k], stats[k], rel_tol=1e-4, abs_tol=1e-5), (
+                        name, mode, key, k, r.stats[k], stats[k])
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs())
+def test_random_programs_capture_and_stream_right(program: tuple[str, tuple[Node, ...]]) -> None:
+    transform, nodes = program
+    with mesh_for(nodes):
+        result, captured = check_capture(nodes, transform)
+        for transport in ("callback", "sowtel.jit"):
+            check_stream(nodes, transform, result, captured, transport)
+
+
+def test_known_broken_entries_name_their_issue_item() -> None:
+    # Each exclusion says which open defect it waits on, so it can be removed when that lands.
+    for key, (reason, _) in KNOWN_BROKEN.items():
+        assert reason.startswith("issue 19"), key
+
+
+@pytest.mark.parametrize("kind", ["site", "cjvp", "cvjp"])
+def test_reference_and_program_agree_without_sowtel(kind: str) -> None:
+    # The fuzzer's premise: with nothing enabled, the sow program computes the reference's loss.
+    nodes = (Node("scan", body=(Node(kind, "a"),)), Node("cond", body=(Node("site", "b"),)),
+             Node("shard", body=(Node("site", "c"),)))
+    ref = build(nodes, ref=True)
+    zeros = _zeros_for(nodes, X)
+    want = loss(ref(X, zeros)[0])
+    got = loss(build(nodes, ref=False)(X, None)[0])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: loss(build(nodes, ref=False)(x, None)[0]))(X),
+                               jax.grad(lambda x: loss(ref(x, zeros)[0]))(X), rtol=1e-5)
