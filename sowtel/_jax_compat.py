@@ -307,8 +307,8 @@ _CUSTOM_BWD = _codes(ad, "_custom_lin_transpose", "_custom_lin_transpose_fancy")
 def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
     """``((length, reverse), ...)`` of the scans the current code runs in, outermost first.
 
-    ``None`` when a ``while_loop`` encloses the code (its iteration count is not static, so
-    records get no index). Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame,
+    ``None`` when a ``while_loop`` encloses the code directly (its iteration count is not
+    static, so records get no index); the scans inside a while body, and only those, count. Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame,
     and of the scan rules that call user code again (a ``custom_jvp`` rule under ``grad``, a
     ``custom_vjp`` ``bwd`` in a transposed scan, which runs in reverse). A scan met twice (its
     ``lax.scan`` frame and its jvp rule) is counted once: both hold the same ``jaxpr``.
@@ -323,7 +323,9 @@ def _loops_from(frame: Any) -> tuple[tuple[int, bool], ...] | None:
     while frame is not None:
         code = frame.f_code
         if code is _WHILE_CODE or code in _WHILE_RULES:
-            return None
+            # A while_loop's iterations are not static, so they have no index; the scans inside
+            # its body still index theirs (they run whole on each iteration).
+            return tuple(reversed(loops)) if loops else None
         if code is _SCAN_CODE and in_scan3:
             in_scan3 = False
             frame = frame.f_back
