@@ -308,7 +308,8 @@ def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
     """``((length, reverse), ...)`` of the scans the current code runs in, outermost first.
 
     ``None`` when a ``while_loop`` encloses the code directly (its iteration count is not
-    static, so records get no index); the scans inside a while body, and only those, count. Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame,
+    static, so records get no index); the scans inside a while body, and only those, count.
+    Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame,
     and of the scan rules that call user code again (a ``custom_jvp`` rule under ``grad``, a
     ``custom_vjp`` ``bwd`` in a transposed scan, which runs in reverse). A scan met twice (its
     ``lax.scan`` frame and its jvp rule) is counted once: both hold the same ``jaxpr``.
