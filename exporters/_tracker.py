@@ -30,7 +30,7 @@ import numpy as np
 from sowtel.records import Record, StatChoice, index_text
 from sowtel.summaries import host_summary
 
-__all__ = ["StepMetrics", "StepBatch"]
+__all__ = ["StepMetrics", "StepBatch", "TrackerExporter"]
 
 
 @dataclasses.dataclass
@@ -116,3 +116,47 @@ class StepMetrics:
                 raise ValueError(f"histogram has {len(edges)} edges for {len(counts)} buckets")
             if counts.sum() > 0:  # no finite element: nothing to draw
                 batch.histograms[prefix] = (edges, counts)
+
+
+class TrackerExporter:
+    """What the tracker exporters share around their client: records to per-step batches
+    (:class:`StepMetrics`), bad records counted and raised after the others are logged, and a
+    run that is finished on ``close()`` only if the exporter started it.
+
+    A subclass sets ``self._metrics``, ``self._owned`` and ``self._closed`` in its constructor
+    and implements ``_log(batches)`` (hand the batches to the client) and ``_finish()``.
+    """
+
+    _metrics: StepMetrics
+    _owned: bool
+    _closed: bool
+
+    def write(self, records: Sequence[Record]) -> None:
+        """Logs ``records`` a step at a time; a record that cannot be converted is skipped and,
+        after the others are logged, raised as ``ValueError``."""
+        name = type(self).__name__
+        if self._closed:
+            raise RuntimeError(f"{name}.write() after close(): create a new exporter")
+        bad: list[str] = []
+        self._log(self._metrics.convert(
+            records, lambda r, e: bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}")))
+        if bad:
+            raise ValueError(f"{name} skipped {len(bad)} record(s) it could not convert, "
+                             f"first {bad[0]}")
+
+    def _log(self, batches: list[StepBatch]) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """The tracker's client sends what it was given itself; nothing is held here."""
+
+    def close(self) -> None:
+        """Finishes the run if this exporter started it; later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owned:
+            self._finish()

@@ -32,8 +32,7 @@ from typing import Any
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from sowtel.exporters._tracker import StepMetrics
-from sowtel.records import Record
+from sowtel.exporters._tracker import StepBatch, StepMetrics, TrackerExporter
 
 __all__ = ["MlflowExporter", "BATCH"]
 
@@ -41,7 +40,7 @@ __all__ = ["MlflowExporter", "BATCH"]
 BATCH = 1000
 
 
-class MlflowExporter:
+class MlflowExporter(TrackerExporter):
     """Logs records to an MLflow run (see the module docs).
 
     Args:
@@ -80,12 +79,7 @@ class MlflowExporter:
         self._files = itertools.count()
         self._closed = False
 
-    def write(self, records: Sequence[Record]) -> None:
-        if self._closed:
-            raise RuntimeError("MlflowExporter.write() after close(): create a new exporter")
-        bad: list[str] = []
-        batches = self._metrics.convert(
-            records, lambda r, e: bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}"))
+    def _log(self, batches: list[StepBatch]) -> None:
         metrics: list[Metric] = []
         for batch in batches:
             timestamp = int(batch.wall_time * 1000)
@@ -96,9 +90,6 @@ class MlflowExporter:
         for start in range(0, len(metrics), BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + BATCH],
                                   synchronous=True)
-        if bad:
-            raise ValueError(f"MlflowExporter skipped {len(bad)} record(s) it could not "
-                             f"convert, first {bad[0]}")
 
     def _log_histograms(self, step: int, histograms: dict[str, Any]) -> None:
         body = {key: {"edges": edges.tolist(), "counts": counts.tolist()}
@@ -106,13 +97,8 @@ class MlflowExporter:
         self.client.log_dict(self.run_id, body,
                              f"histograms/step_{step:08d}_{next(self._files)}.json")
 
+    def _finish(self) -> None:
+        self.client.set_terminated(self.run_id)
+
     def flush(self) -> None:
         """Every batch is logged synchronously; nothing is held here."""
-
-    def close(self) -> None:
-        """Ends the run if this exporter created it; later calls do nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._owned:
-            self.client.set_terminated(self.run_id)

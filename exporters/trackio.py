@@ -24,13 +24,12 @@ from typing import Any
 
 import trackio
 
-from sowtel.exporters._tracker import StepMetrics
-from sowtel.records import Record
+from sowtel.exporters._tracker import StepBatch, StepMetrics, TrackerExporter
 
 __all__ = ["TrackioExporter"]
 
 
-class TrackioExporter:
+class TrackioExporter(TrackerExporter):
     """Logs records to a Trackio run (see the module docs).
 
     Args:
@@ -61,28 +60,15 @@ class TrackioExporter:
         self.run = run
         self._closed = False
 
-    def write(self, records: Sequence[Record]) -> None:
-        if self._closed:
-            raise RuntimeError("TrackioExporter.write() after close(): create a new exporter")
-        bad: list[str] = []
-        batches = self._metrics.convert(
-            records, lambda r, e: bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}"))
+    def _log(self, batches: list[StepBatch]) -> None:
         for batch in batches:
             data: dict[str, Any] = dict(batch.scalars)
             for key, (edges, counts) in batch.histograms.items():
                 data[key] = trackio.Histogram(np_histogram=(counts, edges))
             self.run.log(data, step=batch.step)
-        if bad:
-            raise ValueError(f"TrackioExporter skipped {len(bad)} record(s) it could not "
-                             f"convert, first {bad[0]}")
+
+    def _finish(self) -> None:
+        self.run.finish()  # writes what Trackio still holds
 
     def flush(self) -> None:
         """Trackio writes logged metrics in its own background thread; nothing is held here."""
-
-    def close(self) -> None:
-        """Finishes the run (writing what Trackio still holds) if this exporter started it."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._owned:
-            self.run.finish()

@@ -26,8 +26,7 @@ from typing import Any, cast
 
 import wandb
 
-from sowtel.exporters._tracker import StepMetrics
-from sowtel.records import Record
+from sowtel.exporters._tracker import StepBatch, StepMetrics, TrackerExporter
 
 __all__ = ["WandbExporter", "STEP_METRIC"]
 
@@ -35,7 +34,7 @@ __all__ = ["WandbExporter", "STEP_METRIC"]
 STEP_METRIC = "sowtel/step"
 
 
-class WandbExporter:
+class WandbExporter(TrackerExporter):
     """Logs records to a W&B run (see the module docs).
 
     Args:
@@ -71,12 +70,7 @@ class WandbExporter:
         self._closed = False
         self.run.define_metric(STEP_METRIC)
 
-    def write(self, records: Sequence[Record]) -> None:
-        if self._closed:
-            raise RuntimeError("WandbExporter.write() after close(): create a new exporter")
-        bad: list[str] = []
-        batches = self._metrics.convert(
-            records, lambda r, e: bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}"))
+    def _log(self, batches: list[StepBatch]) -> None:
         for batch in batches:
             data: dict[str, Any] = {STEP_METRIC: batch.step, **batch.scalars}
             for key, (edges, counts) in batch.histograms.items():
@@ -86,17 +80,9 @@ class WandbExporter:
                 self.run.define_metric(key, step_metric=STEP_METRIC)
                 self._defined.add(key)
             self.run.log(data)
-        if bad:
-            raise ValueError(f"WandbExporter skipped {len(bad)} record(s) it could not convert, "
-                             f"first {bad[0]}")
+
+    def _finish(self) -> None:
+        self.run.finish()
 
     def flush(self) -> None:
         """W&B sends logged data in its own service process; nothing is held here."""
-
-    def close(self) -> None:
-        """Finishes the run if this exporter started it; later calls do nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._owned:
-            self.run.finish()
