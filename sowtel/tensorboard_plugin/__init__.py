@@ -190,7 +190,12 @@ class _Series:
 
 def _json_grid(grid: np.ndarray) -> list[list[float | None]]:
     # JSON has no NaN or infinity: such cells are null.
-    return np.where(np.isfinite(grid), grid, None).tolist()  # type: ignore[no-any-return]
+    cells: list[list[float | None]] = grid.astype(object).tolist()
+    for row, finite in zip(cells, np.isfinite(grid).tolist(), strict=True):
+        for j, ok in enumerate(finite):
+            if not ok:
+                row[j] = None
+    return cells
 
 
 class SowtelPlugin:
