@@ -152,8 +152,12 @@ def _unflat(meta: list[_Captured], flat: list[Any]) -> list[_Captured]:
 
 
 def _fill_like(aval: Any) -> Any:
-    """NaN for floating (and complex) dtypes, 0 otherwise: a site whose code did not run."""
-    return fill_like(aval.shape, aval.dtype)
+    """NaN for floating (and complex) dtypes, 0 otherwise: a site whose code did not run; laid
+    out as the value it stands for where that is on explicit mesh axes (a cond's branches must
+    return the same types)."""
+    value = fill_like(aval.shape, aval.dtype)
+    sharding = jc.explicit_sharding_of(aval)
+    return value if sharding is None else jax.sharding.reshard(value, sharding)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -295,7 +295,12 @@ def build(nodes: tuple[Node, ...], ref: bool) -> Callable[[Any, Any], tuple[Any,
                 return run_block(body, c, e)
 
             def skipped(c: Any) -> tuple[Any, Any]:
-                return c * 0.5, jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), e or {})
+                if e is None:  # the program under test: its sows are only in the taken branch
+                    return c * 0.5, {}
+                # The reference: NaN of the taken branch's values, which keep their type (on an
+                # explicit-axes mesh, their sharding) as the branches of a cond must.
+                _, v = taken(c)
+                return c * 0.5, jax.tree.map(lambda a: a * jnp.nan, v)
 
             return jax.lax.cond(jnp.sum(h) > 0.2, taken, skipped, h)
         if n.kind == "while":
