@@ -38,10 +38,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from reference import numpy_stats
 
 import sowtel
 from sowtel import save_intermediates, sow
-from reference import numpy_stats
 
 K = 3  # the width of every value: compile time dominates, so values stay tiny
 LOOP_LENGTH = 2
