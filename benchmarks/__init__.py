@@ -321,6 +321,23 @@ def hlo_structure(text: str, *, output_order: bool = True) -> str:
     return "\n".join(lines)
 
 
+def rss() -> int:
+    """This process's resident memory in bytes (Linux's ``/proc``; 0 elsewhere).
+
+    Example:
+        >>> rss() >= 0
+        True
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def machine() -> str:
     """One line about where the numbers come from: CPU, cores, load, Python, JAX."""
     cpu = platform.processor() or platform.machine()

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks import Table, module_main  # noqa: E402
+from benchmarks import Table, module_main, rss  # noqa: E402
 
 __all__ = ["run", "main"]
 
@@ -125,14 +125,6 @@ def table(quick: bool) -> Table:
     return t
 
 
-def _rss() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 class _Slow:
     """An exporter far slower than the steps: sleeps ``per_record`` seconds a record."""
 
@@ -173,7 +165,7 @@ def overload(quick: bool) -> Table:
         with sowtel.enable(exporter=[MemoryExporter(max_records=10_000), _Slow(20e-6)],
                            on_full=mode, queue_size=queue_size) as session:
             f(x0).block_until_ready()
-            rss0 = _rss()
+            rss0 = rss()
             most = rss_most = steps = 0
             x = x0
             end = time.monotonic() + seconds
@@ -183,7 +175,7 @@ def overload(quick: bool) -> Table:
                 if steps % 10 == 0:
                     s = session.status()
                     most = max(most, max(s["pending"].values()))
-                    rss_most = max(rss_most, _rss())
+                    rss_most = max(rss_most, rss())
             jax.block_until_ready(x)
             t0 = time.monotonic()
             final = sowtel.disable(timeout=5.0)

@@ -27,19 +27,11 @@ from collections.abc import Sequence
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks import Table, module_main  # noqa: E402
+from benchmarks import Table, module_main, rss  # noqa: E402
 
 __all__ = ["run", "main", "soak"]
 
 LENGTH = 1_000  # sows per call: one scan of this length
-
-
-def _rss() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _mib(n: float) -> str:
@@ -78,7 +70,7 @@ def soak(records: int) -> Table:
             def sample() -> None:
                 while True:
                     exported = min(session.status()["exported"].values())
-                    samples.append((time.monotonic() - t0, exported, _rss()))
+                    samples.append((time.monotonic() - t0, exported, rss()))
                     if done.wait(1.0):
                         return
 
@@ -91,15 +83,15 @@ def soak(records: int) -> Table:
             elapsed = time.monotonic() - t0
             done.set()
             sampler.join()
-            samples.append((elapsed, min(session.status()["exported"].values()), _rss()))
+            samples.append((elapsed, min(session.status()["exported"].values()), rss()))
         final = session.status()
     n = calls * LENGTH
     table = Table(f"Soak: {n:,} stats records to memory + jsonl + TensorBoard, RSS each second",
                   ["seconds", "records written (by every exporter)", "RSS"])
     shown = samples if len(samples) <= 12 else [
         samples[round(i * (len(samples) - 1) / 11)] for i in range(12)]
-    for seconds, exported, rss in shown:
-        table.add(f"{seconds:.0f}", f"{exported:,}", _mib(rss))
+    for seconds, exported, resident in shown:
+        table.add(f"{seconds:.0f}", f"{exported:,}", _mib(resident))
     rss_values = [s[2] for s in samples]
     after_first = [s[2] for s in samples if s[1] >= n // 10] or rss_values
     total = final["accounts"]["total"]

@@ -375,15 +375,23 @@ class SowtelPlugin:
                     f = family_of(m["name"])
                     if f is not None and f[0] == fam:
                         tags[t] = (m["stat"], (f[1],))
-        if tags:
-            data = self._provider.read_scalars(
-                ctx, experiment_id=eid, plugin_name="scalars", downsample=10**9,
-                run_tag_filter=provider.RunTagFilter(runs=[run], tags=list(tags)))
-            for t, points in data.get(run, {}).items():
-                stat, position = tags[t]
-                for p in points:
-                    series.put(stat, p.step, [position], np.array([p.value]))
+        for t, points in self._read_scalars(ctx, eid, run, tags).items():
+            stat, position = tags[t]
+            for p in points:
+                series.put(stat, p.step, [position], np.array([p.value]))
         return series
+
+    def _read_scalars(self, ctx: Any, eid: str, run: str, tags: Iterable[str]) -> dict[str, Any]:
+        """Every point of ``tags`` in ``run``: ``{tag: [ScalarDatum, ...]}``."""
+        from tensorboard.data import provider
+
+        tags = list(tags)
+        if not tags:
+            return {}
+        data = self._provider.read_scalars(
+            ctx, experiment_id=eid, plugin_name="scalars", downsample=10**9,
+            run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags))
+        return dict(data.get(run, {}))
 
     def _depth_route(self, ctx: Any, eid: str, args: Any) -> dict[str, Any]:
         run, site, mode, stat = (_arg(args, k) for k in ("run", "site", "mode", "stat"))
@@ -433,15 +441,11 @@ class SowtelPlugin:
             m = _PLAIN_TAG.match(t)
             if m and m["stat"] in _COUNT_STATS:
                 count_tags[t] = (m["name"], m["mode"])
-        if count_tags:
-            data = self._provider.read_scalars(
-                ctx, experiment_id=eid, plugin_name="scalars", downsample=10**9,
-                run_tag_filter=provider.RunTagFilter(runs=[run], tags=list(count_tags)))
-            for t, points in data.get(run, {}).items():
-                name, mode = count_tags[t]
-                for p in points:
-                    if p.value > 0:
-                        _mark(bad, name, mode, p.step, None)
+        for t, points in self._read_scalars(ctx, eid, run, count_tags).items():
+            name, mode = count_tags[t]
+            for p in points:
+                if p.value > 0:
+                    _mark(bad, name, mode, p.step, None)
         return self._health_answer(first, bad)
 
     @staticmethod
