@@ -161,7 +161,9 @@ class Guard:
         self.logdir = logdir
         self.tags = tuple(tags)
         self._lock = threading.Lock()
-        self._pending: Record | None = None
+        # Alerts not delivered yet, oldest first: a later step's alert never replaces an
+        # earlier one that the training thread has not seen.
+        self._pending: collections.deque[Record] = collections.deque()
         self._alerted_step = -1  # alerts are for steps after this one
         self._checked_step = -1  # the highest step whose records were seen
         self._kept: collections.deque[_Kept] = collections.deque()
@@ -190,8 +192,8 @@ class Guard:
                         continue
                     self._alerted_step = step
                     if not callable(self.on_nonfinite):
-                        self._pending = firsts[step]  # one alert at a time: the first
-                        return
+                        self._pending.append(firsts[step])
+                        continue
                 self.on_nonfinite(firsts[step])
         except Exception:  # noqa: BLE001 - a user's callable must not stop the dispatcher
             self.callback_errors += 1
@@ -221,23 +223,25 @@ class Guard:
                     kwargs: dict[str, Any]) -> None:
         """Delivers a pending alert (may raise :class:`NonFiniteError`), then keeps the call's
         arguments if the flight recorder is on."""
-        if self._pending is not None:
+        if self._pending:
             self.deliver()
         if self.keep:
             self._record(fun, step, args, kwargs)
 
     def deliver(self) -> None:
-        """Acts on a pending non-finite record: post-mortem, then warn or raise."""
-        with self._lock:
-            record, self._pending = self._pending, None
-        if record is None:
-            return
-        folder = self._postmortem(record) if self.keep else None
-        if self.on_nonfinite == "raise":
-            raise NonFiniteError(record, folder)
-        if self.on_nonfinite in ("warn", "dump"):
-            where = f"; post-mortem in {folder}" if folder else ""
-            warnings.warn(describe(record) + where, NonFiniteWarning, stacklevel=3)
+        """Acts on the pending non-finite records, oldest first: post-mortem, then warn or
+        raise (one alert a call under ``"raise"``; the rest wait for the next call)."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                record = self._pending.popleft()
+            folder = self._postmortem(record) if self.keep else None
+            if self.on_nonfinite == "raise":
+                raise NonFiniteError(record, folder)
+            if self.on_nonfinite in ("warn", "dump"):
+                where = f"; post-mortem in {folder}" if folder else ""
+                warnings.warn(describe(record) + where, NonFiniteWarning, stacklevel=3)
 
     # -- the flight recorder -------------------------------------------------------------------
 

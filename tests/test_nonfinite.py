@@ -184,3 +184,32 @@ def test_bad_options() -> None:
     with pytest.raises(ValueError, match="flight_recorder=-1"):
         sowtel.enable(exporter="memory", flight_recorder=-1)
     assert not sowtel.status()["enabled"]
+
+
+def _nan_record(step: int) -> sowtel.Record:
+    return sowtel.Record(name="h", mode="primal", tag="intermediates", step=step, index=None,
+                         wall_time=0.0, summary="health", shape=(4,), dtype="float32",
+                         stats={"size": 4.0, "nan": 1.0, "posinf": 0.0, "neginf": 0.0})
+
+
+def test_a_later_alert_never_replaces_one_not_delivered_yet() -> None:
+    from sowtel.nonfinite import make_guard
+
+    # The dispatcher may check steps 23 and 25 before the training thread's next call: both
+    # alerts are delivered, the earlier first.
+    guard = make_guard("warn", None, None, False, None, ("intermediates",))
+    guard.observe([_nan_record(23)])
+    guard.observe([_nan_record(25), _nan_record(24)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", sowtel.NonFiniteWarning)
+        guard.deliver()
+    assert [str(w.message).split(" at step ")[1][:2] for w in caught] == ["23", "24", "25"]
+    # Under "raise", one alert a call, oldest first; the next waits for the next call.
+    guard = make_guard("raise", None, None, False, None, ("intermediates",))
+    guard.observe([_nan_record(23)])
+    guard.observe([_nan_record(25)])
+    for step in (23, 25):
+        with pytest.raises(sowtel.NonFiniteError) as info:
+            guard.deliver()
+        assert info.value.step == step
+    guard.deliver()  # nothing left
