@@ -656,7 +656,8 @@ class TensorBoardExporter:
             table[rank:, j] = row if list(keys) == stats else [
                 dict(zip(keys, row, strict=True)).get(k, math.nan) for k in stats]
         tag = f"{series_tag(name, mode)}{DEPTH_SUFFIX}"
-        values.append(Summary.Value(tag=tag, metadata=self._depth_metadata(tag, stats, rank),
+        values.append(Summary.Value(tag=tag, metadata=self._depth_metadata(tag, stats, rank,
+                                                                             rows.order),
                                     tensor=_float_tensor(table)))
         written: frozenset[str] = frozenset()
         if "l2" in stats:
@@ -685,12 +686,13 @@ class TensorBoardExporter:
         return Summary.Value(tag=NONFINITE_TAG, tensor=tensor, metadata=_tensor_metadata(
             NONFINITE_CONTENT) if first else None)
 
-    def _depth_metadata(self, tag: str, stats: list[str], rank: int) -> Any:
-        # TensorBoard keeps a tag's first metadata: written once per tag and file.
+    def _depth_metadata(self, tag: str, stats: list[str], rank: int, order: int) -> Any:
+        # TensorBoard keeps a tag's first metadata: written once per tag and file. The order
+        # lets the plugin list sites in program order.
         if tag in self._depth_tags:
             return None
         self._depth_tags.add(tag)
-        return _tensor_metadata(depth_content(stats, rank))
+        return _tensor_metadata(depth_content(stats, rank, order))
 
     def _chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
                 nonfinite: bool, single: bool = False) -> list[str]:
