@@ -359,7 +359,7 @@ def first_paint(quick: bool = False) -> Table:
             requests = times["requests"]
             slowest = max(requests, key=lambda e: e[2] - e[1]) if requests else None
             table.add(
-                "cold" if attempt == 0 else f"again ({attempt + 1})",
+                str(attempt + 1),
                 fmt_time(times["ready"] / 1e3),
                 fmt_time(times["frame"] / 1e3),
                 f"{len(requests)} in {fmt_time((requests[-1][2] - requests[0][1]) / 1e3)}"

@@ -19,6 +19,9 @@ summaries when the device has computed them and builds the same records the call
 gives. The step is the host-side :func:`sowtel.at_step` around the call, else the number of
 calls of this function since the session began. ``every=N`` (the session's or a site's) is
 decided on the host: a step at which no site is due runs the plain program.
+``enable(histogram_every=N)`` (default 100) is too: the logging steps divisible by N, from
+step N on, run a second logging program in which sites whose summary is ``stats`` send
+``histogram`` (compiled ahead in a background thread, so training does not wait for it).
 
 Example:
     >>> import jax, jax.numpy as jnp, sowtel
@@ -145,7 +148,8 @@ class _Programs:
     the same function (a new session with the same settings included) traces nothing again."""
 
     def __init__(self) -> None:
-        self.programs: dict[Any, Any] = {}  # (stream settings, due strides, gather) -> jax.jit
+        # (stream settings, due strides, gather, health, histograms) -> jax.jit
+        self.programs: dict[Any, Any] = {}
         self.traced: set[Any] = set()  # keys of the programs traced whole once
         self.strides: dict[StreamConfig, set[int]] = {}
         # Per stream setting: whether the function has sites in while_loop bodies, which keep
