@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -344,7 +345,7 @@ def first_paint(quick: bool = False) -> Table:
             time.sleep(0.5)
         for attempt in range(3):
             profile = tempfile.mkdtemp(prefix="sowtel-bench-chromium-")
-            browser = Chromium(binary, profile)  # type: ignore[arg-type]
+            browser = Chromium(binary, Path(profile))
             try:
                 browser.call("Page.navigate", page=True, url=f"{url}#sowtel")
                 deadline = time.monotonic() + 120
