@@ -15,6 +15,10 @@ ratio to the plain step (``jax.jit`` of the step without sows) run right around 
   log nothing send every site's NaN / inf counts;
 - **sowtel.jit, every=10, flight recorder K=1**: keeps references to each call's arguments
   (``enable(flight_recorder=1)``); no device work is added;
+- **sowtel.jit, histogram every step**: ``enable(summary="histogram")``: the stats plus 30
+  bucket counts a site, every step;
+- **sowtel.jit, stats, histograms every 10 steps**: ``enable(histogram_every=10)``: one logging
+  step in ten sends histograms, the others stats (a separate cached program);
 - **hand-written floor**: the same summaries (``sowtel.summaries.device_summary`` of every
   site's primal and cotangent) returned as outputs of a hand-written step, no sowtel at run time.
 
@@ -24,7 +28,7 @@ variant about to run is made the active one, as a single training loop would hav
 per step are counted, so a variant that streamed nothing cannot pass for a fast one.
 
 Run: ``python -m benchmarks.bench_jit [--quick] [--gpt-full] [--workload W] [--nonfinite]
-[--markdown FILE]``.
+[--histogram] [--markdown FILE]``.
 """
 
 from __future__ import annotations
@@ -78,6 +82,12 @@ NONFINITE_VARIANTS = (
     "sowtel.jit, every=10, health every step", "sowtel.jit, every=10, flight recorder K=1",
 )
 
+#: The variants of ``--histogram``: what histograms cost next to stats (docs/tensorboard.md).
+HISTOGRAM_VARIANTS = (
+    "plain", "sowtel.jit, stats every step", "sowtel.jit, histogram every step",
+    "sowtel.jit, stats, histograms every 10 steps",
+)
+
 
 class Runner:
     """One variant: a step function, its own training state, and the session it streams to."""
@@ -123,8 +133,9 @@ def _floor(work: Workload) -> Callable[..., Any]:
 def variants(work: Workload, stack: ExitStack,
              only: Sequence[str] | None = None) -> dict[str, Runner]:
     def session(**options: Any) -> sowtel.Session:
+        options = {"summary": "stats", "histogram_every": None, **options}
         return stack.enter_context(sowtel.enable(
-            exporter=MemoryExporter(max_records=256), summary="stats", **options))
+            exporter=MemoryExporter(max_records=256), **options))
 
     sown = make_train_step(work, sowtel.sow)
     out = {
@@ -139,6 +150,10 @@ def variants(work: Workload, stack: ExitStack,
             sowtel.jit(sown), work, session(every=10, health_every=1)),
         "sowtel.jit, every=10, flight recorder K=1": Runner(
             sowtel.jit(sown), work, session(every=10, flight_recorder=1)),
+        "sowtel.jit, histogram every step": Runner(
+            sowtel.jit(sown), work, session(summary="histogram")),
+        "sowtel.jit, stats, histograms every 10 steps": Runner(
+            sowtel.jit(sown), work, session(histogram_every=10)),
         "hand-written floor (summaries as outputs)": Runner(_floor(work), work, None),
     }
     activate_session(None)
@@ -200,9 +215,14 @@ def jit_table(work: Workload, *, rounds: int, steps: int,
 
 
 def run(quick: bool = False, gpt_full: bool = False,
-        workload: str | None = None, nonfinite: bool = False) -> list[Table]:
+        workload: str | None = None, nonfinite: bool = False,
+        histogram: bool = False) -> list[Table]:
     """The tables, one per workload (the MLP only, two short rounds, with ``quick``; only
-    ``workload`` if given; with ``nonfinite``, the transformer's NaN-check variants only)."""
+    ``workload`` if given; with ``nonfinite``, the transformer's NaN-check variants only; with
+    ``histogram``, the MLP's and the transformer's histogram variants only)."""
+    if histogram:
+        return [jit_table(mlp(), rounds=10, steps=10, only=HISTOGRAM_VARIANTS),
+                jit_table(transformer_block(), rounds=8, steps=10, only=HISTOGRAM_VARIANTS)]
     if nonfinite:
         return [jit_table(transformer_block(), rounds=8, steps=10, only=NONFINITE_VARIANTS)]
     if quick:  # a smoke run of every variant, on a small MLP
@@ -232,13 +252,17 @@ def _gpt_full_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nonfinite", action="store_true",
                         help="the transformer block's NaN-check variants only (health checks, "
                              "flight recorder)")
+    parser.add_argument("--histogram", action="store_true",
+                        help="the MLP's and the transformer block's histogram variants only "
+                             "(histograms every step, every 10 steps, against stats)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m benchmarks.bench_jit [--quick] [--gpt-full] [--markdown FILE]``."""
     return module_main(argv, "bench_jit", __doc__,
                        lambda args: run(quick=args.quick, gpt_full=args.gpt_full,
-                                        workload=args.workload, nonfinite=args.nonfinite),
+                                        workload=args.workload, nonfinite=args.nonfinite,
+                                        histogram=args.histogram),
                        arguments=_gpt_full_argument)
 
 

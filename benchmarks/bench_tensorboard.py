@@ -1,6 +1,6 @@
 """What the TensorBoard exporter costs: records and histograms per second, and a training step.
 
-Three measurements, taken side by side in this one process:
+The measurements, taken side by side in this one process:
 
 1. **Scalars**: records per second through ``TensorBoardExporter.write`` (batches of 64 records
    of 12 sites, as the dispatcher hands them over) then ``close``, against the same statistics
@@ -14,8 +14,11 @@ Three measurements, taken side by side in this one process:
    to the memory exporter and against the step without sows. The exporter runs on its own
    worker thread, so its file writes show in the step only through the GIL: the training
    thread never waits on it. "+ drain" adds the time to flush what the round left behind.
+4. **Depth** (:func:`deep_model`): a 48-layer x 8-site scan's scalar tags and event bytes per
+   1,000 steps in each layout, and the plugin's routes on a real TensorBoard; and the plugin
+   page's **first paint** in headless Chromium on that run (:func:`first_paint`).
 
-Run: ``python -m benchmarks.bench_tensorboard [--quick] [--markdown FILE]``.
+Run: ``python -m benchmarks.bench_tensorboard [--quick] [--first-paint] [--markdown FILE]``.
 
 Example:
     >>> from benchmarks import bench_tensorboard
@@ -33,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +52,8 @@ from sowtel.exporters.tensorboard import TensorBoardExporter, series_tag
 from sowtel.records import Record
 from sowtel.summaries import host_summary
 
-__all__ = ["run", "main", "tables", "scalars", "histograms", "deep_model", "training_step"]
+__all__ = ["run", "main", "tables", "scalars", "histograms", "deep_model", "first_paint",
+           "training_step"]
 
 SITES = 12  # the MLP workload: 6 sites, primal and cotangent
 BATCH = 64
@@ -279,11 +284,109 @@ def _route_seconds(top: str, run: str, steps: int) -> tuple[float, float]:
     return statistics.median(times["depth"]), statistics.median(times["page"])
 
 
+# In the page's frame once it is ready: when (ms after the top page's navigation began) the
+# depth view was drawn, and each of the plugin's requests (start and end, same clock).
+_PAINT_TIMES = r"""(() => {
+  const f = document.querySelector('iframe');
+  const w = f && f.contentWindow;
+  if (!w || !w.document.body || w.document.body.getAttribute('data-ready') !== '1') return null;
+  const shift = w.performance.timeOrigin - performance.timeOrigin;
+  const ready = w.performance.getEntriesByName('sowtel-ready')[0];
+  const nav = performance.getEntriesByType('navigation')[0];
+  const top = performance.getEntriesByType('resource').map(
+    e => [e.name, e.startTime, e.responseEnd]);
+  return {ready: ready.startTime + shift, frame: shift, load: nav ? nav.loadEventEnd : null,
+          top: top,
+          requests: w.performance.getEntriesByType('resource').map(
+            e => [e.name.split('/').pop(), e.startTime + shift, e.responseEnd + shift])};
+})()"""
+
+
+def first_paint(quick: bool = False) -> Table:
+    """First paint of the plugin page on the 48 x 8 model's run, in headless Chromium.
+
+    The run (1,000 logging steps, 40 with ``quick``) is served by a TensorBoard started as
+    ``sowtel dashboard`` starts it; once every step is loaded, Chromium opens
+    ``/#sowtel`` afresh (a new profile: nothing cached) three times, and the page's own clock
+    says when its depth view was drawn, counted from the navigation's start.
+    """
+    import json
+    import urllib.request
+
+    from benchmarks.chromium import Chromium
+    from sowtel.dashboard import _launch, pick_port
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        raise RuntimeError("Chromium is missing: install Debian's chromium (make system-deps)")
+    steps = 40 if quick else 1000
+    table = Table(f"The plugin page's first paint: the 48 x 8 model, {steps:,} logging steps",
+                  ["load", "first paint", "TensorBoard's app", "plugin requests",
+                   "slowest request"])
+    top = tempfile.mkdtemp(prefix="sowtel-bench-paint-")
+    try:
+        exporter = TensorBoardExporter(logdir=os.path.join(top, "deep"))
+        for batch in _deep_records(steps):
+            exporter.write(batch)
+        exporter.close()
+        url = _launch(top, "127.0.0.1", pick_port("127.0.0.1", None))
+        query = (f"{url}data/plugin/sowtel/depth?run=deep&site=blocks/site0&mode=primal"
+                 "&stat=std")
+        deadline = time.monotonic() + 180
+        while True:  # until TensorBoard has loaded every step
+            try:
+                with urllib.request.urlopen(query, timeout=30) as r:
+                    if len(json.load(r)["steps"]) >= steps:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("TensorBoard did not load the run within 180 s")
+            time.sleep(0.5)
+        for attempt in range(3):
+            profile = tempfile.mkdtemp(prefix="sowtel-bench-chromium-")
+            browser = Chromium(binary, Path(profile))
+            try:
+                browser.call("Page.navigate", page=True, url=f"{url}#sowtel")
+                deadline = time.monotonic() + 120
+                while (times := browser.evaluate(_PAINT_TIMES)) is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the plugin page was not ready within 120 s")
+                    time.sleep(0.1)
+            finally:
+                browser.close()
+                shutil.rmtree(profile, ignore_errors=True)
+            assert isinstance(times, dict)
+            requests = times["requests"]
+            slowest = max(requests, key=lambda e: e[2] - e[1]) if requests else None
+            table.add(
+                str(attempt + 1),
+                fmt_time(times["ready"] / 1e3),
+                fmt_time(times["frame"] / 1e3),
+                f"{len(requests)} in {fmt_time((requests[-1][2] - requests[0][1]) / 1e3)}"
+                if requests else "—",
+                "—" if slowest is None else
+                f"{slowest[0].split('?')[0]} {fmt_time((slowest[2] - slowest[1]) / 1e3)}")
+            if os.environ.get("SOWTEL_BENCH_PAINT_DETAIL"):
+                print(json.dumps(times, indent=1), file=sys.stderr)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    table.notes.append(
+        "first paint: from the start of the navigation to /#sowtel until the plugin has drawn "
+        "its health panel, heatmap and line chart (the page's own performance mark). "
+        "TensorBoard's app: when TensorBoard's page created the plugin's frame. plugin "
+        "requests: the frame's requests (its script and its JSON routes), first start to last "
+        "end. Each load is a fresh browser profile (nothing cached) against the same loaded "
+        "TensorBoard. Target: first paint < 3 s on the 1,000-step run.")
+    return table
+
+
 def tables(quick: bool = False) -> Iterator[Table]:
     """Runs the measurements, yielding each table as soon as it is measured."""
     yield scalars(quick)
     yield histograms(quick)
     yield deep_model(quick)
+    yield first_paint(quick)
     yield training_step(quick)
 
 
@@ -293,8 +396,14 @@ def run(quick: bool = False) -> list[Table]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.bench_tensorboard [--quick] [--markdown FILE]``."""
-    return module_main(argv, "bench_tensorboard", __doc__, lambda args: tables(args.quick))
+    """``python -m benchmarks.bench_tensorboard [--quick] [--first-paint] [--markdown FILE]``."""
+    def only(parser: Any) -> None:
+        parser.add_argument("--first-paint", action="store_true",
+                            help="only the plugin page's first paint in headless Chromium")
+
+    return module_main(argv, "bench_tensorboard", __doc__,
+                       lambda args: [first_paint(args.quick)] if args.first_paint
+                       else tables(args.quick), arguments=only)
 
 
 if __name__ == "__main__":

@@ -286,8 +286,9 @@ class TensorBoardExporter:
       depth: how a site with an ``index`` (inside a scan) is written. ``"tensor"`` (default):
         its statistics at every position as one tensor a step (tag ``{name}/{mode}/depth``,
         read by the ``sowtel`` plugin's depth view), plus one headline scalar per mode, the l2
-        norm over all positions (``{name}/{mode}/l2``); ``"scalars"``: a scalar tag per position
-        and statistic (``{name}[3]/{mode}/{stat}``) and a histogram per position; ``"both"``.
+        norm over all positions (``{name}/{mode}/l2``), and a record's histogram, if it has one,
+        per position (``{name}[3]/{mode}``); ``"scalars"``: a scalar tag per position and
+        statistic (``{name}[3]/{mode}/{stat}``) and a histogram per position; ``"both"``.
 
     Attributes:
       logdir: the absolute run directory (the parent of the per-process runs, if several).
@@ -437,6 +438,8 @@ class TensorBoardExporter:
                 count = int(_nonfinite(r.stats))
                 if self.depth == "tensor":
                     self._alert(r, r.stats, state.values)
+                    if r.histogram is not None:  # a position's histogram has no depth row
+                        self._position_histogram(r, state.values)
                 else:
                     self._record_values(r, state.values, layout, layout_due)
             else:
@@ -608,6 +611,16 @@ class TensorBoardExporter:
             layout_due.add(r.process_index)
         return count
 
+    def _position_histogram(self, r: Record, values: list[Summary.Value]) -> None:
+        # Tagged as the per-position layout tags it: {name}[i]/{mode}.
+        key = (r.name, r.mode, r.index)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            prefix = self._prefixes[key] = series_tag(str(r.name), str(r.mode), r.index)
+        h = _histogram_value(prefix, r.stats, r.histogram)  # type: ignore[arg-type]
+        if h is not None:
+            values.append(h)
+
     def _alert(self, r: Record, stats: dict[str, float], values: list[Summary.Value]) -> bool:
         """Whether ``r`` holds a non-finite value; the run's first such record is an alert."""
         nonfinite = _nonfinite(stats) > 0
@@ -656,7 +669,8 @@ class TensorBoardExporter:
             table[rank:, j] = row if list(keys) == stats else [
                 dict(zip(keys, row, strict=True)).get(k, math.nan) for k in stats]
         tag = f"{series_tag(name, mode)}{DEPTH_SUFFIX}"
-        values.append(Summary.Value(tag=tag, metadata=self._depth_metadata(tag, stats, rank),
+        values.append(Summary.Value(tag=tag, metadata=self._depth_metadata(tag, stats, rank,
+                                                                             rows.order),
                                     tensor=_float_tensor(table)))
         written: frozenset[str] = frozenset()
         if "l2" in stats:
@@ -685,12 +699,13 @@ class TensorBoardExporter:
         return Summary.Value(tag=NONFINITE_TAG, tensor=tensor, metadata=_tensor_metadata(
             NONFINITE_CONTENT) if first else None)
 
-    def _depth_metadata(self, tag: str, stats: list[str], rank: int) -> Any:
-        # TensorBoard keeps a tag's first metadata: written once per tag and file.
+    def _depth_metadata(self, tag: str, stats: list[str], rank: int, order: int) -> Any:
+        # TensorBoard keeps a tag's first metadata: written once per tag and file. The order
+        # lets the plugin list sites in program order.
         if tag in self._depth_tags:
             return None
         self._depth_tags.add(tag)
-        return _tensor_metadata(depth_content(stats, rank))
+        return _tensor_metadata(depth_content(stats, rank, order))
 
     def _chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
                 nonfinite: bool, single: bool = False) -> list[str]:

@@ -19,6 +19,9 @@ summaries when the device has computed them and builds the same records the call
 gives. The step is the host-side :func:`sowtel.at_step` around the call, else the number of
 calls of this function since the session began. ``every=N`` (the session's or a site's) is
 decided on the host: a step at which no site is due runs the plain program.
+``enable(histogram_every=N)`` (default 100) is too: the logging steps divisible by N, from
+step N on, run a second logging program in which sites whose summary is ``stats`` send
+``histogram`` (compiled ahead in a background thread, so training does not wait for it).
 
 Example:
     >>> import jax, jax.numpy as jnp, sowtel
@@ -145,7 +148,8 @@ class _Programs:
     the same function (a new session with the same settings included) traces nothing again."""
 
     def __init__(self) -> None:
-        self.programs: dict[Any, Any] = {}  # (stream settings, due strides, gather) -> jax.jit
+        # (stream settings, due strides, gather, health, histograms) -> jax.jit
+        self.programs: dict[Any, Any] = {}
         self.traced: set[Any] = set()  # keys of the programs traced whole once
         self.strides: dict[StreamConfig, set[int]] = {}
         # Per stream setting: whether the function has sites in while_loop bodies, which keep
@@ -240,7 +244,8 @@ class Jitted:
         session = active_session()
         if session is None:
             raise RuntimeError("lower_logging needs an active session: call sowtel.enable()")
-        program = self._logging_program(session.config, step, args, kwargs)
+        program = self._logging_program(session.config, step, args, kwargs,
+                                        session.histogram_at(step))
         return program.lower(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -276,31 +281,43 @@ class Jitted:
                 self._discover(config, args, kwargs)
         guard = session.guard  # sowtel.nonfinite: may raise a pending NonFiniteError
         health = guard is not None and guard.health_at(step)
+        histogram = session.histogram_at(step)
         if guard is not None:
             guard.before_call(self, step, args, kwargs)
         while True:
             due = self._due(config, step)
             if not due and not health:
                 if self._warming:
-                    self._join_warming(args, kwargs)
+                    self._join_warming("plain", args, kwargs)
                 with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                     return self._plain(*args, **kwargs)
             gather = multihost.replicated_sharding((args, kwargs))  # several processes only
+            key = (config, due, gather, health, histogram and bool(due))
             try:
-                if (config, due, gather, health) not in self._traced:
+                if self._warming:  # compiled ahead in a thread: wait for it, not compile again
+                    self._join_warming(key, args, kwargs)
+                if key not in self._traced:
                     if any(e > 1 for e in self._strides[config]):
                         self._warm_plain(args, kwargs)  # other steps will run it
                     # Traced before the call (jax.jit keeps the trace for it): the trace finds
                     # new every= strides and sites in while_loop bodies.
-                    self._program(config, due, gather, health).trace(*args, **kwargs)
-                    self._traced.add((config, due, gather, health))
+                    self._program(*key).trace(*args, **kwargs)
+                    self._traced.add(key)
+                every = session.histogram_every
+                if every is not None and every > 1:
+                    sibling = (*key[:4], not key[4])
+                    if sibling not in self._traced and (key[4] or step % every >= every // 2):
+                        # Logging steps with and without histograms both come: the other
+                        # program compiles off the training thread, the histogram one in the
+                        # half stride before its first step (not beside the first logging
+                        # step's own compilation).
+                        self._warm_logging(sibling, ctx, args, kwargs)
                 if self._callbacks.get(config):
                     # Its while-body sites call back later: they read this step on the host.
                     with session.host_step_block(step):
-                        out, summaries = self._program(config, due, gather, health)(
-                            *args, **kwargs)
+                        out, summaries = self._program(*key)(*args, **kwargs)
                 else:
-                    out, summaries = self._program(config, due, gather, health)(*args, **kwargs)
+                    out, summaries = self._program(*key)(*args, **kwargs)
             except _NewStride as new:  # raised while tracing: nothing ran
                 self._strides[config].add(new.every)
                 continue
@@ -335,8 +352,27 @@ class Jitted:
         """Compiles the plain program for these arguments in a thread, while the first logging
         step compiles and runs (XLA compiles without the GIL), so that ``every=N`` reaches
         steady state in about the time of one compilation. The next plain step waits for it."""
+
+        def lower() -> Any:
+            with self._quiet():
+                return self._plain.lower(*args, **kwargs)
+
+        self._warm("plain", lower, args, kwargs)
+
+    def _warm_logging(self, key: tuple[Any, ...], ctx: Context, args: Any,
+                      kwargs: Any) -> None:
+        """Compiles the logging program ``key`` for these arguments in a thread (traced there
+        under the caller's context ``ctx``); the first step that runs it waits for it."""
+
+        def lower() -> Any:
+            with CONTEXT(ctx):
+                return self._program(*key).lower(*args, **kwargs)
+
+        self._warm(key, lower, args, kwargs)
+
+    def _warm(self, variant: Any, lower: Callable[[], Any], args: Any, kwargs: Any) -> None:
         try:
-            key = self._signature(args, kwargs)
+            key = (variant, self._signature(args, kwargs))
             hash(key)
         except TypeError:  # an unhashable static argument: jax.jit would refuse it anyway
             return
@@ -344,34 +380,34 @@ class Jitted:
             return
         self._warmed.add(key)
 
-        def compile_plain() -> None:
+        def compile_ahead() -> None:
             # Lowering reads only shapes, dtypes and shardings: the logging step may donate the
             # arguments meanwhile (a deleted array still lowers, on JAX 0.10.2 and 0.12).
             try:
-                with self._quiet():
-                    self._plain.lower(*args, **kwargs).compile()
+                lower().compile()
             except Exception as e:  # only a warm-up: the step itself compiles it if need be
-                _log.debug("sowtel.jit: compiling the plain program ahead failed: %r", e)
+                _log.debug("sowtel.jit: compiling a program ahead failed: %r", e)
 
-        thread = threading.Thread(target=compile_plain, name="sowtel-compile", daemon=True)
+        thread = threading.Thread(target=compile_ahead, name="sowtel-compile", daemon=True)
         self._warming[key] = thread
         thread.start()
 
-    def _join_warming(self, args: Any, kwargs: Any) -> None:
+    def _join_warming(self, variant: Any, args: Any, kwargs: Any) -> None:
         try:
-            thread = self._warming.pop(self._signature(args, kwargs), None)
+            thread = self._warming.pop((variant, self._signature(args, kwargs)), None)
         except TypeError:
             return
         if thread is not None:
             thread.join()
 
     def _logging_program(self, config: StreamConfig, step: int, args: Any,
-                         kwargs: Any) -> Any:
+                         kwargs: Any, histogram: bool = False) -> Any:
         if config not in self._strides:
             self._discover(config, args, kwargs)
         gather = multihost.replicated_sharding((args, kwargs))
         while True:
-            program = self._program(config, self._due(config, step), gather)
+            due = self._due(config, step)
+            program = self._program(config, due, gather, False, histogram and bool(due))
             try:
                 program.trace(*args, **kwargs)
             except _NewStride as new:
@@ -380,15 +416,16 @@ class Jitted:
             return program
 
     def _program(self, config: StreamConfig, due: frozenset[int] | None,
-                 gather: Any = None, health: bool = False) -> Any:
-        key = (config, due, gather, health)
+                 gather: Any = None, health: bool = False, histogram: bool = False) -> Any:
+        key = (config, due, gather, health, histogram)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs.setdefault(key, self._build(config, due, gather, health))
+            program = self._programs.setdefault(
+                key, self._build(config, due, gather, health, histogram))
         return program
 
     def _build(self, config: StreamConfig, due: frozenset[int] | None,
-               gather: Any = None, health: bool = False) -> Any:
+               gather: Any = None, health: bool = False, histogram: bool = False) -> Any:
         fun = self._fun
         strides = self._strides.setdefault(config, {config.every})
         in_blocks: set[int] = set()  # sites whose stats are summarised per device (multihost)
@@ -405,6 +442,8 @@ class Jitted:
                 if not health:
                     return None
                 summary = "health"  # the health check of enable(health_every=...)
+            elif histogram and summary == "stats":
+                summary = "histogram"  # a step of enable(histogram_every=...)
             site = params["site"]
             info = StreamSite(
                 name=site.name, mode=params["mode"], tag=site.tag, leaf_names=leaf_names(site),

@@ -58,7 +58,7 @@ from sowtel.primitive import (
     sow_p,
 )
 from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record, record_index
-from sowtel.summaries import check_summary
+from sowtel.summaries import HISTOGRAM_EVERY, check_summary
 from sowtel.to_records import CompiledConverter, RecordBatch, first_nonfinite
 
 __all__ = ["Session", "enable", "disable", "flush", "status", "export", "log", "active_session"]
@@ -167,6 +167,7 @@ class Session:
         max_bytes: int,
         export_process: int = 0,
         guard: Guard | None = None,
+        histogram_every: int | None = None,
     ) -> None:
         self.id = next(_ids)
         # What shapes compiled programs, and keys their cache (never the session's identity).
@@ -178,6 +179,7 @@ class Session:
         self.include = include
         self.exclude = exclude
         self.every = every
+        self.histogram_every = histogram_every
         self.exporters = exporters
         self.process_index = jax.process_index()
         self.dispatcher = Dispatcher(
@@ -203,6 +205,13 @@ class Session:
         self.guard = guard  # on_nonfinite, health_every, flight recorder (sowtel.nonfinite)
 
     # -- host-side steps ------------------------------------------------------------------------
+
+    def histogram_at(self, step: int) -> bool:
+        """Whether a ``sowtel.jit`` logging step at ``step`` sends histograms of its ``stats``
+        sites (``enable(histogram_every=N)``): steps divisible by N from step N on (every step
+        for N=1), so that the first logging step compiles only the program without them."""
+        every = self.histogram_every
+        return every is not None and step % every == 0 and (step > 0 or every == 1)
 
     def logs_at(self, step: int) -> bool:
         """Whether any site may log at a host-side ``at_step(step)`` (else it runs quiet)."""
@@ -450,6 +459,7 @@ def enable(
     export_process: int | None = None,
     on_nonfinite: Any = None,
     health_every: int | None = None,
+    histogram_every: int | None = HISTOGRAM_EVERY,
     flight_recorder: int | None = None,
     record_donated: bool = False,
     **exporter_options: Any,
@@ -481,6 +491,11 @@ def enable(
         :mod:`sowtel.nonfinite`).
       health_every: ``sowtel.jit`` steps at which no site logs still send every site's
         ``"health"`` summary every ``health_every`` steps (``1``: a NaN is caught at its step).
+      histogram_every: ``sowtel.jit`` logging steps divisible by it, from that step on, send
+        the ``"histogram"`` summary (stats plus bucket counts) of every site whose summary is
+        ``"stats"``; the other logging steps send stats only (default 100: histograms cost
+        more than stats, see docs/tensorboard.md). ``None``: never. The callback transport
+        (``enable()`` + ``jax.jit``) keeps each site's own summary.
       flight_recorder: keep the arguments of the last K ``sowtel.jit`` calls to write a
         post-mortem of the step that made a non-finite value (default: 1 under
         ``on_nonfinite="dump"``, else off); memory: about K+1 extra copies of the arguments.
@@ -509,6 +524,14 @@ def enable(
         if m not in BASE_MODES:
             raise ValueError(f"enable modes: {m!r} is not a mode; use some of {BASE_MODES}")
     every = check_positive_int(every, "enable every")
+    if histogram_every is not None:
+        if (isinstance(histogram_every, bool)
+                or not isinstance(histogram_every, (int, np.integer)) or histogram_every < 1):
+            raise ValueError(
+                f"enable histogram_every={histogram_every!r} must be a positive int (histograms "
+                "at the logging steps divisible by it) or None (no histograms beyond sites "
+                "with summary='histogram')")
+        histogram_every = int(histogram_every)
     queue_size = check_positive_int(queue_size, "enable queue_size")
     max_bytes = check_positive_int(max_bytes, "enable max_bytes")
     if on_full not in ON_FULL:
@@ -521,7 +544,8 @@ def enable(
         # of a global site can be placed on the export process's device.
         jc.requires_devices(sow_p)
     multihost.agree(dict(summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
-                         exclude=exclude_fn, every=every, export_process=export_process),
+                         exclude=exclude_fn, every=every, export_process=export_process,
+                         histogram_every=histogram_every),
                     what="enable")
     guard_options = (on_nonfinite, health_every, flight_recorder, record_donated)
     make_guard(*guard_options, None, tags_t)  # checked before exporters open files
@@ -532,7 +556,7 @@ def enable(
         exporters, summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
         exclude=exclude_fn, every=every, queue_size=queue_size, on_full=on_full,
         max_bytes=max_bytes, export_process=export_process,
-        guard=make_guard(*guard_options, logdir, tags_t),
+        guard=make_guard(*guard_options, logdir, tags_t), histogram_every=histogram_every,
     )
     with _lock:
         below = _stack[-1] if _stack else None

@@ -24,6 +24,10 @@ from sowtel.records import HEALTH_KEYS, STAT_KEYS, SUMMARIES
 #: Default number of histogram buckets.
 DEFAULT_BINS = 30
 
+#: ``enable(histogram_every=...)``'s default: the ``sowtel.jit`` logging steps divisible by it
+#: send histograms of their ``stats`` sites (chosen from benchmarks/bench_jit.py --histogram).
+HISTOGRAM_EVERY: int | None = 100
+
 #: How many arrays the device sends per leaf, by summary (see :func:`device_summary`).
 ARRAYS_PER_LEAF = {"full": 1, "histogram": 3, "stats": 2, "health": 1, "shape": 0}
 

@@ -407,3 +407,89 @@ def test_while_body_sites_carry_the_calls_step() -> None:
     got = sorted((r.step, r.name) for r in session.exporters[0].records)
     assert got == sorted([(5, "before"), (5, "w"), (5, "w"), (6, "before"), (6, "w"), (6, "w"),
                           (2, "before"), (2, "w"), (2, "w")])
+
+
+# -- enable(histogram_every=N) ------------------------------------------------------------------
+
+W3 = np.random.default_rng(3).normal(scale=0.9, size=(3, 4, 4)).astype(np.float32)
+X3 = np.random.default_rng(4).normal(size=(5, 4)).astype(np.float32)
+
+
+def _layers(w, x, eps=None):
+    """Three tanh layers under scan, each output sown; ``eps`` (3, 5, 4) is added to the sown
+    values, so ``jax.grad`` in ``eps`` is the sites' cotangent computed without sowtel."""
+    def body(h, wi_e):
+        wi, e = wi_e
+        return sow(jnp.tanh(h @ wi), "layers/h", summary=None) + e, None
+
+    zeros = jnp.zeros((3, *x.shape), x.dtype) if eps is None else eps
+    h, _ = jax.lax.scan(body, x, (w, zeros))
+    health = sow(h.sum(axis=1), "head", summary="health")
+    return jnp.sum(h ** 2) + 0.0 * health.sum()
+
+
+def _primal_values() -> list[np.ndarray]:
+    h, out = X3.astype(np.float64), []
+    for wi in W3.astype(np.float64):
+        h = np.tanh(h @ wi)
+        out.append(h)
+    return out
+
+
+def _cotangent_values() -> np.ndarray:
+    with sowtel.enable(exporter="memory", tags=("nothing",)):  # no site selected: plain
+        return np.asarray(jax.grad(lambda e: _layers(W3, X3, e))(jnp.zeros((3, 5, 4))))
+
+
+def _assert_histogram_of(r: Record, value: np.ndarray) -> None:
+    edges, counts = r.histogram
+    assert counts.sum() == value.size, (r.name, r.mode, r.step, r.index)
+    want_counts, want_edges = np.histogram(value, bins=len(counts),
+                                           range=(value.min(), value.max()))
+    np.testing.assert_allclose(edges, want_edges, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(counts, want_counts)
+
+
+def test_histogram_every_n_adds_histograms_at_its_steps_only() -> None:
+    step = sowtel.jit(jax.grad(_layers))
+    records = run(step, W3, X3, calls=7, histogram_every=3)
+    primal, cotangent = _primal_values(), _cotangent_values()
+    hist_steps = set()
+    for r in records:
+        assert r.step in range(7)
+        if r.name == "head":  # its own summary, whatever the step
+            assert (r.summary, r.histogram) == ("health", None)
+            continue
+        if r.step in (3, 6):
+            assert r.summary == "histogram", r
+            value = primal[r.index] if r.mode == "primal" else cotangent[r.index]
+            _assert_histogram_of(r, value)
+            hist_steps.add(r.step)
+        else:  # step 0 included: the first logging step compiles only the stats program
+            assert (r.summary, r.histogram) == ("stats", None), r
+    assert hist_steps == {3, 6}
+    # Every step logged every layer and the health site, primal and cotangent.
+    assert len(records) == 7 * 2 * (3 + 1)
+
+
+def test_histogram_every_default_and_the_callback_transport() -> None:
+    from sowtel.summaries import HISTOGRAM_EVERY
+
+    assert HISTOGRAM_EVERY == 100
+    f = sowtel.jit(lambda x: jnp.sum(sow(x * 2.0, "d") ** 2))
+    x = np.random.default_rng(5).normal(size=(8, 8)).astype(np.float32)
+    records = run(f, x, calls=HISTOGRAM_EVERY + 1)
+    assert [r.step for r in records if r.histogram is not None] == [HISTOGRAM_EVERY]
+    _assert_histogram_of(records[-1], x.astype(np.float64) * 2.0)
+    # The callback transport keeps each site's summary: stats at every step.
+    by_callback = run(jax.jit(f.__wrapped__), x, calls=3, histogram_every=1)
+    assert [(r.summary, r.histogram) for r in by_callback] == [("stats", None)] * 3
+    assert [r.summary for r in run(f, x, calls=3, histogram_every=1)] == ["histogram"] * 3
+    assert [r.summary for r in run(f, x, calls=3, histogram_every=None)] == ["stats"] * 3
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "100"])
+def test_histogram_every_rejects_what_is_not_a_positive_int(bad: Any) -> None:
+    with pytest.raises(ValueError, match=rf"histogram_every={bad!r} must be a positive int"):
+        sowtel.enable(exporter="memory", histogram_every=bad)
+    assert sowtel.status()["enabled"] is False

@@ -564,3 +564,55 @@ def test_layout_has_no_count_chart_until_a_count_is_non_zero_even_with_all_stati
     categories = read_layout(load(tmp_path))
     assert list(categories["h"]) == ["primal (activation): mean, band min to max"]
     assert list(categories["g"]) == ["NaN and infinities"]  # all that a health summary has
+
+
+def test_histogram_every_n_reaches_tensorboards_loader(tmp_path):
+    """``enable(histogram_every=2)`` through ``sowtel.jit``: at steps 2 and 4 every site,
+    inside a scan (a histogram per layer, beside the depth tensor) or not, has a histogram
+    equal to numpy's of the same value; the other steps have none."""
+    import jax
+    import jax.numpy as jnp
+
+    import sowtel
+
+    rng = np.random.default_rng(11)
+    w = rng.normal(scale=0.8, size=(3, 6, 6)).astype(np.float32)
+    xs = [rng.normal(size=(4, 6)).astype(np.float32) for _ in range(5)]
+
+    @sowtel.jit
+    def forward(w, x):
+        def layer(h, wi):
+            return sowtel.sow(jnp.tanh(h @ wi), "layers/h"), None
+
+        h, _ = jax.lax.scan(layer, sowtel.sow(x * 3.0, "embed"), w)
+        return jnp.sum(h)
+
+    with sowtel.enable(exporter="tensorboard", logdir=tmp_path, histogram_every=2):
+        for x in xs:
+            forward(w, x)
+        assert sowtel.flush(timeout=60)
+    acc = load(tmp_path)
+
+    def values(x: np.ndarray) -> dict[str, np.ndarray]:
+        out, h = {"embed/primal": x * 3.0}, x.astype(np.float64) * 3.0
+        for i, wi in enumerate(w.astype(np.float64)):
+            h = np.tanh(h @ wi)
+            out[f"layers/h[{i}]/primal"] = h
+        return out
+
+    assert sorted(acc.Tags()["histograms"]) == sorted(values(xs[0]))
+    for tag in values(xs[0]):
+        events = acc.Histograms(tag)
+        assert [e.step for e in events] == [2, 4], tag
+        for e in events:
+            value = values(xs[e.step])[tag].astype(np.float64)
+            h = e.histogram_value
+            assert h.num == value.size and sum(h.bucket) == value.size, tag
+            want, edges = np.histogram(value, bins=len(h.bucket),
+                                       range=(value.min(), value.max()))
+            np.testing.assert_array_equal(h.bucket, want, err_msg=tag)
+            np.testing.assert_allclose(h.bucket_limit, edges[1:], rtol=1e-5, atol=1e-6,
+                                       err_msg=tag)
+            assert (h.min, h.max) == pytest.approx((value.min(), value.max()), rel=1e-5)
+    # The depth tensor is written at every step, histograms or not.
+    assert [e.step for e in acc.Tensors("layers/h/primal/depth")] == [0, 1, 2, 3, 4]

@@ -34,7 +34,7 @@ from test_demo_dashboard import (
 from sowtel.exporters.tensorboard import TensorBoardExporter
 from sowtel.records import Record
 from sowtel.summaries import host_summary
-from sowtel.tensorboard_plugin import PLUGIN_NAME, family_of
+from sowtel.tensorboard_plugin import PLUGIN_NAME, family_of, parse_content
 
 STEPS = [0, 1, 2, 5]
 LAYERS = 5
@@ -49,7 +49,8 @@ def record(name: str, step: int, x: np.ndarray, *, mode: str = "primal", index=N
 
 def make_records() -> tuple[list[Record], dict[str, dict]]:
     """A scanned site (5 layers, a NaN planted in one gradient), a nested scan, and four
-    numbered repeats; with the arrays, to check against."""
+    numbered repeats; with the arrays, to check against. Their program order (the records'
+    ``order``: the repeats, the nested scan, the scanned site) is not their names' order."""
     rng = np.random.default_rng(7)
     arrays: dict[str, dict] = {"blocks/h": {}, "inner": {}, "layer*/out": {}}
     records = []
@@ -61,17 +62,17 @@ def make_records() -> tuple[list[Record], dict[str, dict]]:
                 g[0, 0] = np.nan
             arrays["blocks/h"][("primal", step, i)] = x
             arrays["blocks/h"][("cotangent", step, i)] = g
-            records += [record("blocks/h", step, x, index=i, order=1),
+            records += [record("blocks/h", step, x, index=i, order=6),
                         record("blocks/h", step, g, mode="cotangent", index=i, order=9)]
         for i in range(2):
             for j in range(3):
                 y = rng.normal(size=(3,)).astype(np.float32) * (i + 1) + j
                 arrays["inner"][("primal", step, (i, j))] = y
-                records.append(record("inner", step, y, index=(i, j), order=2))
+                records.append(record("inner", step, y, index=(i, j), order=5))
         for k in range(4):
             z = rng.normal(size=(6,)).astype(np.float32) * (k + 1)
             arrays["layer*/out"][("primal", step, k)] = z
-            records.append(record(f"layer{k}/out", step, z, order=3 + k))
+            records.append(record(f"layer{k}/out", step, z, order=1 + k))
     return records, arrays
 
 
@@ -143,6 +144,12 @@ def test_compact_depth_tensors_are_small_and_read_back_by_tensorboards_loader(tm
     assert len([t for t in per_layer.Tags()["scalars"] if t.startswith("blocks/h[")]) >= 2 * 5 * 5
     size = lambda run: sum(f.stat().st_size for f in (tmp_path / run).iterdir())  # noqa: E731
     assert size("compact") < size("scalars")
+    # The depth tensor's metadata names its rows and its site's place in the program.
+    for tag, order in (("blocks/h/primal/depth", 6), ("blocks/h/cotangent/depth", 9),
+                       ("inner/primal/depth", 5)):
+        meta = parse_content(compact.SummaryMetadata(tag).plugin_data.content)
+        assert (meta["order"], meta["index_rank"]) == (order, 1 + tag.startswith("inner")), tag
+        assert {"mean", "std", "l2"} <= set(meta["stats"]), tag
 
 
 def test_family_of_numbered_repeats():
@@ -196,8 +203,11 @@ def test_sites_health_and_errors(served):
     base = served["base"]
     listing = get_json(base.rsplit("/data/", 1)[0] + "/data/plugins_listing")
     assert isinstance(listing, dict) and listing[PLUGIN_NAME]["enabled"] is True
+    for run in ("compact", "scalars"):
+        # In program order, as the records' order says, not by name.
+        assert [s["site"] for s in route(base, "sites", run=run)["sites"]] == [
+            "layer*/out", "inner", "blocks/h"], run
     sites = {s["site"]: s for s in route(base, "sites", run="compact")["sites"]}
-    assert set(sites) == {"blocks/h", "inner", "layer*/out"}
     assert sites["blocks/h"]["modes"] == ["primal", "cotangent"]
     assert sites["layer*/out"]["kind"] == "repeat" and sites["layer*/out"]["positions"] == 4
     for run in ("compact", "scalars"):
@@ -278,7 +288,7 @@ def test_plugin_page_in_headless_chromium_shows_the_depth_view(served, tmp_path)
         shot = browser.screenshot()
     finally:
         browser.close()
-    assert shown["sites"] == ["blocks/h", "inner", "layer*/out"]
+    assert shown["sites"] == ["layer*/out", "inner", "blocks/h"]  # program order
     assert "First non-finite value: site blocks/h, gradient (cotangent), step 2, index 3" in (
         shown["health"])
     # It opens on the site that went non-finite: a heatmap, and one line per layer.

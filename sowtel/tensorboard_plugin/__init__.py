@@ -79,25 +79,32 @@ _PLAIN_TAG = re.compile(r"^(?P<name>[^\[\]]+)/(?P<mode>(?:primal|tangent|cotange
                         r"(?:\.(?:tangent|cotangent))*)/(?P<stat>[a-z_0-9]+)$")
 # The one number in a path segment that makes a family of repeats: block12/attn, attn_3.
 _NUMBERED = re.compile(r"(?<![0-9])([0-9]+)(?![0-9])")
+# The tag of the exporter's custom-scalars layout (its categories are sites, in program order).
+_LAYOUT_TAG = "custom_scalars__config__"
 # TensorBoard's text plugin stores the exporter's alert under this tag.
 _ALERT_TAG = "sowtel/alerts/text_summary"
 _ALERT_TEXT = re.compile(r"step (?P<step>-?[0-9]+), site `(?P<site>[^`]+)` \((?P<mode>[^,)]+)"
                          r"(?:, index (?P<index>[^)]+))?\)")
 
 
-def depth_content(stats: Iterable[str], index_rank: int) -> bytes:
+def depth_content(stats: Iterable[str], index_rank: int, order: int | None = None) -> bytes:
     """The metadata content of a compact depth tensor: which rows hold what.
 
     The tensor of one step has ``index_rank + len(stats)`` rows and one column a scan position
     that ran that step: the first ``index_rank`` rows hold the position's index (one row for a
-    scan, two for nested scans), the others one statistic each, in ``stats`` order.
+    scan, two for nested scans), the others one statistic each, in ``stats`` order. ``order``
+    is the site's place in its program (the records' ``order``), by which the plugin lists
+    sites; files written without it are listed after those with it, by name.
 
     Example:
-        >>> parse_content(depth_content(["mean", "l2"], 1))
-        {'version': 1, 'stats': ['mean', 'l2'], 'index_rank': 1}
+        >>> parse_content(depth_content(["mean", "l2"], 1, order=3))
+        {'version': 1, 'stats': ['mean', 'l2'], 'index_rank': 1, 'order': 3}
     """
-    return json.dumps({"version": CONTENT_VERSION, "stats": list(stats),
-                       "index_rank": int(index_rank)}).encode()
+    meta: dict[str, Any] = {"version": CONTENT_VERSION, "stats": list(stats),
+                            "index_rank": int(index_rank)}
+    if order is not None:
+        meta["order"] = int(order)
+    return json.dumps(meta).encode()
 
 
 def parse_content(content: bytes) -> dict[str, Any]:
@@ -113,7 +120,8 @@ def parse_content(content: bytes) -> dict[str, Any]:
         raise ValueError(f"sowtel depth metadata is not JSON: {e}") from e
     if (not isinstance(meta, dict) or meta.get("version") != CONTENT_VERSION
             or not isinstance(meta.get("stats"), list)
-            or not isinstance(meta.get("index_rank"), int)):
+            or not isinstance(meta.get("index_rank"), int)
+            or not isinstance(meta.get("order", 0), int)):
         raise ValueError(f"sowtel depth metadata {meta!r} is not version {CONTENT_VERSION}")
     return meta
 
@@ -305,38 +313,72 @@ class SowtelPlugin:
     def _sites(self, ctx: Any, eid: str, run: str) -> list[dict[str, Any]]:
         sites: dict[str, dict[str, Any]] = {}
 
-        def add(site: str, kind: str, mode: str, stats: Iterable[str], position: Any) -> None:
+        def add(site: str, kind: str, mode: str, stats: Iterable[str], position: Any,
+                member: str, order: int | None = None) -> None:
             entry = sites.setdefault(site, {"site": site, "kind": kind, "modes": set(),
-                                            "stats": set(), "positions": set()})
+                                            "stats": set(), "positions": set(),
+                                            "members": set(), "order": None})
             entry["modes"].add(mode)
             entry["stats"].update(stats)
+            entry["members"].add(member)
             if position is not None:
                 entry["positions"].add(position)
+            if order is not None and (entry["order"] is None or order < entry["order"]):
+                entry["order"] = order
 
         for tag, series in self._tensor_tags(ctx, eid, run).items():
             if tag == NONFINITE_TAG or not tag.endswith(DEPTH_SUFFIX):
                 continue
             name, mode = tag[:-len(DEPTH_SUFFIX)].rsplit("/", 1)
             meta = parse_content(series.plugin_content)
-            add(name, "scan", mode, meta["stats"], None)
+            add(name, "scan", mode, meta["stats"], None, name, meta.get("order"))
         for tag in self._scalar_tags(ctx, eid, run):
             m = _INDEXED_TAG.match(tag)
             if m:
-                add(m["name"], "scan", m["mode"], [m["stat"]], m["index"])
+                add(m["name"], "scan", m["mode"], [m["stat"]], m["index"], m["name"])
                 continue
             m = _PLAIN_TAG.match(tag)
             if m and (fam := family_of(m["name"])):
-                add(fam[0], "repeat", m["mode"], [m["stat"]], fam[1])
+                add(fam[0], "repeat", m["mode"], [m["stat"]], fam[1], m["name"])
+        ranks = self._program_ranks(ctx, eid, run)
         # A family needs at least two members to be a depth axis.
         out = []
         for entry in sites.values():
             if entry["kind"] == "repeat" and len(entry["positions"]) < 2:
                 continue
-            out.append({"site": entry["site"], "kind": entry["kind"],
-                        "modes": sorted(entry["modes"], key=_mode_order),
-                        "stats": sorted(entry["stats"] - {"size"}),
-                        "positions": len(entry["positions"]) or None})
-        return sorted(out, key=lambda e: e["site"])
+            known = [ranks[m] for m in entry["members"] if m in ranks]
+            rank = min(known) if known else None
+            out.append(((rank is None, rank or 0, entry["order"] is None, entry["order"] or 0,
+                         entry["site"]),
+                        {"site": entry["site"], "kind": entry["kind"],
+                         "modes": sorted(entry["modes"], key=_mode_order),
+                         "stats": sorted(entry["stats"] - {"size"}),
+                         "positions": len(entry["positions"]) or None}))
+        # Program order: the exporter's custom-scalars layout lists every site in it (the
+        # members of a family by their own names), and a depth tensor's metadata carries its
+        # site's order; a file with neither lists its sites by name.
+        return [e for _, e in sorted(out, key=lambda pair: pair[0])]
+
+    def _program_ranks(self, ctx: Any, eid: str, run: str) -> dict[str, int]:
+        """Each site's place in the run's custom-scalars layout (the exporter writes its
+        categories in program order); empty where the run has none."""
+        from tensorboard.data import provider
+
+        try:
+            data = self._provider.read_tensors(
+                ctx, experiment_id=eid, plugin_name="custom_scalars", downsample=1,
+                run_tag_filter=provider.RunTagFilter(runs=[run], tags=[_LAYOUT_TAG]))
+            points = data.get(run, {}).get(_LAYOUT_TAG, [])
+            if not points:
+                return {}
+            from tensorboard.plugins.custom_scalar import layout_pb2
+
+            raw = np.asarray(points[-1].numpy).reshape(-1)[0]
+            layout = layout_pb2.Layout.FromString(raw if isinstance(raw, bytes)
+                                                  else str(raw).encode())
+        except Exception:  # no layout loaded, or one that does not parse: order by metadata
+            return {}
+        return {c.title: i for i, c in enumerate(layout.category)}
 
     def _series(self, ctx: Any, eid: str, run: str, site: str, mode: str,
                 stats: Iterable[str]) -> _Series:
