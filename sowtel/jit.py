@@ -60,7 +60,7 @@ from sowtel.primitive import (
     host_step,
     leaf_names,
 )
-from sowtel.summaries import DEFAULT_BINS, device_summary, flatten
+from sowtel.summaries import DEFAULT_BINS, flatten, site_summary
 
 __all__ = ["jit", "Jitted", "CompiledSummaries"]
 
@@ -416,7 +416,7 @@ class Jitted:
             if arrays is not None:  # finished in logging_step, with every site's
                 in_blocks.add(info.order)
             else:
-                arrays = [a for v in leaves for a in device_summary(v, summary, info.bins)]
+                arrays = [a for v in leaves for a in site_summary(v, summary, info.bins)]
             return info, [*arrays, jnp.ones((), jnp.int32)]
 
         def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:
