@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -115,11 +116,9 @@ class CompiledSummaries:
         """The arrays again, as views of the fetched ``host_buffers``."""
         if self.layout is None:
             return list(host_buffers)
-        out = []
-        for b, offset, shape in self.layout:
-            n = int(np.prod(shape, dtype=np.int64))
-            out.append(host_buffers[b][offset:offset + n].reshape(shape))
-        return out
+        # math.prod: numpy's prod of a small tuple costs microseconds, a dozen times a step.
+        return [host_buffers[b][offset:offset + math.prod(shape)].reshape(shape)
+                for b, offset, shape in self.layout]
 
 
 jax.tree_util.register_pytree_node(
