@@ -377,6 +377,8 @@ def _summary_jit() -> Any:
     return jax.jit(device_summary, static_argnums=(1, 2, 3))
 
 
+# Made on first use: this module imports JAX only inside functions (host-side users of the
+# summaries never load it).
 _SUMMARY_JIT: Any = None
 
 
