@@ -77,17 +77,18 @@ def _child(variant: str, workload: str, cache: str | None) -> dict[str, float]:
         out = jax.block_until_ready(step(params, opt_state, batch, jax.numpy.int32(i)))
         params, opt_state = out[0], out[1]
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(calls):
         one(i)
     startup = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     t0 = time.perf_counter()
     one(calls)
     steady = time.perf_counter() - t0
     if session is not None:
         session.flush()
         session.close()
-    return {"startup": startup, "step": steady}
+    return {"startup": startup, "cpu": cpu, "step": steady}
 
 
 def _spawn(variant: str, workload: str, cache: str | None) -> dict[str, float]:
@@ -107,37 +108,50 @@ def startup_table(workload: str, rounds: int) -> Table:
     """Each variant in fresh processes, ``rounds`` times, interleaved; one row per variant."""
     cold: dict[str, list[float]] = {v: [] for v in VARIANTS}
     warm: dict[str, list[float]] = {v: [] for v in ("plain", "every=10")}
+    cold_cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    warm_cpu: dict[str, list[float]] = {v: [] for v in warm}
     steps: list[float] = []
     for _ in range(rounds):
         for variant in VARIANTS:
             got = _spawn(variant, workload, None)
             cold[variant].append(got["startup"])
+            cold_cpu[variant].append(got["cpu"])
             steps.append(got["step"])
         with tempfile.TemporaryDirectory(prefix="sowtel-bench-cache-") as cache:
             _spawn("every=10", workload, cache)  # fills the cache with both programs
             for variant in warm:
-                warm[variant].append(_spawn(variant, workload, cache)["startup"])
+                got = _spawn(variant, workload, cache)
+                warm[variant].append(got["startup"])
+                warm_cpu[variant].append(got["cpu"])
     med = {k: statistics.median(v) for k, v in cold.items()}
     med_warm = {k: statistics.median(v) for k, v in warm.items()}
-    table = Table(f"Startup: {workload}", ["variant", "time (median)", "ratio", "target"])
+    cpu = {k: statistics.median(v) for k, v in cold_cpu.items()}
+    cpu_warm = {k: statistics.median(v) for k, v in warm_cpu.items()}
+    table = Table(f"Startup: {workload}", ["variant", "time (median)", "ratio", "CPU time",
+                                           "CPU ratio", "target"])
 
-    def row(name: str, seconds: float, base: float, target_key: str | None) -> None:
+    def row(name: str, key: str, warm_cache: bool, target_key: str | None) -> None:
+        seconds, base = (med_warm[key], med_warm["plain"]) if warm_cache else (med[key],
+                                                                             med["plain"])
+        cpu_s, cpu_base = (cpu_warm[key], cpu_warm["plain"]) if warm_cache else (cpu[key],
+                                                                               cpu["plain"])
         ratio = seconds / base
         target = TARGETS.get(target_key) if target_key else None
         verdict = "" if target is None else (
             f"≤ {target:.1f}× {'met' if ratio <= target else 'MISSED'}")
-        table.add(name, fmt_time(seconds), fmt_ratio(ratio), verdict)
+        table.add(name, fmt_time(seconds), fmt_ratio(ratio), fmt_time(cpu_s),
+                  fmt_ratio(cpu_s / cpu_base), verdict)
 
-    base = med["plain"]
-    row("plain, first step (baseline)", base, base, None)
-    row("sowtel.jit, stats every step, first step", med["every=1"], base, "first logging step")
-    row("sowtel.jit, every=10, steps 0-1", med["every=10"], base, "every=10 to steady state")
-    warm_base = med_warm["plain"]
-    row("persistent cache: plain, first step (baseline)", warm_base, warm_base, None)
-    row("persistent cache: sowtel.jit, every=10, steps 0-1", med_warm["every=10"], warm_base,
+    row("plain, first step (baseline)", "plain", False, None)
+    row("sowtel.jit, stats every step, first step", "every=1", False, "first logging step")
+    row("sowtel.jit, every=10, steps 0-1", "every=10", False, "every=10 to steady state")
+    row("persistent cache: plain, first step (baseline)", "plain", True, None)
+    row("persistent cache: sowtel.jit, every=10, steps 0-1", "every=10", True,
         "second process, every=10 to steady state")
     table.notes.append(
-        f"{rounds} rounds, each variant in a fresh process; a steady step takes "
+        f"{rounds} rounds, each variant in a fresh process; CPU time: the process's CPU "
+        f"seconds (all threads) over the same interval, which other load on the machine does "
+        f"not inflate (a compilation in a background thread counts in full); a steady step takes "
         f"{fmt_time(statistics.median(steps))}. Times in seconds per variant and round: "
         + "; ".join(f"{k}: {', '.join(f'{t:.2f}' for t in v)}" for k, v in cold.items())
         + "; with the cache: "

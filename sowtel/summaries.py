@@ -266,7 +266,8 @@ def _variadic(x: Any, mask: Any, ctype: Any, counts: bool = False) -> tuple[Any,
     return k, m, m2, mn, mx, a, z.astype(ctype)
 
 
-def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
+def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
+                   form: str | None = None) -> list[Any]:
     """JAX ops that reduce ``x`` on the device to the arrays the host receives.
 
     Returns a list of arrays: ``stats`` -> ``[floats(6), counts(4)]``; ``full`` -> ``[x]``
@@ -278,9 +279,9 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     ``stats`` reduces over every axis of ``x`` without reshaping it (so a value with an
     explicit sharding is summarised where it lies): the sum, the sum of squares about the mean,
     the extrema, the sum of absolute values and the count of non-zeros, as sibling reductions
-    or one variadic reduce (see :func:`summary_form`). Their sum being finite is the cheap test
-    that the value holds no NaN or infinity; only when it does not, under a ``lax.cond``, the
-    statistics are taken again with those elements masked out and counted.
+    or one variadic reduce (``form``, else :func:`summary_form`). Their sum being finite is the
+    cheap test that the value holds no NaN or infinity; only when it does not, under a
+    ``lax.cond``, the statistics are taken again with those elements masked out and counted.
 
     Example:
         >>> import jax.numpy as jnp
@@ -324,7 +325,7 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
         if summary == "histogram":
             out.append(jnp.zeros((bins,), cdtype))
         return out
-    moments = _variadic if summary_form() == "variadic" else _separate
+    moments = _variadic if (form or summary_form()) == "variadic" else _separate
     # Counts in the float type are exact up to 2**24 elements (float32); beyond, in int32.
     ctype = ftype if size < (1 << 24) else jnp.int32
 
@@ -372,6 +373,38 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
         counts_h = jnp.zeros((bins,), cdtype).at[idx].add(mask.astype(cdtype))
         out.append(counts_h)
     return out
+
+
+def _summary_jit() -> Any:
+    import jax
+
+    return jax.jit(device_summary, static_argnums=(1, 2, 3))
+
+
+# Made on first use: this module imports JAX only inside functions (host-side users of the
+# summaries never load it).
+_SUMMARY_JIT: Any = None
+
+
+def site_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
+    """:func:`device_summary`, traced once per (abstract value, summary, bins, form) in this
+    process and called as a nested ``jax.jit`` (XLA inlines it: the program is the same).
+
+    A training step's sites often share a shape (every layer's activations and their
+    cotangents): tracing the summary's few hundred operations once instead of once a site
+    takes most of a logging program's trace time away, and JAX lowers the repeated call once.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> out = jax.jit(lambda a, b: site_summary(a, "stats") + site_summary(b, "stats"))(
+        ...     jnp.arange(4.0), jnp.ones(4))
+        >>> [round(float(v), 4) for v in out[0][:2]], out[2][:2].tolist()
+        ([1.5, 1.118], [1.0, 0.0])
+    """
+    global _SUMMARY_JIT
+    if _SUMMARY_JIT is None:
+        _SUMMARY_JIT = _summary_jit()
+    return list(_SUMMARY_JIT(x, summary, bins, summary_form()))
 
 
 def decode_device_summary(

@@ -432,7 +432,11 @@ class CompiledConverter:
             index = layout.index if n == len(keep) else [
                 i for i, k in zip(layout.index, keep, strict=True) if k]
             lead = ran.ndim
-            gathered = [np.asarray(a).reshape(-1, *np.shape(a)[lead:])[take] for a in mine[:-1]]
+            if lead == 0:  # a site outside any scan or shard_map: its one position, as a view
+                gathered = [np.asarray(a)[None] for a in mine[:-1]]
+            else:
+                gathered = [a.reshape(-1, *a.shape[lead:])[take]
+                            for a in map(np.asarray, mine[:-1])]
             seq = [next(seqs) for _ in range(n)]
             out.append(site_columns(entry.site, gathered, index=index, step=step, seqs=seq,
                                     wall_time=wall_time, process_index=process_index))
