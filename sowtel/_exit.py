@@ -9,7 +9,8 @@
   JAX's C++ code with the GIL released; a thread that comes back from there while Python is
   finalizing is torn down inside C++ and aborts the process. :data:`FETCHES` therefore closes
   at exit: no fetch starts after it, and the exit hook waits for the fetch in progress to end
-  (at most :data:`FETCH_GRACE` seconds) before Python goes on tearing threads down.
+  (at most :data:`FETCH_GRACE` seconds) before Python goes on tearing threads down. A program
+  ``sowtel.jit`` compiles ahead in a thread goes through the same gate.
 - In a child made by ``os.fork`` (``multiprocessing``'s fork start method), no sowtel thread
   exists and any lock a sowtel thread held in the parent would stay held forever: every lock
   and condition registered with :func:`after_fork` is made anew, and every inherited
@@ -101,7 +102,8 @@ class FetchGate:
         self._inside = 0
 
 
-#: The gate every fetch of a ``sowtel.jit`` step's summaries goes through.
+#: The gate every fetch of a ``sowtel.jit`` step's summaries, and every program ``sowtel.jit``
+#: compiles ahead in a thread, goes through: threads that may be inside JAX's C++ code.
 FETCHES = FetchGate()
 
 # -- live dispatchers ------------------------------------------------------------------------

@@ -382,10 +382,15 @@ class Jitted:
         def compile_ahead() -> None:
             # Lowering reads only shapes, dtypes and shardings: the logging step may donate the
             # arguments meanwhile (a deleted array still lowers, on JAX 0.10.2 and 0.12).
-            try:
-                lower().compile()
-            except Exception as e:  # only a warm-up: the step itself compiles it if need be
-                _log.debug("sowtel.jit: compiling a program ahead failed: %r", e)
+            # Through the exit gate: a thread that comes back from XLA's compiler while Python
+            # finalizes aborts the process, so exit waits for it and none starts after exit.
+            with _exit.FETCHES.entered() as allowed:
+                if not allowed:
+                    return
+                try:
+                    lower().compile()
+                except Exception as e:  # only a warm-up: the step itself compiles it if need be
+                    _log.debug("sowtel.jit: compiling a program ahead failed: %r", e)
 
         thread = threading.Thread(target=compile_ahead, name="sowtel-compile", daemon=True)
         self._warming[key] = thread

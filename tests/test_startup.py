@@ -132,3 +132,39 @@ def test_background_compile_with_donated_arguments() -> None:
     assert float(loss) == float((jnp.tanh(x @ jnp.full((3, 2), 0.5 ** 3)) ** 2).sum())
     assert [(r.step, r.stats["max"]) for r in session.exporters[0].records] == [
         (0, float(jnp.tanh(3.0))), (2, float(jnp.tanh(3 * 0.25)))]
+
+
+_EXITING = """
+import json, threading
+import jax.numpy as jnp, sowtel
+from sowtel import _exit
+
+traced_in = []
+
+@sowtel.jit
+def step(w, x):
+    traced_in.append(threading.current_thread().name)
+    return (sowtel.sow(jnp.tanh(x @ w), "h") ** 2).sum()
+
+w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+with sowtel.enable(exporter="memory", every=2) as session:
+    _exit.FETCHES.close(timeout=60.0)  # what interpreter exit does first
+    losses = [float(step(w, x)) for _ in range(3)]
+print(json.dumps({"traced_in": traced_in, "losses": losses,
+                  "compiling": [t.name for t in threading.enumerate()
+                                if t.name == "sowtel-compile"]}))
+"""
+
+
+def test_no_program_is_compiled_ahead_once_exit_has_begun() -> None:
+    # A compile thread that comes back from XLA while Python finalizes aborts the process:
+    # once exit has closed the gate, the plain program compiles on the calling thread instead.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _EXITING], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["traced_in"] == ["MainThread", "MainThread"]  # logging, then plain program
+    assert out["compiling"] == []
+    assert out["losses"] == [out["losses"][0]] * 3
