@@ -215,6 +215,62 @@ def test_tensorboard_batch_writes_what_write_writes(tmp_path, depth):
         assert steps == 0 and table[0] == list(range(LAYERS))  # the index row, then the stats
 
 
+def test_tensorboard_depth_tensor_of_a_step_in_pieces_equals_it_whole(tmp_path):
+    """A step's table split across batches (positions in reverse order, 2-d indices) is one
+    depth tensor, positions sorted, equal to the per-record path's; a step older than the last
+    written goes out as per-position scalars, as write() does."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    from sowtel.exporters.tensorboard import TensorBoardExporter
+    from sowtel.records import STAT_KEYS
+
+    rng = np.random.default_rng(0)
+    index = [(i, j) for i in (1, 0) for j in (2, 1, 0)]  # reversed scans, as a program runs them
+
+    def table(step: int) -> SiteColumns:
+        return SiteColumns(
+            names=("h",), shapes=((4,),), dtypes=("float32",), mode="primal",
+            tag="intermediates", summary="stats", step=step, wall_time=float(step),
+            process_index=0, order=0, index=index, seqs=list(range(10 * step, 10 * step + 6)),
+            stat_keys=STAT_KEYS, stats=rng.random((6, 1, len(STAT_KEYS))) * 0.0 + np.arange(
+                6 * len(STAT_KEYS)).reshape(6, 1, -1) + step)
+
+    tables = [table(1), table(2), table(0)]
+    by_batch = TensorBoardExporter(logdir=tmp_path / "batch")
+    head, rest = RecordBatch([tables[0]]).split(2, 1 << 20)
+    assert rest is not None and len(head) == 2
+    for batch in (head, rest, RecordBatch([tables[1]]), RecordBatch([tables[2]])):
+        by_batch.write_batch(batch)
+    by_batch.close()
+    by_write = TensorBoardExporter(logdir=tmp_path / "plain")
+    for t in tables:
+        by_write.write(t.records())
+    by_write.close()
+
+    def read(run: os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+        acc = ea.EventAccumulator(os.fspath(run), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+        acc.Reload()
+        # A step written again (its second piece) counts as TensorBoard reads it: the last.
+        scalars = {tag: sorted({e.step: e.value for e in acc.Scalars(tag)}.items())
+                   for tag in acc.Tags()["scalars"]}
+        depths = {tag: sorted({e.step: tf_array(e.tensor_proto).tolist()
+                               for e in acc.Tensors(tag)}.items())
+                  for tag in acc.Tags()["tensors"] if tag.endswith("/depth")}
+        return scalars, depths
+
+    (got, got_depth), (want, want_depth) = read(tmp_path / "batch"), read(tmp_path / "plain")
+    assert got == want and got_depth == want_depth
+    (step, first), (step2, _) = got_depth["h/primal/depth"]
+    assert (step, step2) == (1, 2)
+    # Rows: the two index rows, then the statistics but size; columns: positions sorted.
+    assert first[0] == [0, 0, 0, 1, 1, 1] and first[1] == [0, 1, 2, 0, 1, 2]
+    k = len(STAT_KEYS)
+    order = [index.index(p) for p in sorted(index)]
+    assert first[2] == [float(1 + p * k + 1) for p in order]  # "mean", the column after size
+    # Step 0 came after step 2: its positions as scalars, one tag each.
+    assert got["h[0,0]/primal/mean"] == [(0, float(index.index((0, 0)) * k + 1))]
+
+
 def tf_array(proto: Any) -> Any:
     from tensorboard.util import tensor_util
 
