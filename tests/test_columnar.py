@@ -8,6 +8,7 @@ tables against the per-record decoder of the device summaries.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -299,6 +300,74 @@ def test_otel_one_event_a_site_and_step_with_positions_as_lists():
                           if (r.name, r.step) == (attrs["sowtel.name"], step)),
                          key=lambda r: r.index)
         assert list(attrs["sowtel.stat.mean"]) == [r.stats["mean"] for r in records]
-        assert list(attrs["sowtel.stat.nan"]) == [0] * LAYERS
+        assert list(attrs["sowtel.stat.zeros"]) == [r.stats["zeros"] for r in records]
+        assert all(type(v) is int for v in attrs["sowtel.stat.zeros"])
+        # The same at every position: one int each (40 elements; no NaN or infinity).
+        assert (attrs["sowtel.stat.size"], attrs["sowtel.stat.nan"], attrs["sowtel.stat.posinf"],
+                attrs["sowtel.stat.neginf"]) == (40, 0, 0, 0)
+        assert all(type(attrs[f"sowtel.stat.{k}"]) is int
+                   for k in ("size", "nan", "posinf", "neginf"))
     assert sum(s.attributes["sowtel.record_count"]
                for s in spans.get_finished_spans()) == 2 * LAYERS * SITES
+
+
+def test_otel_metrics_of_tables_are_each_positions_latest_and_count():
+    """Gauges and the exported counter read a table's positions as the records' series; a
+    record after a table updates its series, and a table after the record wins again."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from sowtel.exporters.otel import OTelExporter
+
+    reader = InMemoryMetricReader()
+    otel = OTelExporter(tracer_provider=TracerProvider(),
+                        meter_provider=MeterProvider(metric_readers=[reader]))
+    plain, grab = WriteOnly(), Batches()
+    _stream("stats", [plain, grab], steps=3)
+    for batch in grab.batches:
+        otel.write_batch(batch)
+
+    def points() -> dict[str, dict[Any, float]]:
+        out: dict[str, dict[Any, float]] = {}
+        for rm in reader.get_metrics_data().resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    out[m.name] = {(p.attributes["sowtel.name"], p.attributes.get("sowtel.index"))
+                                   : p.value for p in m.data.data_points
+                                   if "sowtel.name" in p.attributes}
+        return out
+
+    got = points()
+    last = max(r.step for r in plain.records)
+    for r in plain.records:
+        assert got["sowtel.records.exported"][r.name, r.index] == 3
+        if r.step == last:
+            assert got["sowtel.mean"][r.name, r.index] == pytest.approx(r.stats["mean"])
+            assert got["sowtel.step"][r.name, r.index] == last
+    assert len(got["sowtel.mean"]) == LAYERS * SITES
+    # Between two readings: a table, then a record of one of its positions (the record wins),
+    # then (another reading later) the table again (the table wins).
+    r = next(r for r in plain.records if r.step == last and r.index == 2)
+    table = next(t for b in grab.batches for t in b.columns()
+                 if t.names == (r.name,) and t.step == last)
+
+    def table_at(step: int) -> RecordBatch:
+        again = table.slice(0, table.positions)
+        again.step = step
+        return RecordBatch([again])
+
+    otel.write_batch(table_at(last + 1))
+    otel.write([dataclasses.replace(r, step=last + 2, stats={**r.stats, "mean": 123.0})])
+    got = points()
+    assert got["sowtel.mean"][r.name, 2] == 123.0
+    assert got["sowtel.step"][r.name, 2] == last + 2
+    assert got["sowtel.records.exported"][r.name, 2] == 5
+    assert got["sowtel.mean"][r.name, 1] != 123.0
+    assert got["sowtel.step"][r.name, 1] == last + 1
+    otel.write_batch(table_at(last + 3))
+    got = points()
+    assert got["sowtel.mean"][r.name, 2] == pytest.approx(r.stats["mean"])
+    assert got["sowtel.records.exported"][r.name, 2] == 6
+    assert got["sowtel.step"][r.name, 2] == last + 3
+    otel.close()
