@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -117,7 +118,7 @@ class CompiledSummaries:
             return list(host_buffers)
         out = []
         for b, offset, shape in self.layout:
-            n = int(np.prod(shape, dtype=np.int64))
+            n = math.prod(shape)
             out.append(host_buffers[b][offset:offset + n].reshape(shape))
         return out
 

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -360,7 +361,7 @@ class _Layout:
     """Where one site's positions lie in its stacked arrays, in program order (fixed per
     compiled program, so computed once)."""
 
-    __slots__ = ("entry", "take", "index", "positions")
+    __slots__ = ("entry", "take", "index", "positions", "in_order")
 
     def __init__(self, entry: Any, shape: tuple[int, ...]) -> None:
         kinds = [kind for kind, _ in entry.stacked]
@@ -376,6 +377,8 @@ class _Layout:
                               for p in self.positions], dtype=np.intp)
         self.index = [record_index(list(zip(kinds, shape, p, strict=True)))
                       for p in self.positions]
+        # Positions already in the arrays' order (no reversed scan): a reshape is the gather.
+        self.in_order = bool((self.take == np.arange(len(self.take))).all())
 
 
 class CompiledConverter:
@@ -432,8 +435,12 @@ class CompiledConverter:
             index = layout.index if n == len(keep) else [
                 i for i, k in zip(layout.index, keep, strict=True) if k]
             lead = ran.ndim
-            gathered = [np.asarray(a).reshape(-1, *np.shape(a)[lead:])[take] for a in mine[:-1]]
-            seq = [next(seqs) for _ in range(n)]
+            if n == len(keep) and layout.in_order:
+                gathered = [np.asarray(a).reshape(n, *np.shape(a)[lead:]) for a in mine[:-1]]
+            else:
+                gathered = [np.asarray(a).reshape(-1, *np.shape(a)[lead:])[take]
+                            for a in mine[:-1]]
+            seq = list(itertools.islice(seqs, n))
             out.append(site_columns(entry.site, gathered, index=index, step=step, seqs=seq,
                                     wall_time=wall_time, process_index=process_index))
         return out
