@@ -38,8 +38,8 @@ from sowtel.summaries import host_summary
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
 
-__all__ = ["SiteColumns", "RecordBatch", "site_columns", "compiled_columns", "first_nonfinite",
-           "record_nbytes"]
+__all__ = ["SiteColumns", "RecordBatch", "site_columns", "site_records", "compiled_columns",
+           "first_nonfinite", "record_nbytes"]
 
 Index = int | tuple[int, ...] | None
 
@@ -355,6 +355,40 @@ def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Seque
         mode=site.mode, tag=site.tag, summary=site.summary, step=step, wall_time=wall_time,
         process_index=process_index, order=site.order, index=index, seqs=seqs, stat_keys=keys,
         stats=stats, edges=edges, counts=counts, values=values)
+
+
+def site_records(site: StreamSite, arrays: Sequence[Sequence[np.ndarray]], *,
+                 steps: Sequence[int], index: Sequence[Index], seqs: Sequence[int],
+                 wall_times: Sequence[float], process_index: int) -> list[Record]:
+    """The records of several host callbacks of one site, decoded together.
+
+    ``arrays[c]`` are callback ``c``'s summary arrays, leaf after leaf; ``steps``, ``index``,
+    ``seqs`` and ``wall_times`` are per callback. The callbacks' arrays are stacked into one
+    table (:func:`site_columns`, the same decoding as ``sowtel.jit`` steps), whose records then
+    take each callback's step and time. Records come callback after callback, leaf after leaf.
+
+    Example:
+        >>> from sowtel.primitive import StreamSite
+        >>> site = StreamSite(name="h", mode="primal", tag="intermediates", leaf_names=("h",),
+        ...                   shapes=((2,),), dtypes=("float32",), summary="health", every=1,
+        ...                   bins=30, loops=(), extras=())
+        >>> records = site_records(site, [[np.array([0, 0, 0])], [np.array([2, 0, 0])]],
+        ...                        steps=[4, 5], index=[None, None], seqs=[9, 10],
+        ...                        wall_times=[0.5, 0.7], process_index=0)
+        >>> [(r.step, r.seq, r.wall_time, r.stats["nan"]) for r in records]
+        [(4, 9, 0.5, 0.0), (5, 10, 0.7, 2.0)]
+    """
+    count = len(site.leaf_names) * site.arrays_per_leaf
+    stacked = [np.stack([np.asarray(a[k]) for a in arrays]) for k in range(count)]
+    records = site_columns(site, stacked, index=index, step=0, seqs=seqs, wall_time=0.0,
+                           process_index=process_index).records()
+    width = len(site.leaf_names)
+    for c, (step, wall_time) in enumerate(zip(steps, wall_times, strict=True)):
+        for r in records[c * width:(c + 1) * width]:
+            d = r.__dict__  # built here, not yet shared: see SiteColumns.records
+            d["step"] = step
+            d["wall_time"] = wall_time
+    return records
 
 
 class _Layout:
