@@ -58,9 +58,15 @@ from sowtel.primitive import (
     check_positive_int,
     sow_p,
 )
-from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record, record_index
+from sowtel.records import BASE_MODES, Record, record_index
 from sowtel.summaries import check_summary
-from sowtel.to_records import CompiledConverter, RecordBatch, first_nonfinite, site_records
+from sowtel.to_records import (
+    CompiledConverter,
+    RecordBatch,
+    first_nonfinite,
+    log_records,
+    site_records,
+)
 
 __all__ = ["Session", "enable", "disable", "flush", "status", "export", "log", "active_session"]
 
@@ -765,12 +771,7 @@ def log(scalars: dict[str, Any], *, step: int) -> int:
     session = active_session()
     if session is None:
         raise RuntimeError("sowtel.log needs an active session: call sowtel.enable(...) first")
-    now = time.time()
-    records = [
-        Record(name=name, mode="primal", tag=LOG_TAG, step=int(step), index=None, wall_time=now,
-               summary=SCALAR_SUMMARY, shape=(), dtype="float64", stats={"value": v},
-               process_index=session.process_index)
-        for name, v in values
-    ]
+    records = log_records(values, step=int(step), wall_time=time.time(),
+                          process_index=session.process_index)
     session.dispatcher.put_records(records)
     return len(records)

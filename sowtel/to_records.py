@@ -32,14 +32,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sowtel.records import HEALTH_KEYS, STAT_KEYS, Record, record_index
+from sowtel.records import (
+    HEALTH_KEYS,
+    LOG_TAG,
+    SCALAR_SUMMARY,
+    STAT_KEYS,
+    Record,
+    record_index,
+)
 from sowtel.summaries import host_summary
 
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
 
-__all__ = ["SiteColumns", "RecordBatch", "site_columns", "site_records", "compiled_columns",
-           "first_nonfinite", "record_nbytes"]
+__all__ = ["SiteColumns", "RecordBatch", "site_columns", "site_records", "log_records",
+           "compiled_columns", "first_nonfinite", "record_nbytes"]
 
 Index = int | tuple[int, ...] | None
 
@@ -389,6 +396,21 @@ def site_records(site: StreamSite, arrays: Sequence[Sequence[np.ndarray]], *,
             d["step"] = step
             d["wall_time"] = wall_time
     return records
+
+
+def log_records(values: Sequence[tuple[str, float]], *, step: int, wall_time: float,
+                process_index: int) -> list[Record]:
+    """The records of one :func:`sowtel.log` call: one ``summary="scalar"`` record a number.
+
+    Example:
+        >>> [(r.name, r.tag, r.stats) for r in log_records([("loss", 0.5)], step=3,
+        ...                                                 wall_time=0.0, process_index=0)]
+        [('loss', 'log', {'value': 0.5})]
+    """
+    return [Record(name=name, mode="primal", tag=LOG_TAG, step=int(step), index=None,
+                   wall_time=wall_time, summary=SCALAR_SUMMARY, shape=(), dtype="float64",
+                   stats={"value": float(v)}, process_index=process_index)
+            for name, v in values]
 
 
 class _Layout:
