@@ -299,13 +299,13 @@ def _decode(summary: str, arrays: Sequence[np.ndarray], size: int, bins: int,
     if summary == "health":
         table = np.empty((n, 4))
         table[:, 0] = size
-        table[:, 1:] = np.asarray(arrays[0], np.float64).reshape(n, 3)
+        table[:, 1:] = np.reshape(arrays[0], (n, 3))  # assigning converts to float64
         return HEALTH_KEYS, table, None, None
     table = np.empty((n, len(STAT_KEYS)))
     table[:, 0] = size
-    table[:, _FLOATS] = np.asarray(arrays[0], np.float64).reshape(n, 6)
-    table[:, _COUNTS] = np.asarray(arrays[1], np.float64).reshape(n, 4)
-    if size:
+    table[:, _FLOATS] = np.reshape(arrays[0], (n, 6))
+    table[:, _COUNTS] = np.reshape(arrays[1], (n, 4))
+    if size and table[:, 7:10].any():
         # Nothing finite: l2 is the norm of no elements (the device sums nothing).
         table[table[:, 7] + table[:, 8] + table[:, 9] == size, 5] = 0.0
     if summary != "histogram":
@@ -343,6 +343,11 @@ def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Seque
         keys = STAT_KEYS
         stats = np.array([[[host_summary(v, "stats")["stats"][k] for k in keys] for v in row]
                           for row in values], dtype=np.float64).reshape(n, leaves, len(keys))
+    elif leaves == 1:  # the table is the site's, as a view
+        keys, table, e, c = _decode(site.summary, arrays[:per_leaf], site.sizes[0], site.bins, n)
+        stats = table[:, None, :]
+        if e is not None and c is not None:
+            edges, counts = e[:, None, :], c[:, None, :]
     else:
         for leaf in range(leaves):
             keys, table, e, c = _decode(site.summary, arrays[leaf * per_leaf:(leaf + 1) * per_leaf],
