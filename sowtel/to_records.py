@@ -484,19 +484,23 @@ class CompiledConverter:
             at += entry.n_arrays
             ran = np.asarray(mine[-1])
             layout = self._layout(entry, ran.shape)
-            flat_ran = ran.reshape(-1)[layout.take]
-            keep = flat_ran.astype(bool)
-            if held is not None:
-                keep &= np.array([owns(held, p, process_index) for p in layout.positions],
-                                 dtype=bool)
-            n = int(keep.sum())
+            everywhere = held is None and bool(ran.all())  # the usual case: one numpy call
+            if everywhere:
+                n = everywhere_n = len(layout.take)
+            else:
+                keep = ran.reshape(-1)[layout.take].astype(bool)
+                if held is not None:
+                    keep &= np.array([owns(held, p, process_index) for p in layout.positions],
+                                     dtype=bool)
+                n = int(keep.sum())
+                everywhere_n = len(keep)
             if not n:
                 continue
-            take = layout.take if n == len(keep) else layout.take[keep]
-            index = layout.index if n == len(keep) else [
+            take = layout.take if n == everywhere_n else layout.take[keep]
+            index = layout.index if n == everywhere_n else [
                 i for i, k in zip(layout.index, keep, strict=True) if k]
             lead = ran.ndim
-            if n == len(keep) and layout.in_order:
+            if n == everywhere_n and layout.in_order:
                 gathered = [np.asarray(a).reshape(n, *np.shape(a)[lead:]) for a in mine[:-1]]
             else:
                 gathered = [np.asarray(a).reshape(-1, *np.shape(a)[lead:])[take]
