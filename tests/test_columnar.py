@@ -412,3 +412,29 @@ def test_callback_records_decoded_together_keep_each_callbacks_step_index_seq_an
             edges, counts = r.histogram
             assert edges[0] == pytest.approx(float(c.min()), rel=1e-6)
             assert counts.sum() == 40
+
+
+def test_otel_a_steps_span_ends_when_a_later_steps_table_arrives():
+    """Tables, like records, end a step's span as soon as a later step shows it complete; the
+    last step waits for flush."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sowtel.exporters.otel import OTelExporter
+
+    grab = Batches()
+    _stream("stats", [grab], steps=2)
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    otel = OTelExporter(tracer_provider=provider)
+    tables = [t for b in grab.batches for t in b.columns()]
+    for step in (0, 1):
+        otel.write_batch(RecordBatch([t for t in tables if t.step == step]))
+    ended = [(s.attributes["sowtel.step"], len(s.events)) for s in spans.get_finished_spans()]
+    assert ended == [(0, SITES)]
+    otel.flush()
+    ended = [(s.attributes["sowtel.step"], len(s.events)) for s in spans.get_finished_spans()]
+    assert ended == [(0, SITES), (1, SITES)]
+    otel.close()

@@ -534,6 +534,13 @@ class OTelExporter:
                     self._table_series[block] = series
             with state.lock:
                 state.add_table(block, series[0], series[1], keys, rows, step)
+        if self._newest_step is None or step > self._newest_step:
+            self._newest_step = step
+        newest = self._newest_step
+        for s in sorted(self._pending):
+            if (newest is not None and s < newest) or self._over_limit(s):
+                self._emit(s)
+
     def flush(self) -> None:
         """Ends every open step span and asks the providers to export, within ``timeout_s``.
 
