@@ -180,7 +180,6 @@ def columns_lines(columns: SiteColumns) -> str:
         0.0
     """
     keys = [str(k) for k in columns.stat_keys]
-    stats = _plain_rows(columns.stats)
     edges = counts = None
     if columns.edges is not None and columns.counts is not None:
         edges, counts = _plain_rows(columns.edges), _plain_rows(columns.counts)
@@ -198,6 +197,31 @@ def columns_lines(columns: SiteColumns) -> str:
         tail = f',"process_index":{int(columns.process_index)},"seq":'
         frames.append((head, middle, tail))
     out: list[str] = []
+    if edges is None and keys:
+        # No histogram: every record's statistics come from one encoding of the whole table,
+        # cut into records; a line is then one string formatting.
+        width = len(keys)
+        table = columns.stats
+        if _orjson is not None and np.isfinite(table).all():
+            # orjson writes a float64 array as it writes the same floats from a list.
+            body = _orjson.dumps(np.ascontiguousarray(table, dtype=np.float64).reshape(-1),
+                                 option=_orjson.OPT_SERIALIZE_NUMPY).decode()[1:-1]
+        else:
+            body = dumps([v for row in _plain_rows(table) for leaf in row for v in leaf])[1:-1]
+        numbers = body.split(",") if body else []
+        shape = "{" + ",".join(dumps(k).replace("%", "%%") + ":%s" for k in keys) + "}"
+        lines = [f"{head.replace('%', '%%')}%s{middle.replace('%', '%%')}{shape}"
+                 f',"histogram":null{tail.replace("%", "%%")}%d,"value_file":null}}\n'
+                 for head, middle, tail in frames]
+        at = 0
+        for index, seq in zip(columns.index, columns.seqs, strict=True):
+            plain_index = str(index) if type(index) is int else dumps(_index(index))
+            seq = int(seq)
+            for line in lines:
+                out.append(line % (plain_index, *numbers[at:at + width], seq))
+                at += width
+        return "".join(out)
+    stats = _plain_rows(columns.stats)
     for p, (index, seq) in enumerate(zip(columns.index, columns.seqs, strict=True)):
         plain_index = dumps(_index(index))
         for leaf, (head, middle, tail) in enumerate(frames):

@@ -353,8 +353,7 @@ class TensorBoardExporter:
         self._depth_tags: set[str] = set()
         # The last step written of each depth tensor and its positions, to complete it.
         self._last_depth: dict[tuple[int, str, str],
-                               tuple[int, dict[tuple[int, ...], tuple[tuple[str, ...],
-                                                                      np.ndarray]]]] = {}
+                               tuple[int, list[tuple[Any, tuple[str, ...], np.ndarray]]]] = {}
         self._last_nonfinite: dict[int, tuple[int, list[list[Any]]]] = {}
         self._last_sync = time.monotonic()
         self._closed = False
@@ -432,9 +431,9 @@ class TensorBoardExporter:
         try:
             if self._stacked(r):
                 keys = tuple(k for k in STAT_KEYS if k != "size" and k in r.stats)
-                state.depth_row(r.name, r.mode, r.order).add(
-                    _index_tuple(r.index), keys,
-                    np.array([r.stats[k] for k in keys], dtype=np.float64), lambda: [r])
+                state.depth_row(r.name, r.mode, r.order).add_block(
+                    [_index_tuple(r.index)], keys,
+                    np.array([[r.stats[k] for k in keys]], dtype=np.float64), lambda: [r])
                 count = int(_nonfinite(r.stats))
                 if self.depth == "tensor":
                     self._alert(r, r.stats, state.values)
@@ -451,17 +450,19 @@ class TensorBoardExporter:
             bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}")
 
     def _add_table(self, table: SiteColumns, state: _StepState) -> None:
-        """A finite table of a site inside a scan: its leaves' rows of depth tensors."""
+        """A finite table of a site inside a scan: its leaves' rows of depth tensors, as one
+        block of rows a leaf (no per-position work)."""
         state.wall_time = max(state.wall_time, table.wall_time)
         keys = tuple(table.stat_keys)
         kept = [i for i, k in enumerate(keys) if k != "size"]
-        positions = [_index_tuple(i) for i in table.index]
+        kept_keys = tuple(keys[i] for i in kept)
+        positions = np.asarray(table.index, dtype=np.int64)
+        if positions.ndim == 1:
+            positions = positions[:, None]
         for leaf, name in enumerate(table.names):
-            rows = np.asarray(table.stats[:, leaf][:, kept], dtype=np.float64)
-            into = state.depth_row(name, table.mode, table.order)
-            for j, position in enumerate(positions):
-                into.add(position, tuple(keys[i] for i in kept), rows[j],
-                         functools.partial(_table_records, table, name))
+            rows = table.stats[:, leaf][:, kept]
+            state.depth_row(name, table.mode, table.order).add_block(
+                positions, kept_keys, rows, functools.partial(_table_records, table, name))
 
     def _step_values(self, process_index: int, step: int, state: _StepState,
                      layout: dict[str, _Site], layout_due: set[int],
@@ -653,21 +654,9 @@ class TensorBoardExporter:
                         if r.name == name and r.mode == mode:
                             self._record_values(r, values, layout, layout_due)
             return
-        columns = last[1] if last is not None and last[0] == step else {}
-        columns.update(rows.positions)
-        self._last_depth[key] = (step, columns)
-        positions = sorted(columns)
-        stats = list(columns[positions[0]][0])
-        rank = len(positions[0])
-        table = np.empty((rank + len(stats), len(positions)), dtype=np.float32)
-        for j, position in enumerate(positions):
-            keys, row = columns[position]
-            if len(position) != rank:
-                raise ValueError(f"index {position!r} has not the rank {rank} of the site's "
-                                 "others")
-            table[:rank, j] = position
-            table[rank:, j] = row if list(keys) == stats else [
-                dict(zip(keys, row, strict=True)).get(k, math.nan) for k in stats]
+        blocks = (last[1] if last is not None and last[0] == step else []) + rows.blocks
+        self._last_depth[key] = (step, blocks)
+        table, stats, rank = _depth_table(blocks)
         tag = f"{series_tag(name, mode)}{DEPTH_SUFFIX}"
         values.append(Summary.Value(tag=tag, metadata=self._depth_metadata(tag, stats, rank,
                                                                              rows.order),
@@ -788,21 +777,55 @@ class TensorBoardExporter:
 
 
 class _DepthRows:
-    """One site and mode's rows of a depth tensor in one step, as they arrive."""
+    """One site and mode's rows of a depth tensor in one step, as they arrive: blocks of
+    ``(positions, statistics' names, rows)``, a table's leaf or a single record each."""
 
-    __slots__ = ("order", "positions", "late")
+    __slots__ = ("order", "blocks", "late")
 
     def __init__(self, order: int) -> None:
         self.order = order
-        self.positions: dict[tuple[int, ...], tuple[tuple[str, ...], np.ndarray]] = {}
+        self.blocks: list[tuple[Any, tuple[str, ...], np.ndarray]] = []
         # How to get the records back, should the step come after a later one of the site.
         self.late: list[Callable[[], Sequence[Record]]] = []
 
-    def add(self, position: tuple[int, ...], keys: tuple[str, ...], row: np.ndarray,
-            records: Callable[[], Sequence[Record]]) -> None:
-        self.positions[position] = (keys, row)
-        if not self.late or self.late[-1] is not records:
-            self.late.append(records)
+    def add_block(self, positions: Any, keys: tuple[str, ...], rows: np.ndarray,
+                  records: Callable[[], Sequence[Record]]) -> None:
+        """``positions``: one index tuple (or array row) per row of ``rows``."""
+        self.blocks.append((positions, keys, rows))
+        self.late.append(records)
+
+
+def _depth_table(blocks: list[tuple[Any, tuple[str, ...], np.ndarray]]
+                 ) -> tuple[np.ndarray, list[str], int]:
+    """The depth tensor of a step's blocks: rows ``(rank + statistics) x positions``, float32,
+    positions in increasing order; a position seen again keeps its latest row. Returns the
+    tensor, the statistics' names and the rank of the positions."""
+    if len(blocks) == 1 and isinstance(blocks[0][0], np.ndarray):
+        # One table (the usual case): its positions are distinct; sorted with numpy.
+        positions, keys, rows = blocks[0]
+        rank = positions.shape[1]
+        order = np.lexsort(positions.T[::-1])
+        table = np.empty((rank + len(keys), len(positions)), dtype=np.float32)
+        table[:rank] = positions[order].T
+        table[rank:] = rows[order].T
+        return table, list(keys), rank
+    columns: dict[tuple[int, ...], tuple[tuple[str, ...], np.ndarray]] = {}
+    for positions, keys, rows in blocks:
+        listed = positions.tolist() if isinstance(positions, np.ndarray) else positions
+        for position, row in zip(listed, rows, strict=True):
+            columns[tuple(position)] = (keys, row)
+    ordered = sorted(columns)
+    stats = list(columns[ordered[0]][0])
+    rank = len(ordered[0])
+    table = np.empty((rank + len(stats), len(ordered)), dtype=np.float32)
+    for j, position in enumerate(ordered):
+        keys, row = columns[position]
+        if len(position) != rank:
+            raise ValueError(f"index {position!r} has not the rank {rank} of the site's others")
+        table[:rank, j] = position
+        table[rank:, j] = row if list(keys) == stats else [
+            dict(zip(keys, row, strict=True)).get(k, math.nan) for k in stats]
+    return table, stats, rank
 
 
 class _StepState:

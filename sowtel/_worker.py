@@ -429,6 +429,10 @@ class ExporterWorker:
                 self._seconds_per_record = (
                     per_record if old is None or per_record > old else (old + per_record) / 2)
                 self._cond.notify_all()
+            # The records are let go of here, before producers are told there is room: a
+            # reference kept while waiting would hold a batch that no bound counts any more.
+            entry = None
+            del batch
             if counted:
                 self._release(nbytes)
             dirty = True

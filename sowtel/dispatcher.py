@@ -423,12 +423,16 @@ class Dispatcher:
                         self._logged_convert = True
                         logger.exception("sowtel dispatcher failed on a batch of %d items",
                                          len(items))
+            took = bool(items)
+            # The workers hold the records now (and count their bytes): none kept here while
+            # waiting for the next batch, where no bound would count them.
+            items = []
             with self._lock:
                 self._dispatched += declared
                 self._progress_cond.notify_all()
                 if self._space_waiters:
                     self._space_cond.notify_all()
-            if stop and not items and not more:
+            if stop and not took and not more:
                 return
 
     def _to_batch(

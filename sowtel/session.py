@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import logging
 import math
+import operator
 import os
 import sys
 import threading
@@ -57,9 +58,15 @@ from sowtel.primitive import (
     check_positive_int,
     sow_p,
 )
-from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, Record, record_index
+from sowtel.records import BASE_MODES, Record, record_index
 from sowtel.summaries import HISTOGRAM_EVERY, check_summary
-from sowtel.to_records import CompiledConverter, RecordBatch, first_nonfinite
+from sowtel.to_records import (
+    CompiledConverter,
+    RecordBatch,
+    first_nonfinite,
+    log_records,
+    site_records,
+)
 
 __all__ = ["Session", "enable", "disable", "flush", "status", "export", "log", "active_session"]
 
@@ -69,6 +76,8 @@ ON_FULL = ("drop", "block")
 _ids = itertools.count(1)
 _lock = threading.RLock()
 _stack: list[Session] = []  # enabled sessions, innermost last; the last one streams
+_by_seq = operator.attrgetter("seq")
+_UNSET = object()
 
 
 def _renew_lock() -> None:
@@ -197,6 +206,7 @@ class Session:
         _exit.after_fork(self)
         self._final: dict[str, Any] | None = None
         self._seq = itertools.count()
+        self._indices: dict[tuple[Any, ...], Any] = {}  # (loops, place, shard) -> index
         self._compiled = CompiledConverter()
         self.first_nonfinite: tuple[int, str, str] | None = None
         self._closed = False
@@ -299,8 +309,12 @@ class Session:
         table a site (see :mod:`sowtel.to_records`), a callback's arrays into its records."""
         parts: list[Any] = []
         records: list[Record] = []
+        callbacks: list[Any] = []
         for item in items:
             if isinstance(item, _Compiled):
+                if callbacks:
+                    records.extend(self._callback_records(callbacks))
+                    callbacks = []
                 if records:
                     parts.append(tuple(records))
                     records = []
@@ -317,7 +331,9 @@ class Session:
                     item.summaries.sites, host, step=item.step, seqs=self._seq,
                     wall_time=item.wall_time, process_index=self.process_index, lowest=lowest))
             else:
-                records.extend(self._records_of(*item))
+                callbacks.append(item)
+        if callbacks:
+            records.extend(self._callback_records(callbacks))
         if records:
             parts.append(tuple(records))
         batch = RecordBatch(parts)
@@ -338,28 +354,65 @@ class Session:
             self.first_nonfinite = found
             logger.warning("sowtel: first non-finite value at step %s in %s (%s)", *found)
 
-    def _records_of(self, site: StreamSite, arrays: tuple[np.ndarray, ...], occurrence: int,
-                    host_step: int | None, seq: int, wall_time: float) -> list[Record]:
-        n_summary = site.arrays_per_leaf * len(site.leaf_names)
-        extras = dict(zip(site.extras, arrays[n_summary:], strict=True))
-        axes: list[tuple[str, int, int]] = []
-        if "shard" in extras:  # already one number over the manual axes
-            axes.append(("shard", 0, int(extras["shard"])))
-        # The iterations, from the occurrence count: innermost scan fastest, a reversed scan
-        # from its last position.
-        rest = occurrence
-        loops: list[tuple[str, int, int]] = []
-        for length, reverse in reversed(site.loops or ()):
-            i = rest % length if length else 0
-            rest = rest // length if length else rest
-            loops.append(("scan", length, length - 1 - i if reverse else i))
-        axes.extend(reversed(loops))
+    def _callback_records(self, items: list[Any]) -> list[Record]:
+        """Records of host callbacks, in the order they were received: the callbacks of one
+        site decoded together (:func:`sowtel.to_records.site_records`); full values, which
+        keep their own arrays, one by one."""
+        by_site: dict[int, tuple[StreamSite, list[Any]]] = {}
+        for item in items:
+            by_site.setdefault(id(item[0]), (item[0], []))[1].append(item)
+        out: list[Record] = []
+        for site, group in by_site.values():
+            if site.summary == "full" or len(group) == 1:
+                for item in group:
+                    out.extend(self._records_of(*item))
+                continue
+            n_summary = site.arrays_per_leaf * len(site.leaf_names)
+            places = [self._place(site, arrays[n_summary:], occurrence, host_step)
+                      for site, arrays, occurrence, host_step, _, _ in group]
+            out.extend(site_records(
+                site, [item[1] for item in group], steps=[step for step, _ in places],
+                index=[index for _, index in places], seqs=[item[4] for item in group],
+                wall_times=[item[5] for item in group], process_index=self.process_index))
+        if len(by_site) > 1:
+            out.sort(key=_by_seq)  # stable: the leaves of one callback stay in order
+        return out
+
+    def _place(self, site: StreamSite, extras_arrays: Sequence[np.ndarray], occurrence: int,
+               host_step: int | None) -> tuple[int, Any]:
+        """A callback's step and record index, from its occurrence count and extras."""
+        extras = dict(zip(site.extras, extras_arrays, strict=True)) if site.extras else {}
+        shard = int(extras["shard"]) if "shard" in extras else None
+        # The index repeats with the enclosing scans' period: computed once per place.
+        key = (site.loops, occurrence % site.period, shard)
+        index = self._indices.get(key, _UNSET)
+        if index is _UNSET:
+            axes: list[tuple[str, int, int]] = []
+            if shard is not None:  # already one number over the manual axes
+                axes.append(("shard", 0, shard))
+            # The iterations, from the occurrence count: innermost scan fastest, a reversed
+            # scan from its last position.
+            rest = occurrence
+            loops: list[tuple[str, int, int]] = []
+            for length, reverse in reversed(site.loops or ()):
+                i = rest % length if length else 0
+                rest = rest // length if length else rest
+                loops.append(("scan", length, length - 1 - i if reverse else i))
+            axes.extend(reversed(loops))
+            index = record_index(axes)
+            if len(self._indices) < 100_000:
+                self._indices[key] = index
         if "step" in extras:
             step = int(extras["step"])
         else:
             step = host_step if host_step is not None else occurrence // site.period
-        return summary_records(site, arrays[:n_summary], step=step, index=record_index(axes),
-                               seq=seq,
+        return step, index
+
+    def _records_of(self, site: StreamSite, arrays: tuple[np.ndarray, ...], occurrence: int,
+                    host_step: int | None, seq: int, wall_time: float) -> list[Record]:
+        n_summary = site.arrays_per_leaf * len(site.leaf_names)
+        step, index = self._place(site, arrays[n_summary:], occurrence, host_step)
+        return summary_records(site, arrays[:n_summary], step=step, index=index, seq=seq,
                                wall_time=wall_time, process_index=self.process_index)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -742,12 +795,7 @@ def log(scalars: dict[str, Any], *, step: int) -> int:
     session = active_session()
     if session is None:
         raise RuntimeError("sowtel.log needs an active session: call sowtel.enable(...) first")
-    now = time.time()
-    records = [
-        Record(name=name, mode="primal", tag=LOG_TAG, step=int(step), index=None, wall_time=now,
-               summary=SCALAR_SUMMARY, shape=(), dtype="float64", stats={"value": v},
-               process_index=session.process_index)
-        for name, v in values
-    ]
+    records = log_records(values, step=int(step), wall_time=time.time(),
+                          process_index=session.process_index)
     session.dispatcher.put_records(records)
     return len(records)

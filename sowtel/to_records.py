@@ -26,19 +26,27 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sowtel.records import HEALTH_KEYS, STAT_KEYS, Record, record_index
+from sowtel.records import (
+    HEALTH_KEYS,
+    LOG_TAG,
+    SCALAR_SUMMARY,
+    STAT_KEYS,
+    Record,
+    record_index,
+)
 from sowtel.summaries import host_summary
 
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
 
-__all__ = ["SiteColumns", "RecordBatch", "site_columns", "compiled_columns", "first_nonfinite",
-           "record_nbytes"]
+__all__ = ["SiteColumns", "RecordBatch", "site_columns", "site_records", "log_records",
+           "compiled_columns", "first_nonfinite", "record_nbytes"]
 
 Index = int | tuple[int, ...] | None
 
@@ -291,13 +299,13 @@ def _decode(summary: str, arrays: Sequence[np.ndarray], size: int, bins: int,
     if summary == "health":
         table = np.empty((n, 4))
         table[:, 0] = size
-        table[:, 1:] = np.asarray(arrays[0], np.float64).reshape(n, 3)
+        table[:, 1:] = np.reshape(arrays[0], (n, 3))  # assigning converts to float64
         return HEALTH_KEYS, table, None, None
     table = np.empty((n, len(STAT_KEYS)))
     table[:, 0] = size
-    table[:, _FLOATS] = np.asarray(arrays[0], np.float64).reshape(n, 6)
-    table[:, _COUNTS] = np.asarray(arrays[1], np.float64).reshape(n, 4)
-    if size:
+    table[:, _FLOATS] = np.reshape(arrays[0], (n, 6))
+    table[:, _COUNTS] = np.reshape(arrays[1], (n, 4))
+    if size and table[:, 7:10].any():
         # Nothing finite: l2 is the norm of no elements (the device sums nothing).
         table[table[:, 7] + table[:, 8] + table[:, 9] == size, 5] = 0.0
     if summary != "histogram":
@@ -335,6 +343,11 @@ def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Seque
         keys = STAT_KEYS
         stats = np.array([[[host_summary(v, "stats")["stats"][k] for k in keys] for v in row]
                           for row in values], dtype=np.float64).reshape(n, leaves, len(keys))
+    elif leaves == 1:  # the table is the site's, as a view
+        keys, table, e, c = _decode(site.summary, arrays[:per_leaf], site.sizes[0], site.bins, n)
+        stats = table[:, None, :]
+        if e is not None and c is not None:
+            edges, counts = e[:, None, :], c[:, None, :]
     else:
         for leaf in range(leaves):
             keys, table, e, c = _decode(site.summary, arrays[leaf * per_leaf:(leaf + 1) * per_leaf],
@@ -356,11 +369,60 @@ def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Seque
         stats=stats, edges=edges, counts=counts, values=values)
 
 
+def site_records(site: StreamSite, arrays: Sequence[Sequence[np.ndarray]], *,
+                 steps: Sequence[int], index: Sequence[Index], seqs: Sequence[int],
+                 wall_times: Sequence[float], process_index: int) -> list[Record]:
+    """The records of several host callbacks of one site, decoded together.
+
+    ``arrays[c]`` are callback ``c``'s summary arrays, leaf after leaf; ``steps``, ``index``,
+    ``seqs`` and ``wall_times`` are per callback. The callbacks' arrays are stacked into one
+    table (:func:`site_columns`, the same decoding as ``sowtel.jit`` steps), whose records then
+    take each callback's step and time. Records come callback after callback, leaf after leaf.
+
+    Example:
+        >>> from sowtel.primitive import StreamSite
+        >>> site = StreamSite(name="h", mode="primal", tag="intermediates", leaf_names=("h",),
+        ...                   shapes=((2,),), dtypes=("float32",), summary="health", every=1,
+        ...                   bins=30, loops=(), extras=())
+        >>> records = site_records(site, [[np.array([0, 0, 0])], [np.array([2, 0, 0])]],
+        ...                        steps=[4, 5], index=[None, None], seqs=[9, 10],
+        ...                        wall_times=[0.5, 0.7], process_index=0)
+        >>> [(r.step, r.seq, r.wall_time, r.stats["nan"]) for r in records]
+        [(4, 9, 0.5, 0.0), (5, 10, 0.7, 2.0)]
+    """
+    count = len(site.leaf_names) * site.arrays_per_leaf
+    stacked = [np.stack([np.asarray(a[k]) for a in arrays]) for k in range(count)]
+    records = site_columns(site, stacked, index=index, step=0, seqs=seqs, wall_time=0.0,
+                           process_index=process_index).records()
+    width = len(site.leaf_names)
+    for c, (step, wall_time) in enumerate(zip(steps, wall_times, strict=True)):
+        for r in records[c * width:(c + 1) * width]:
+            d = r.__dict__  # built here, not yet shared: see SiteColumns.records
+            d["step"] = step
+            d["wall_time"] = wall_time
+    return records
+
+
+def log_records(values: Sequence[tuple[str, float]], *, step: int, wall_time: float,
+                process_index: int) -> list[Record]:
+    """The records of one :func:`sowtel.log` call: one ``summary="scalar"`` record a number.
+
+    Example:
+        >>> [(r.name, r.tag, r.stats) for r in log_records([("loss", 0.5)], step=3,
+        ...                                                 wall_time=0.0, process_index=0)]
+        [('loss', 'log', {'value': 0.5})]
+    """
+    return [Record(name=name, mode="primal", tag=LOG_TAG, step=int(step), index=None,
+                   wall_time=wall_time, summary=SCALAR_SUMMARY, shape=(), dtype="float64",
+                   stats={"value": float(v)}, process_index=process_index)
+            for name, v in values]
+
+
 class _Layout:
     """Where one site's positions lie in its stacked arrays, in program order (fixed per
     compiled program, so computed once)."""
 
-    __slots__ = ("entry", "take", "index", "positions")
+    __slots__ = ("entry", "take", "index", "positions", "in_order")
 
     def __init__(self, entry: Any, shape: tuple[int, ...]) -> None:
         kinds = [kind for kind, _ in entry.stacked]
@@ -376,6 +438,8 @@ class _Layout:
                               for p in self.positions], dtype=np.intp)
         self.index = [record_index(list(zip(kinds, shape, p, strict=True)))
                       for p in self.positions]
+        # Positions already in the arrays' order (no reversed scan): a reshape is the gather.
+        self.in_order = bool((self.take == np.arange(len(self.take))).all())
 
 
 class CompiledConverter:
@@ -420,24 +484,28 @@ class CompiledConverter:
             at += entry.n_arrays
             ran = np.asarray(mine[-1])
             layout = self._layout(entry, ran.shape)
-            flat_ran = ran.reshape(-1)[layout.take]
-            keep = flat_ran.astype(bool)
-            if held is not None:
-                keep &= np.array([owns(held, p, process_index) for p in layout.positions],
-                                 dtype=bool)
-            n = int(keep.sum())
+            everywhere = held is None and bool(ran.all())  # the usual case: one numpy call
+            if everywhere:
+                n = everywhere_n = len(layout.take)
+            else:
+                keep = ran.reshape(-1)[layout.take].astype(bool)
+                if held is not None:
+                    keep &= np.array([owns(held, p, process_index) for p in layout.positions],
+                                     dtype=bool)
+                n = int(keep.sum())
+                everywhere_n = len(keep)
             if not n:
                 continue
-            take = layout.take if n == len(keep) else layout.take[keep]
-            index = layout.index if n == len(keep) else [
+            take = layout.take if n == everywhere_n else layout.take[keep]
+            index = layout.index if n == everywhere_n else [
                 i for i, k in zip(layout.index, keep, strict=True) if k]
             lead = ran.ndim
-            if lead == 0:  # a site outside any scan or shard_map: its one position, as a view
-                gathered = [np.asarray(a)[None] for a in mine[:-1]]
+            if n == everywhere_n and layout.in_order:
+                gathered = [np.asarray(a).reshape(n, *np.shape(a)[lead:]) for a in mine[:-1]]
             else:
-                gathered = [a.reshape(-1, *a.shape[lead:])[take]
-                            for a in map(np.asarray, mine[:-1])]
-            seq = [next(seqs) for _ in range(n)]
+                gathered = [np.asarray(a).reshape(-1, *np.shape(a)[lead:])[take]
+                            for a in mine[:-1]]
+            seq = list(itertools.islice(seqs, n))
             out.append(site_columns(entry.site, gathered, index=index, step=step, seqs=seq,
                                     wall_time=wall_time, process_index=process_index))
         return out

@@ -8,6 +8,7 @@ tables against the per-record decoder of the device summaries.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -215,6 +216,62 @@ def test_tensorboard_batch_writes_what_write_writes(tmp_path, depth):
         assert steps == 0 and table[0] == list(range(LAYERS))  # the index row, then the stats
 
 
+def test_tensorboard_depth_tensor_of_a_step_in_pieces_equals_it_whole(tmp_path):
+    """A step's table split across batches (positions in reverse order, 2-d indices) is one
+    depth tensor, positions sorted, equal to the per-record path's; a step older than the last
+    written goes out as per-position scalars, as write() does."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    from sowtel.exporters.tensorboard import TensorBoardExporter
+    from sowtel.records import STAT_KEYS
+
+    rng = np.random.default_rng(0)
+    index = [(i, j) for i in (1, 0) for j in (2, 1, 0)]  # reversed scans, as a program runs them
+
+    def table(step: int) -> SiteColumns:
+        return SiteColumns(
+            names=("h",), shapes=((4,),), dtypes=("float32",), mode="primal",
+            tag="intermediates", summary="stats", step=step, wall_time=float(step),
+            process_index=0, order=0, index=index, seqs=list(range(10 * step, 10 * step + 6)),
+            stat_keys=STAT_KEYS, stats=rng.random((6, 1, len(STAT_KEYS))) * 0.0 + np.arange(
+                6 * len(STAT_KEYS)).reshape(6, 1, -1) + step)
+
+    tables = [table(1), table(2), table(0)]
+    by_batch = TensorBoardExporter(logdir=tmp_path / "batch")
+    head, rest = RecordBatch([tables[0]]).split(2, 1 << 20)
+    assert rest is not None and len(head) == 2
+    for batch in (head, rest, RecordBatch([tables[1]]), RecordBatch([tables[2]])):
+        by_batch.write_batch(batch)
+    by_batch.close()
+    by_write = TensorBoardExporter(logdir=tmp_path / "plain")
+    for t in tables:
+        by_write.write(t.records())
+    by_write.close()
+
+    def read(run: os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+        acc = ea.EventAccumulator(os.fspath(run), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+        acc.Reload()
+        # A step written again (its second piece) counts as TensorBoard reads it: the last.
+        scalars = {tag: sorted({e.step: e.value for e in acc.Scalars(tag)}.items())
+                   for tag in acc.Tags()["scalars"]}
+        depths = {tag: sorted({e.step: tf_array(e.tensor_proto).tolist()
+                               for e in acc.Tensors(tag)}.items())
+                  for tag in acc.Tags()["tensors"] if tag.endswith("/depth")}
+        return scalars, depths
+
+    (got, got_depth), (want, want_depth) = read(tmp_path / "batch"), read(tmp_path / "plain")
+    assert got == want and got_depth == want_depth
+    (step, first), (step2, _) = got_depth["h/primal/depth"]
+    assert (step, step2) == (1, 2)
+    # Rows: the two index rows, then the statistics but size; columns: positions sorted.
+    assert first[0] == [0, 0, 0, 1, 1, 1] and first[1] == [0, 1, 2, 0, 1, 2]
+    k = len(STAT_KEYS)
+    order = [index.index(p) for p in sorted(index)]
+    assert first[2] == [float(1 + p * k + 1) for p in order]  # "mean", the column after size
+    # Step 0 came after step 2: its positions as scalars, one tag each.
+    assert got["h[0,0]/primal/mean"] == [(0, float(index.index((0, 0)) * k + 1))]
+
+
 def tf_array(proto: Any) -> Any:
     from tensorboard.util import tensor_util
 
@@ -243,6 +300,141 @@ def test_otel_one_event_a_site_and_step_with_positions_as_lists():
                           if (r.name, r.step) == (attrs["sowtel.name"], step)),
                          key=lambda r: r.index)
         assert list(attrs["sowtel.stat.mean"]) == [r.stats["mean"] for r in records]
-        assert list(attrs["sowtel.stat.nan"]) == [0] * LAYERS
+        assert list(attrs["sowtel.stat.zeros"]) == [r.stats["zeros"] for r in records]
+        assert all(type(v) is int for v in attrs["sowtel.stat.zeros"])
+        # The same at every position: one int each (40 elements; no NaN or infinity).
+        assert (attrs["sowtel.stat.size"], attrs["sowtel.stat.nan"], attrs["sowtel.stat.posinf"],
+                attrs["sowtel.stat.neginf"]) == (40, 0, 0, 0)
+        assert all(type(attrs[f"sowtel.stat.{k}"]) is int
+                   for k in ("size", "nan", "posinf", "neginf"))
     assert sum(s.attributes["sowtel.record_count"]
                for s in spans.get_finished_spans()) == 2 * LAYERS * SITES
+
+
+def test_otel_metrics_of_tables_are_each_positions_latest_and_count():
+    """Gauges and the exported counter read a table's positions as the records' series; a
+    record after a table updates its series, and a table after the record wins again."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from sowtel.exporters.otel import OTelExporter
+
+    reader = InMemoryMetricReader()
+    otel = OTelExporter(tracer_provider=TracerProvider(),
+                        meter_provider=MeterProvider(metric_readers=[reader]))
+    plain, grab = WriteOnly(), Batches()
+    _stream("stats", [plain, grab], steps=3)
+    for batch in grab.batches:
+        otel.write_batch(batch)
+
+    def points() -> dict[str, dict[Any, float]]:
+        out: dict[str, dict[Any, float]] = {}
+        for rm in reader.get_metrics_data().resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    out[m.name] = {(p.attributes["sowtel.name"], p.attributes.get("sowtel.index"))
+                                   : p.value for p in m.data.data_points
+                                   if "sowtel.name" in p.attributes}
+        return out
+
+    got = points()
+    last = max(r.step for r in plain.records)
+    for r in plain.records:
+        assert got["sowtel.records.exported"][r.name, r.index] == 3
+        if r.step == last:
+            assert got["sowtel.mean"][r.name, r.index] == pytest.approx(r.stats["mean"])
+            assert got["sowtel.step"][r.name, r.index] == last
+    assert len(got["sowtel.mean"]) == LAYERS * SITES
+    # Between two readings: a table, then a record of one of its positions (the record wins),
+    # then (another reading later) the table again (the table wins).
+    r = next(r for r in plain.records if r.step == last and r.index == 2)
+    table = next(t for b in grab.batches for t in b.columns()
+                 if t.names == (r.name,) and t.step == last)
+
+    def table_at(step: int) -> RecordBatch:
+        again = table.slice(0, table.positions)
+        again.step = step
+        return RecordBatch([again])
+
+    otel.write_batch(table_at(last + 1))
+    otel.write([dataclasses.replace(r, step=last + 2, stats={**r.stats, "mean": 123.0})])
+    got = points()
+    assert got["sowtel.mean"][r.name, 2] == 123.0
+    assert got["sowtel.step"][r.name, 2] == last + 2
+    assert got["sowtel.records.exported"][r.name, 2] == 5
+    assert got["sowtel.mean"][r.name, 1] != 123.0
+    assert got["sowtel.step"][r.name, 1] == last + 1
+    otel.write_batch(table_at(last + 3))
+    got = points()
+    assert got["sowtel.mean"][r.name, 2] == pytest.approx(r.stats["mean"])
+    assert got["sowtel.records.exported"][r.name, 2] == 6
+    assert got["sowtel.step"][r.name, 2] == last + 3
+    otel.close()
+
+
+def test_callback_records_decoded_together_keep_each_callbacks_step_index_seq_and_time():
+    """The callback transport decodes a batch's callbacks of a site as one table: each record
+    still has its own callback's step, scan index, seq and arrival time, in received order,
+    and its statistics are the per-record decoder's."""
+    from sowtel.exporters.memory import MemoryExporter as Memory
+
+    memory = Memory(max_records=None)
+    f = jax.jit(_scan_step)
+    x = jnp.linspace(-2.0, 2.0, 40)
+    with sowtel.enable(exporter=memory, summary="histogram"):
+        for _ in range(3):
+            x = f(x)
+        assert sowtel.flush(timeout=60.0)
+    records = memory.records
+    assert len(records) == 3 * LAYERS * SITES
+    seqs = [r.seq for r in records]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)  # one leaf a callback
+    # Each callback's own arrival time (not one for the batch or the step).
+    assert len({r.wall_time for r in records}) > 3 * SITES
+    for k in range(SITES):
+        mine = [r for r in records if r.name == f"s{k}"]
+        assert [(r.step, r.index) for r in mine] == [
+            (step, layer) for step in range(3) for layer in range(LAYERS)]
+    # Values by an independent path: the scan's activations recomputed with numpy.
+    c = np.linspace(-2.0, 2.0, 40, dtype=np.float32)
+    for _ in range(2):
+        for _layer in range(LAYERS):
+            for k in range(SITES):
+                c = np.tanh(c) * np.float32(1.0 + k) + np.float32(0.1)
+    for layer in range(LAYERS):
+        for k in range(SITES):
+            c = np.tanh(c) * np.float32(1.0 + k) + np.float32(0.1)
+            r = next(r for r in records if (r.name, r.step, r.index) == (f"s{k}", 2, layer))
+            assert r.stats["mean"] == pytest.approx(float(c.astype(np.float64).mean()),
+                                                    rel=1e-5, abs=1e-6)
+            assert r.stats["max"] == pytest.approx(float(c.max()), rel=1e-6)
+            edges, counts = r.histogram
+            assert edges[0] == pytest.approx(float(c.min()), rel=1e-6)
+            assert counts.sum() == 40
+
+
+def test_otel_a_steps_span_ends_when_a_later_steps_table_arrives():
+    """Tables, like records, end a step's span as soon as a later step shows it complete; the
+    last step waits for flush."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sowtel.exporters.otel import OTelExporter
+
+    grab = Batches()
+    _stream("stats", [grab], steps=2)
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    otel = OTelExporter(tracer_provider=provider)
+    tables = [t for b in grab.batches for t in b.columns()]
+    for step in (0, 1):
+        otel.write_batch(RecordBatch([t for t in tables if t.step == step]))
+    ended = [(s.attributes["sowtel.step"], len(s.events)) for s in spans.get_finished_spans()]
+    assert ended == [(0, SITES)]
+    otel.flush()
+    ended = [(s.attributes["sowtel.step"], len(s.events)) for s in spans.get_finished_spans()]
+    assert ended == [(0, SITES), (1, SITES)]
+    otel.close()

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 from opentelemetry import metrics as metrics_api
 from opentelemetry import trace as trace_api
 from opentelemetry.context import Context
@@ -101,9 +102,12 @@ ALERT_EVENT_NAME = "sowtel.nonfinite"
 DEFAULT_TIMEOUT_S = 2.0
 
 #: On a span event that holds the records of several positions of one site (a ``sowtel.jit``
-#: table): how many; its ``sowtel.index`` and ``sowtel.stat.*`` attributes are then lists.
+#: table): how many; its ``sowtel.index`` and ``sowtel.stat.*`` attributes are then lists,
+#: except the statistics the same at every position (``size``, ``nan``, ``posinf``, ``neginf``).
 RECORDS_ATTR = "sowtel.records"
 _STAT_ATTR = {stat: f"sowtel.stat.{stat}" for stat in STAT_KEYS}
+# Statistics a table's event holds as one int, not a list (the same at every position).
+_CONSTANT_IN_TABLES = frozenset({"size", *NONFINITE_KINDS})
 # How many steps remember their last span part, so late records continue the numbering.
 _REMEMBERED_STEPS = 1024
 
@@ -341,6 +345,9 @@ class OTelExporter:
         self._trouble_at = -math.inf
         self._alerted = False
         self._attrs_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
+        # Per table index: the event's sowtel.index list; per site, mode and index: its series.
+        self._table_index: dict[tuple[Any, ...], list[Any]] = {}
+        self._table_series: dict[tuple[Any, ...], tuple[list[Any], list[dict[str, Any]]]] = {}
         self._event_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._stuck: threading.Event | None = None
         self._runner = Runner("sowtel-otel-flush")
@@ -452,7 +459,8 @@ class OTelExporter:
     def write_batch(self, batch: RecordBatch) -> None:
         """Adds a batch. A table of a ``sowtel.jit`` step (one site and mode, its scan
         iterations and shards) becomes one span event a leaf, whose ``sowtel.index`` and
-        ``sowtel.stat.*`` attributes are lists with one entry a position, and
+        ``sowtel.stat.*`` attributes are lists with one entry a position (but ``size`` and
+        the non-finite counts, one int each: the same at every position), and
         ``sowtel.records`` says how many; other records (and tables with a NaN or infinity,
         whose alert names the record, or histograms and full values) as :meth:`write` does."""
         if self._closed or not len(batch):
@@ -473,43 +481,59 @@ class OTelExporter:
         step = int(table.step)
         keys = table.stat_keys
         names = [_STAT_ATTR.get(k, f"sowtel.stat.{k}") for k in keys]
+        # The same at every position of such a table: the element count, and the non-finite
+        # counts (0: a table holding a NaN or infinity goes record by record). One int each.
+        constant = [k in _CONSTANT_IN_TABLES for k in keys]
         counts = [k in COUNT_STATS for k in keys]
-        rows = table.stats.tolist()
-        index = [_plain_index(i) for i in table.index]
-        flat_index: list[Any] = (index if all(isinstance(i, int) for i in index)
-                                 else [",".join(map(str, i)) if isinstance(i, list) else str(i)
-                                       for i in index])
+        positions = tuple(table.index)
+        flat_index = self._table_index.get(positions)
+        if flat_index is None:
+            index = [_plain_index(i) for i in positions]
+            flat_index = (index if all(isinstance(i, int) for i in index)
+                          else [",".join(map(str, i)) if isinstance(i, list) else str(i)
+                                for i in index])
+            if len(self._table_index) < 10_000:
+                self._table_index[positions] = flat_index
         pending = self._pending.setdefault(step, [])
         state = self._state
         for leaf, name in enumerate(table.names):
+            rows = table.stats[:, leaf]
             attrs: dict[str, Any] = {
                 "sowtel.name": name, "sowtel.mode": table.mode, "sowtel.tag": table.tag,
                 "sowtel.summary": table.summary,
                 "sowtel.shape": [int(d) for d in table.shapes[leaf]],
                 "sowtel.dtype": table.dtypes[leaf], "sowtel.index": flat_index,
-                RECORDS_ATTR: len(index),
+                RECORDS_ATTR: len(flat_index),
             }
-            for k, (attr, is_count) in enumerate(zip(names, counts, strict=True)):
-                column = [row[leaf][k] for row in rows]
-                attrs[attr] = [int(v) for v in column] if is_count else column
+            for k, (attr, once, is_count) in enumerate(zip(names, constant, counts,
+                                                           strict=True)):
+                column = rows[:, k]
+                if once:
+                    attrs[attr] = int(column[0])
+                elif is_count:
+                    attrs[attr] = column.astype(np.int64).tolist()
+                else:
+                    attrs[attr] = column.tolist()
             pending.append(_PendingEvent(table.wall_time, int(table.seqs[0]), attrs))
-            with state.lock:
-                for i, row in zip(table.index, rows, strict=True):
+            block = (name, table.mode, positions)
+            series = self._table_series.get(block)
+            if series is None:
+                series = ([(name, table.mode, i) for i in positions], [])
+                for i in positions:
                     key = (name, table.mode, i)
-                    series = self._attrs_cache.get(key)
-                    if series is None:
-                        series = {"sowtel.name": name, "sowtel.mode": table.mode}
+                    attrs_of = self._attrs_cache.get(key)
+                    if attrs_of is None:
+                        attrs_of = {"sowtel.name": name, "sowtel.mode": table.mode}
                         plain = _plain_index(i)
                         if plain is not None:
-                            series["sowtel.index"] = plain
+                            attrs_of["sowtel.index"] = plain
                         if len(self._attrs_cache) < 100_000:
-                            self._attrs_cache[key] = series
-                    state.latest[key] = (series, dict(zip(keys, row[leaf], strict=True)), step)
-                    counted = state.exported.get(key)
-                    if counted is None:
-                        state.exported[key] = [series, 1]
-                    else:
-                        counted[1] += 1
+                            self._attrs_cache[key] = attrs_of
+                    series[1].append(attrs_of)
+                if len(self._table_series) < 10_000:
+                    self._table_series[block] = series
+            with state.lock:
+                state.add_table(block, series[0], series[1], keys, rows, step)
         if self._newest_step is None or step > self._newest_step:
             self._newest_step = step
         newest = self._newest_step
@@ -599,6 +623,8 @@ class OTelExporter:
                 self._new_logged.add(record.name)
             return
         key, attrs = self._series_attributes(record)
+        if state.tables:
+            state.fold()  # a table's series first, so that this newer record wins
         state.latest[key] = (attrs, stats, step)
         counted = state.exported.get(key)
         if counted is None:

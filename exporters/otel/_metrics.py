@@ -107,9 +107,36 @@ class SeriesState:
         self.span_events_dropped = 0
         self.export_failures = dict.fromkeys(SIGNALS, 0)
         self.logged: dict[str, float] = {}  # name -> latest value of sowtel.log
+        # The series of a table's leaf, kept whole until a reader needs them one by one:
+        # block key -> (series keys, their attributes, statistics' names, rows, step, tables
+        # seen), in arrival order (the latest block last).
+        self.tables: dict[Any, tuple[list[Any], list[dict[str, Any]], tuple[str, ...], Any,
+                                     int, int]] = {}
+
+    def add_table(self, block: Any, keys: list[Any], attrs: list[dict[str, Any]],
+                  stat_keys: tuple[str, ...], rows: Any, step: int) -> None:
+        """A table leaf's series (lock held): ``keys[p]`` and ``attrs[p]`` name the series of
+        position ``p``, ``rows[p]`` its statistics (a numpy array ``positions x stats``)."""
+        earlier = self.tables.pop(block, None)
+        seen = 1 if earlier is None else earlier[5] + 1
+        self.tables[block] = (keys, attrs, stat_keys, rows, step, seen)
+
+    def fold(self) -> None:
+        """Turns the kept tables into per-series entries (lock held): before a reader looks at
+        them, and before a record updates a series one by one, so the latest always wins."""
+        for keys, attrs, stat_keys, rows, step, seen in self.tables.values():
+            for key, series, row in zip(keys, attrs, rows.tolist(), strict=True):
+                self.latest[key] = (series, dict(zip(stat_keys, row, strict=True)), step)
+                counted = self.exported.get(key)
+                if counted is None:
+                    self.exported[key] = [series, seen]
+                else:
+                    counted[1] += seen
+        self.tables.clear()
 
     def observe_stat(self, stat: str) -> list[tuple[dict[str, Any], float]]:
         with self.lock:
+            self.fold()
             if stat == "step":
                 return [(attrs, float(step)) for attrs, _, step in self.latest.values()]
             return [
@@ -122,6 +149,7 @@ class SeriesState:
 
     def observe_counter(self, counter: str) -> list[tuple[dict[str, Any], float]]:
         with self.lock:
+            self.fold()
             if counter == "exported":
                 return [(attrs, n) for attrs, n in self.exported.values()]
             if counter == "nonfinite":
