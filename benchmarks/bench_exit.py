@@ -98,6 +98,10 @@ class RunResult:
         return not self.problems
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_once(how: str, logdir: str, timeout: float = 120.0, steps: int = STEPS) -> RunResult:
     """Runs the child once with ``how`` as its way of ending (``steps`` before an exit);
     checks it (see the module doc)."""
@@ -105,6 +109,9 @@ def run_once(how: str, logdir: str, timeout: float = 120.0, steps: int = STEPS) 
         [sys.executable, "-c", CHILD, logdir, how, str(steps)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        # A process started in the background of a shell inherits SIGINT ignored, and Python
+        # keeps it ignored: the child gets the default action, so Ctrl-C reaches it as a user's.
+        preexec_fn=_default_sigint,
     )
     lines: list[str] = []
     try:
