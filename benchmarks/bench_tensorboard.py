@@ -249,6 +249,24 @@ def deep_model(quick: bool = False) -> Table:
     return table
 
 
+def _wait_loaded(query: str, steps: int, seconds: float) -> None:
+    """Polls the depth route ``query`` until TensorBoard has loaded ``steps`` steps."""
+    import json
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(query, timeout=30) as r:
+                if len(json.load(r)["steps"]) >= steps:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"TensorBoard did not load the run within {seconds:.0f} s")
+        time.sleep(0.5)
+
+
 def _route_seconds(top: str, run: str, steps: int) -> tuple[float, float]:
     import json
     import urllib.request
@@ -257,17 +275,7 @@ def _route_seconds(top: str, run: str, steps: int) -> tuple[float, float]:
 
     url = _launch(top, "127.0.0.1", pick_port("127.0.0.1", None))
     query = f"{url}data/plugin/sowtel/depth?run={run}&site=blocks/site3&mode=cotangent&stat=l2"
-    deadline = time.monotonic() + 120
-    while True:  # until TensorBoard has loaded every step
-        try:
-            with urllib.request.urlopen(query, timeout=30) as r:
-                if len(json.load(r)["steps"]) >= steps:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("TensorBoard did not load the run within 120 s")
-        time.sleep(0.5)
+    _wait_loaded(query, steps, 120)
     base = f"{url}data/plugin/sowtel/"
     page = [f"{base}runs", f"{base}sites?run={run}", f"{base}health?run={run}", query]
     times: dict[str, list[float]] = {"depth": [], "page": []}
@@ -311,7 +319,6 @@ def first_paint(quick: bool = False) -> Table:
     says when its depth view was drawn, counted from the navigation's start.
     """
     import json
-    import urllib.request
 
     from benchmarks.chromium import Chromium
     from sowtel.dashboard import _launch, pick_port
@@ -330,19 +337,8 @@ def first_paint(quick: bool = False) -> Table:
             exporter.write(batch)
         exporter.close()
         url = _launch(top, "127.0.0.1", pick_port("127.0.0.1", None))
-        query = (f"{url}data/plugin/sowtel/depth?run=deep&site=blocks/site0&mode=primal"
-                 "&stat=std")
-        deadline = time.monotonic() + 180
-        while True:  # until TensorBoard has loaded every step
-            try:
-                with urllib.request.urlopen(query, timeout=30) as r:
-                    if len(json.load(r)["steps"]) >= steps:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("TensorBoard did not load the run within 180 s")
-            time.sleep(0.5)
+        _wait_loaded(f"{url}data/plugin/sowtel/depth?run=deep&site=blocks/site0&mode=primal"
+                     "&stat=std", steps, 180)
         for attempt in range(3):
             profile = tempfile.mkdtemp(prefix="sowtel-bench-chromium-")
             browser = Chromium(binary, Path(profile))
