@@ -81,11 +81,6 @@ KNOWN_BROKEN: dict[str, tuple[str, Callable[[str, str | None, tuple[str, ...], s
         "issue 19 (this fuzzer's model): a loop inside a while_loop body streams its own index "
         "now (tests/test_peer_ports.py checks it), which the expected records here do not model",
         lambda kind, policy, outer, tr: kind in LOOPS and "while" in outer),
-    "custom-vjp-in-loop-under-vmap-callback": (
-        "issue 19, found by this fuzzer: the callback transport gives a custom_vjp sow in a scan "
-        "under vmap one index too many ((0, 0), (0, 1) for iterations 0, 1)",
-        lambda kind, policy, outer, tr: kind == "cvjp" and bool(LOOPS & set(outer))
-        and ("vmap" in outer or tr == "vmap_grad")),
 }
 
 

@@ -391,3 +391,31 @@ def test_sow_in_custom_vjp_bwd_differentiated_from_outside_raises() -> None:
     close(inter["bwd_value"]["cotangent"], [0.5, 0.5])
     with pytest.raises(ValueError, match="sow 'bwd_value' is in the bwd of a custom_vjp"):
         jax.grad(lambda x: save_intermediates(f)(x)[0])(x)
+
+
+# -- a custom rule's sow in a loop under vmap, differentiated: one index per loop ------------
+
+
+@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
+def test_custom_vjp_in_vmapped_scan_under_grad_streams_one_index(transport: str) -> None:
+    # grad(vmap(scan(custom_vjp))): vmap rebinds the scan with a batched copy of its body, and
+    # the custom_vjp's fwd is traced again by the jvp rule of that copy: still one loop.
+    jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
+    rows = np.stack([XS, XS * 0.5 - 1.0])  # (2 rows, 3 iterations)
+
+    def f(x: Any) -> Any:
+        scanned = lambda row: jax.lax.scan(  # noqa: E731
+            lambda c, v: (c + scaled_grad(v) * 2.0, None), 0.0, row)[0]
+        return jax.vmap(scanned)(x).sum()
+
+    records = stream(jit(jax.grad(f)), rows)
+    by_name = {name: sorted((r for r in records if r.name == name), key=lambda r: r.index)
+               for name in ("fwd_value", "bwd_value")}
+    assert [(r.mode, r.index, r.step) for r in by_name["fwd_value"]] == [
+        ("primal", i, 0) for i in range(3)]
+    assert [(r.mode, r.index, r.step) for r in by_name["bwd_value"]] == [
+        ("cotangent", i, 0) for i in range(3)]
+    for i, r in enumerate(by_name["fwd_value"]):
+        close(r.value, rows[:, i] * 3.0)  # the rows' i-th inputs, tripled
+    for r in by_name["bwd_value"]:
+        close(r.value, [1.0, 1.0])  # the bwd gets the cotangent 2 and halves it
