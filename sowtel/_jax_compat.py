@@ -368,8 +368,7 @@ def _rebound_copy_seen(local: dict[str, Any], seen: set[int]) -> bool:
     That rule's loop is this one, already counted. A rule's locals hold its own loop's bodies
     only (a nested scan's body sits inside their equations), so any match is this loop."""
     body = local.get("jaxpr")
-    # Read each value once: the identity of the objects, not their contents.
-    return any(id(v) in seen for v in list(local.values()) if v is not body)
+    return any(id(v) in seen for v in local.values() if v is not body)  # identity, not equality
 
 
 def in_custom_vjp_bwd() -> bool:
