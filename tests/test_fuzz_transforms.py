@@ -180,9 +180,10 @@ def programs(draw: Any) -> tuple[str, tuple[Node, ...]]:
             kinds += [w for w in WRAPPERS
                       if not (w == "while" and (transform in REVERSE or LOOPS & set(outer)))
                       and not (w in SHARDED and (w != sharding or SHARDED & set(outer)))
-                      # JAX itself refuses a cond whose predicate vmap batches on explicit
-                      # axes (ShardingTypeError from its select), with or without sowtel.
-                      and not (w == "cond" and batched and "explicit" in outer)]
+                      # JAX itself refuses a cond whose predicate vmap batches around or
+                      # inside a reshard onto explicit axes (ShardingTypeError from its
+                      # select), with or without sowtel.
+                      and not (batched and {w, *outer} >= {"cond", "explicit"})]
         kinds = [k for k in kinds if not broken(k, None, outer, transform)]
         kind = draw(st.sampled_from(kinds))
         if kind in ("site", "cjvp", "cvjp"):
