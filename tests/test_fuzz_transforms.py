@@ -306,7 +306,9 @@ def build(nodes: tuple[Node, ...], ref: bool) -> Callable[[Any, Any], tuple[Any,
                 c, v = run_block(body, c, e)
                 return i + 1, c, v
 
-            zeros = jax.tree.map(jnp.zeros_like, e or {})
+            # The values' first carry has their type, sharding included (on explicit axes, that
+            # of the body's output, not of the unsharded perturbations); every pass replaces it.
+            zeros = jax.tree.map(lambda a: a * 0.0, run_block(body, h, e)[1]) if e else {}
             _, h, v = jax.lax.while_loop(lambda s: s[0] < LOOP_LENGTH, wbody, (0, h, zeros))
             return h, v
         if n.kind == "remat":
