@@ -300,6 +300,9 @@ def _codes(module: Any, *names: str) -> frozenset[Any]:
 _SCAN_JVP = _codes(_loops, "_scan_jvp", "_scan_linearize")
 _SCAN_TRANSPOSE = _codes(_loops, "_scan_transpose", "_scan_transpose_fancy")
 _WHILE_RULES = _codes(_loops, "_while_loop_jvp")
+# vmap of a scan rebinds it with a batched copy of its body: a scan rule called from there (a
+# jvp under grad(vmap(scan))) holds that copy, which the lax.scan frame above never saw.
+_SCAN_BATCH = _codes(_loops, "_scan_batching_rule")
 # A custom_vjp bwd runs inside these (0.10: _custom_lin_transpose; 0.12 also the _fancy one).
 _CUSTOM_BWD = _codes(ad, "_custom_lin_transpose", "_custom_lin_transpose_fancy")
 
@@ -312,7 +315,9 @@ def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
     Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame,
     and of the scan rules that call user code again (a ``custom_jvp`` rule under ``grad``, a
     ``custom_vjp`` ``bwd`` in a transposed scan, which runs in reverse). A scan met twice (its
-    ``lax.scan`` frame and its jvp rule) is counted once: both hold the same ``jaxpr``.
+    ``lax.scan`` frame and its jvp rule) is counted once: both hold the same ``jaxpr``, or the
+    outer frame holds the copy the inner one transforms (``vmap``'s batched body under
+    ``grad(vmap(scan))``, the primal half of a linearized body under jvp-of-grad).
     """
     return _loops_from(sys._getframe(1))
 
@@ -327,6 +332,12 @@ def _loops_from(frame: Any) -> tuple[tuple[int, bool], ...] | None:
             # A while_loop's iterations are not static, so they have no index; the scans inside
             # its body still index theirs (they run whole on each iteration).
             return tuple(reversed(loops)) if loops else None
+        if code in _SCAN_BATCH:
+            local = frame.f_locals
+            if "jaxpr" in local and _rebound_copy_seen(local, seen):
+                seen.add(id(local["jaxpr"]))  # the same loop, seen in its batched copy
+            frame = frame.f_back
+            continue
         if code is _SCAN_CODE and in_scan3:
             in_scan3 = False
             frame = frame.f_back
@@ -338,15 +349,26 @@ def _loops_from(frame: Any) -> tuple[tuple[int, bool], ...] | None:
             if not isinstance(length, int):
                 return None
             body = id(local["jaxpr"]) if "jaxpr" in local else id(frame)
-            if body not in seen:
-                seen.add(body)
+            # Counted already where a rule further in transforms the copy this frame rebinds.
+            if body not in seen and not _rebound_copy_seen(local, seen):
                 reverse = bool(local.get("reverse", False))
                 if code is _SCAN_NOCARRY_CODE:
                     in_scan3 = True
                     reverse = reverse and SCAN3_REVERSES
                 loops.append((length, reverse if is_scan else not reverse))
+            seen.add(body)
         frame = frame.f_back
     return tuple(reversed(loops))
+
+
+def _rebound_copy_seen(local: dict[str, Any], seen: set[int]) -> bool:
+    """Whether a scan rule's frame holds, besides its own ``jaxpr``, the body of a rule met
+    further in: the copy it rebinds the loop with (batched by vmap, the primal half of a
+    linearized scan), which JAX then transforms again (``grad(vmap(scan))``, jvp-of-grad).
+    That rule's loop is this one, already counted. A rule's locals hold its own loop's bodies
+    only (a nested scan's body sits inside their equations), so any match is this loop."""
+    body = local.get("jaxpr")
+    return any(id(v) in seen for v in local.values() if v is not body)  # identity, not equality
 
 
 def in_custom_vjp_bwd() -> bool:

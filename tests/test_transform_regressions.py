@@ -391,3 +391,83 @@ def test_sow_in_custom_vjp_bwd_differentiated_from_outside_raises() -> None:
     close(inter["bwd_value"]["cotangent"], [0.5, 0.5])
     with pytest.raises(ValueError, match="sow 'bwd_value' is in the bwd of a custom_vjp"):
         jax.grad(lambda x: save_intermediates(f)(x)[0])(x)
+
+
+# -- a custom rule's sow in a loop under vmap, differentiated: one index per loop ------------
+
+
+@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
+def test_custom_vjp_in_vmapped_scan_under_grad_streams_one_index(transport: str) -> None:
+    # grad(vmap(scan(custom_vjp))): vmap rebinds the scan with a batched copy of its body, and
+    # the custom_vjp's fwd is traced again by the jvp rule of that copy: still one loop.
+    jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
+    rows = np.stack([XS, XS * 0.5 - 1.0])  # (2 rows, 3 iterations)
+
+    def f(x: Any) -> Any:
+        scanned = lambda row: jax.lax.scan(  # noqa: E731
+            lambda c, v: (c + scaled_grad(v) * 2.0, None), 0.0, row)[0]
+        return jax.vmap(scanned)(x).sum()
+
+    records = stream(jit(jax.grad(f)), rows)
+    by_name = {name: sorted((r for r in records if r.name == name), key=lambda r: r.index)
+               for name in ("fwd_value", "bwd_value")}
+    assert [(r.mode, r.index, r.step) for r in by_name["fwd_value"]] == [
+        ("primal", i, 0) for i in range(3)]
+    assert [(r.mode, r.index, r.step) for r in by_name["bwd_value"]] == [
+        ("cotangent", i, 0) for i in range(3)]
+    for i, r in enumerate(by_name["fwd_value"]):
+        close(r.value, rows[:, i] * 3.0)  # the rows' i-th inputs, tripled
+    for r in by_name["bwd_value"]:
+        close(r.value, [1.0, 1.0])  # the bwd gets the cotangent 2 and halves it
+
+
+@jax.custom_jvp
+def sin_sown(x: Any) -> Any:
+    return sow(jnp.sin(x), "cj")
+
+
+@sin_sown.defjvp
+def _sin_sown_jvp(primals: Any, tangents: Any) -> Any:
+    (x,), (t,) = primals, tangents
+    return sin_sown(x), jnp.cos(x) * t
+
+
+@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
+@pytest.mark.parametrize("outer", ["jvp", "grad"])
+def test_custom_jvp_in_vmapped_fori_differentiated_streams_one_index(
+        outer: str, transport: str) -> None:
+    # The custom_jvp function is traced again by the jvp rule of the vmapped loop's batched
+    # copy: one loop, its two iterations, whether forward or reverse mode drives it.
+    jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
+    rows = jnp.asarray(np.stack([X, X * 2.0]))
+
+    def f(x: Any) -> Any:
+        looped = lambda r: jax.lax.fori_loop(0, 2, lambda i, c: sin_sown(c + i), r)  # noqa: E731
+        return jax.vmap(looped)(x).sum()
+
+    fn = ((lambda x: jax.jvp(f, (x,), (jnp.ones_like(x),))) if outer == "jvp"
+          else jax.grad(f))
+    records = sorted(stream(jit(fn), rows), key=lambda r: r.index)
+    assert [(r.mode, r.index, r.step) for r in records] == [("primal", 0, 0), ("primal", 1, 0)]
+    first = np.sin(np.stack([X, X * 2.0]).astype(np.float64))  # iteration 0 adds 0
+    close(records[0].value, first)
+    close(records[1].value, np.sin(first + 1.0))  # iteration 1 adds 1 to the carry
+
+
+@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
+def test_custom_jvp_in_scan_under_jvp_of_grad_streams_one_index(transport: str) -> None:
+    # jvp-of-grad linearizes the scan, then differentiates the primal half it rebinds (a copy
+    # of the body): the custom_jvp function traced there is still in the one loop.
+    jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
+
+    def f(x: Any) -> Any:
+        return jax.lax.scan(lambda c, s: (sin_sown(c + s), None), x, jnp.arange(2.0))[0].sum()
+
+    x = jnp.asarray(X)
+    records = stream(jit(lambda x, t: jax.jvp(jax.grad(f), (x,), (t,))), x, jnp.ones_like(x))
+    primal = sorted((r for r in records if r.mode == "primal"), key=lambda r: r.index)
+    assert [(r.index, r.step) for r in primal] == [(0, 0), (1, 0)]
+    first = np.sin(X.astype(np.float64))
+    close(primal[0].value, first)
+    close(primal[1].value, np.sin(first + 1.0))
+    assert all(isinstance(r.index, int) for r in records), records
