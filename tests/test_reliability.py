@@ -340,6 +340,9 @@ def _child(tmp_path: Path, n: int, how: str) -> tuple[int, str]:
         [sys.executable, "-c", textwrap.dedent(_CHILD), str(tmp_path), str(n), how],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        # Started from a shell's background, a process inherits SIGINT ignored: the child gets
+        # the default action back, so the signal reaches it as a user's Ctrl-C does.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         if how != "exit":
