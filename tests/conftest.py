@@ -1,9 +1,16 @@
-"""Shared test set-up: 8 forced CPU devices (so shard_map and pmap run on one machine), and
-the dispatcher fixtures `release` and `made`."""
+"""Shared test set-up: 8 forced CPU devices (so shard_map and pmap run on one machine), the
+repository root importable (tests reuse ``benchmarks/`` children and drivers), and the
+dispatcher fixtures `release` and `made`."""
 
 import os
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -9,14 +9,11 @@ benchmark, with its numbers in the README.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-# The child and its checks live with the 50-run benchmark; the repository root holds it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_exit import run_once  # noqa: E402
+# The child and its checks live with the 50-run benchmark (the repository root is importable:
+# conftest.py).
+from benchmarks.bench_exit import run_once
 
 RUNS = 5
 
