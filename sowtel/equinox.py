@@ -41,7 +41,7 @@ from typing import Any
 import jax
 
 from sowtel import _module_sites, naming
-from sowtel.jit import Jitted
+from sowtel.jit import Jitted, SplitJitted, name_after
 
 __all__ = ["capture", "filter_jit"]
 
@@ -156,13 +156,6 @@ def capture(model: Any, filter: Any = None, *, tag: str = "intermediates",
 # -- filter_jit -------------------------------------------------------------------------------
 
 
-def _name_after(pure: Callable[..., Any], fun: Callable[..., Any]) -> None:
-    # Names only: jax.jit reads the signature of a __wrapped__ function, and pure's differs.
-    for attr in ("__name__", "__qualname__", "__module__"):
-        if hasattr(fun, attr):
-            setattr(pure, attr, getattr(fun, attr))
-
-
 class _Static:
     """Static (non-array) parts of a call, hashable for the jit cache: a pytree structure and its
     leaves, compared by value as ``eqx.filter_jit`` compares them."""
@@ -204,8 +197,10 @@ jax.tree_util.register_pytree_node(_StaticOut, lambda s: ((), s.value),
 DONATE = ("all", "all-except-first", "warn", "warn-except-first", "none")
 
 
-class FilterJitted:
+class FilterJitted(SplitJitted):
     """What :func:`filter_jit` returns: call it as the ``eqx.filter_jit`` function."""
+
+    _label = "sowtel.equinox.filter_jit"
 
     def __init__(self, fun: Callable[..., Any], donate: str, options: dict[str, Any]) -> None:
         eqx = _eqx()
@@ -216,7 +211,7 @@ class FilterJitted:
             dynamic, static_out = eqx.partition(out, eqx.is_array)
             return dynamic, _StaticOut(static_out)
 
-        _name_after(pure, fun)
+        name_after(pure, fun)
         donated = {"all": (0, 1), "warn": (0, 1), "all-except-first": (1,),
                    "warn-except-first": (1,), "none": ()}[donate]
         self._quiet = donate in ("all", "all-except-first")
@@ -237,20 +232,6 @@ class FilterJitted:
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             dynamic, static_out = self._jitted(*self._split(args, kwargs))
         return eqx.combine(dynamic, static_out.value)
-
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """The lowered program of a step that logs nothing (``jax.jit``'s ``Lowered``)."""
-        return self._jitted.lower(*self._split(args, kwargs))
-
-    def lower_logging(self, *args: Any, step: int = 0, **kwargs: Any) -> Any:
-        """The lowered program of a logging step at ``step`` (see ``sowtel.jit``)."""
-        return self._jitted.lower_logging(*self._split(args, kwargs), step=step)
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        return self if obj is None else functools.partial(self, obj)
-
-    def __repr__(self) -> str:
-        return f"sowtel.equinox.filter_jit({getattr(self._fun, '__qualname__', self._fun)!r})"
 
 
 def filter_jit(fun: Callable[..., Any] | None = None, /, *, donate: str = "none",

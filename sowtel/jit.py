@@ -66,7 +66,7 @@ from sowtel.primitive import (
 )
 from sowtel.summaries import DEFAULT_BINS, flatten, site_summary
 
-__all__ = ["jit", "Jitted", "CompiledSummaries"]
+__all__ = ["jit", "Jitted", "CompiledSummaries", "SplitJitted", "name_after"]
 
 
 class _NewStride(Exception):
@@ -509,6 +509,65 @@ class Jitted:
 
 
 _order = itertools.count()
+
+
+class SplitJitted:
+    """Base of the framework wrappers (``sowtel.nnx.jit``, ``sowtel.equinox.filter_jit``): a
+    :class:`Jitted` (``_jitted``) of a pure function, called with the arguments that
+    ``_split`` makes of the user's call; ``_label`` names the wrapper in its ``repr``.
+
+    Example:
+        >>> class Doubled(SplitJitted):
+        ...     _label = "doubled"
+        ...     def __init__(self, fun):
+        ...         self._fun, self._jitted = fun, Jitted(fun, {})
+        ...     def _split(self, args, kwargs):
+        ...         return tuple(2 * a for a in args)
+        >>> def f(x): return x + 1
+        >>> Doubled(f)
+        doubled('f')
+        >>> Doubled(f).lower(1.0).out_info.shape
+        ()
+    """
+
+    _label = "sowtel.jit"
+    _fun: Callable[..., Any]
+    _jitted: Jitted
+
+    def _split(self, args: Any, kwargs: Any) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The lowered program of a step that logs nothing (``jax.jit``'s ``Lowered``)."""
+        return self._jitted.lower(*self._split(args, kwargs))
+
+    def lower_logging(self, *args: Any, step: int = 0, **kwargs: Any) -> Any:
+        """The lowered program of a logging step at ``step`` (see ``sowtel.jit``)."""
+        return self._jitted.lower_logging(*self._split(args, kwargs), step=step)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"{self._label}({getattr(self._fun, '__qualname__', self._fun)!r})"
+
+
+def name_after(pure: Callable[..., Any], fun: Callable[..., Any]) -> None:
+    """Gives ``pure`` the names of ``fun`` (not its signature: ``jax.jit`` reads the signature
+    of a ``__wrapped__`` function, and a wrapper's pure function has another).
+
+    Example:
+        >>> def pure(a, b): return a
+        >>> def step(x): return x
+        >>> name_after(pure, step); pure.__name__
+        'step'
+    """
+    for attr in ("__name__", "__qualname__", "__module__"):
+        if hasattr(fun, attr):
+            setattr(pure, attr, getattr(fun, attr))
 
 
 def jit(fun: Callable[..., Any] | None = None, /, **jax_jit_options: Any) -> Any:

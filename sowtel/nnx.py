@@ -49,7 +49,7 @@ from typing import Any
 import jax
 
 from sowtel import _module_sites, naming
-from sowtel.jit import Jitted
+from sowtel.jit import Jitted, SplitJitted, name_after
 
 __all__ = ["capture", "jit"]
 
@@ -195,13 +195,6 @@ def capture(model: Any, filter: Any = None, *, tag: str = "intermediates",
 # -- jit --------------------------------------------------------------------------------------
 
 
-def _name_after(pure: Callable[..., Any], fun: Callable[..., Any]) -> None:
-    # Names only: jax.jit reads the signature of a __wrapped__ function, and pure's differs.
-    for attr in ("__name__", "__qualname__", "__module__"):
-        if hasattr(fun, attr):
-            setattr(pure, attr, getattr(fun, attr))
-
-
 class _Static:
     """A pytree node with no leaves that carries a static value through ``jax.jit``'s outputs."""
 
@@ -221,8 +214,10 @@ def _graph_nodes(tree: Any) -> list[Any]:
     return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_node) if is_node(x)]
 
 
-class NnxJitted:
+class NnxJitted(SplitJitted):
     """What :func:`jit` returns: call it as the ``nnx.jit`` function it stands for."""
+
+    _label = "sowtel.nnx.jit"
 
     def __init__(self, fun: Callable[..., Any], donate_state: bool,
                  options: dict[str, Any]) -> None:
@@ -235,7 +230,7 @@ class NnxJitted:
             out_graphdef, out_state = nnx.split(out)
             return state_out, out_state, _Static(out_graphdef)
 
-        _name_after(pure, fun)
+        name_after(pure, fun)
         self._fun = fun
         self._donate = donate_state
         self._jitted: Jitted = Jitted(
@@ -255,20 +250,6 @@ class NnxJitted:
             state_out, out_state, out_graphdef = self._jitted(graphdef, state)
         nnx.update(_graph_nodes((args, kwargs)), state_out)
         return nnx.merge(out_graphdef.value, out_state)
-
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """The lowered program of a step that logs nothing (``jax.jit``'s ``Lowered``)."""
-        return self._jitted.lower(*self._split(args, kwargs))
-
-    def lower_logging(self, *args: Any, step: int = 0, **kwargs: Any) -> Any:
-        """The lowered program of a logging step at ``step`` (see ``sowtel.jit``)."""
-        return self._jitted.lower_logging(*self._split(args, kwargs), step=step)
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        return self if obj is None else functools.partial(self, obj)
-
-    def __repr__(self) -> str:
-        return f"sowtel.nnx.jit({getattr(self._fun, '__qualname__', self._fun)!r})"
 
 
 def jit(fun: Callable[..., Any] | None = None, /, *, donate_state: bool = False,

@@ -8,6 +8,7 @@ explicit perturbation of the module's output."""
 from __future__ import annotations
 
 import doctest
+import functools
 import re
 import subprocess
 import sys
@@ -349,3 +350,30 @@ def test_watch_models_example_trains_three_frameworks() -> None:
     for name in ("linen", "nnx", "equinox"):
         assert f"{name}: final loss 0.0" in done.stdout, done.stdout
     assert "66 series" in done.stdout
+
+
+@pytest.mark.parametrize("framework", ["nnx", "equinox"])
+def test_framework_jit_repr_and_lowered_programs(framework: str) -> None:
+    if framework == "nnx":
+        model, wrap = NnxMLP(nnx.Rngs(0)), sowtel.nnx.jit
+
+        def forward(m, x):  # type: ignore[no-untyped-def]
+            return sowtel.sow(m(x), "y")
+    else:
+        model, wrap = _eqx_model(), sowtel.equinox.filter_jit
+
+        def forward(m, x):  # type: ignore[no-untyped-def]
+            return sowtel.sow(jax.vmap(m)(x), "y")
+
+    f = wrap(forward)
+    label = {"nnx": "sowtel.nnx.jit", "equinox": "sowtel.equinox.filter_jit"}[framework]
+    assert repr(f) == f"{label}({forward.__qualname__!r})"
+    plain = f.lower(model, X)
+    with sowtel.enable(exporter="memory"):
+        logging = f.lower_logging(model, X, step=0)
+    # The logging program returns the step's summaries beside the plain program's outputs.
+    n_plain = len(jax.tree_util.tree_leaves(plain.out_info))
+    assert len(jax.tree_util.tree_leaves(logging.out_info)) > n_plain > 0
+    # Bound as a method, the wrapper gets the instance as its first argument.
+    holder = type("Holder", (), {"step": f})()
+    assert isinstance(holder.step, functools.partial) and holder.step.args == (holder,)
