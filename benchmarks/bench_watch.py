@@ -30,7 +30,7 @@ import optax
 
 import sowtel
 import sowtel.optax
-from benchmarks import Table, fmt_ratio, fmt_time, interleave, module_main
+from benchmarks import Table, bench_jit, fmt_ratio, fmt_time, interleave, module_main
 from benchmarks.workloads import (
     Workload,
     activate_session,
@@ -46,29 +46,13 @@ __all__ = ["run", "main", "watch_table"]
 TARGETS = {"sowtel.jit, watch every=10": 1.02}
 
 
-class Runner:
-    """One variant: a step function, its own training state, and the session it streams to."""
-
-    def __init__(self, fn: Callable[..., Any], work: Workload,
-                 session: sowtel.Session | None) -> None:
-        self.fn = fn
-        self.session = session
-        self.params, self.opt_state, self.batch = work.init()
-        self.calls = 0
+class Runner(bench_jit.Runner):
+    """A variant of :class:`benchmarks.bench_jit.Runner` whose step counts its calls, so that
+    the watch's ``every=N`` applies."""
 
     def __call__(self) -> None:
-        activate_session(self.session)
-        out = jax.block_until_ready(
-            self.fn(self.params, self.opt_state, self.batch, jax.numpy.int32(self.calls)))
-        self.params, self.opt_state = out[0], out[1]
-        self.calls += 1
-
-    def drain(self) -> None:
-        if self.session is not None:
-            self.session.flush()
-
-    def records(self) -> int:
-        return 0 if self.session is None else int(self.session.status()["records"])
+        self.step = jax.numpy.int32(self.calls)
+        super().__call__()
 
 
 def _watched(work: Workload, every: int | None) -> Workload:
