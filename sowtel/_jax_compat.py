@@ -772,6 +772,51 @@ def branch_path(ctx: Any) -> tuple[tuple[int, int], ...]:
     return tuple(reversed(path))
 
 
+def wrap_lowering(prim: Any, wrapper: Callable[..., Any]) -> None:
+    """Registers ``wrapper(rule, ctx, *args, **params)`` as ``prim``'s lowering, around the
+    rule JAX registered for every platform (``rule``), keeping how it is inlined."""
+    entry = mlir._lowerings[prim]
+    rule = getattr(entry, "rule", entry)
+    inline = getattr(entry, "inline", True)
+
+    def lowering(ctx: Any, *args: Any, **params: Any) -> Any:
+        return wrapper(rule, ctx, *args, **params)
+
+    mlir.register_lowering(prim, lowering, inline=inline)
+
+
+#: The primitive of ``lax.cond`` and ``lax.switch``.
+cond_p = _conditionals.cond_p
+
+
+def lowered_case_op(num_branches: int) -> Any:
+    """The ``stablehlo.case`` op a cond lowering rule has just appended to the current block
+    (the last one with ``num_branches`` regions), or None."""
+    from jax._src.lib.mlir import ir
+
+    try:
+        block = ir.InsertionPoint.current.block
+    except ValueError:
+        return None
+    ops = block.operations
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i].operation
+        if op.name == "stablehlo.case" and len(op.regions) == num_branches:
+            return op
+    return None
+
+
+@contextlib.contextmanager
+def at_branch_end(case_op: Any, branch: int) -> Any:
+    """Lowers what follows at the end of a lowered case op's ``branch``, before its return."""
+    from jax._src.lib.mlir import ir
+
+    block = case_op.regions[branch].blocks[0]
+    ops = block.operations
+    with ir.InsertionPoint(ops[len(ops) - 1]):
+        yield
+
+
 def distributed_client() -> Any:
     """The ``jax.distributed`` client (key-value store, barriers), or None if unavailable."""
     try:

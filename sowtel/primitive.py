@@ -141,6 +141,8 @@ class StreamPolicy(Protocol):
 
     def count_late(self, site: StreamSite) -> None: ...
 
+    def skip(self, site: StreamSite, occurrences: int) -> None: ...
+
     def logs_at(self, step: int) -> bool: ...
 
     def host_step_block(self, step: int) -> contextlib.AbstractContextManager[None]: ...
@@ -730,6 +732,9 @@ class StreamSite:
     loops: tuple[tuple[int, bool], ...] | None
     extras: tuple[str, ...]
     order: int = 0  # position in the compiled program: lowering follows the jaxpr's order
+    # In a cond's branch: every occurrence is sent, the host applies ``every`` (a skipped
+    # branch tells the host what it skipped, whatever the step).
+    in_branch: bool = False
 
     # Derived once per site, read on every callback.
     @functools.cached_property
@@ -752,7 +757,7 @@ class StreamSite:
     @functools.cached_property
     def host_every(self) -> int:
         """The stride the host applies: 1 when the device decides it (under at_step)."""
-        return 1 if "step" in self.extras else self.every
+        return 1 if "step" in self.extras and not self.in_branch else self.every
 
     @functools.cached_property
     def full_nbytes(self) -> int:
@@ -807,6 +812,7 @@ def _deliver(site: StreamSite, *arrays: np.ndarray) -> None:
 
 def _emit_lowering(ctx: Any, *args: Any, site: StreamSite, export_process: int) -> list[Any]:
     named = naming.number_in_program(ctx, site)  # a name repeated in the program gets numbered
+    jc.module_state(ctx)[("numbered", site)] = named
     jc.emit_host_callback(ctx, lambda *a: _deliver(named(), *a), args, ctx.avals_in,
                           process=export_process)
     return []
@@ -845,21 +851,121 @@ _warned_counted: set[str] = set()
 
 
 def _warn_counted_index(name: str) -> None:
-    """Warns once per name that a site in a cond inside a scan gets counted indices.
+    """Warns once per name that a site in a cond inside a scan inside ``shard_map`` gets
+    counted indices.
 
     A host callback cannot read the iteration of the scan it runs in (JAX keeps the counter
-    inside its lowering of the loop), so the host numbers a site's occurrences as they arrive;
-    a branch that does not run in every iteration makes that count differ from the index.
-    ``sowtel.jit`` returns each site's summaries stacked over the iterations: exact indices.
+    inside its lowering of the loop), so the host numbers a site's occurrences as they arrive,
+    and a branch that does not run tells the host what it skipped (:func:`_cond_lowering`).
+    Inside ``shard_map`` each device counts its own occurrences, and a skipped branch does not
+    say which device skipped it. ``sowtel.jit`` returns each site's summaries stacked over the
+    iterations: exact indices.
     """
     if name in _warned_counted:
         return
     _warned_counted.add(name)
     warnings.warn(
-        f"sow {name!r} is inside a cond inside a scan: with host callbacks its records are "
-        "indexed by counting the iterations in which its branch ran, not by the iteration "
-        "itself. Stream the step with sowtel.jit for exact indices (or move the sow out of "
-        "the cond)", stacklevel=2)
+        f"sow {name!r} is inside a cond inside a scan inside shard_map: with host callbacks "
+        "its records are indexed by counting the iterations in which its branch ran, not by "
+        "the iteration itself. Stream the step with sowtel.jit for exact indices (or move the "
+        "sow out of the cond)", stacklevel=2)
+
+
+# -- a branch that does not run keeps the host's count ---------------------------------------
+#
+# The host numbers a site's callbacks (its step and record index) by counting them. A cond's
+# branch that does not run sends nothing, so each branch, as lowered, ends with one callback
+# that tells the host how many occurrences of the sites of the other branches it skipped.
+
+
+class _LoweredSites(threading.local):
+    """Per lowering thread: for each cond being lowered, the streamed sites lowered in it."""
+
+    def __init__(self) -> None:
+        self.stack: list[dict[tuple[SiteStatic, str], list[Any]]] = []
+
+
+_LOWERED = _LoweredSites()
+
+
+def _note_lowered(site: SiteStatic, mode: str, named: Any) -> None:
+    for lowered in _LOWERED.stack:
+        lowered.setdefault((site, mode), []).append(named)
+
+
+def _streamed_sites(jaxpr: Any, times: int | None,
+                    out: dict[tuple[SiteStatic, str], int | None]) -> None:
+    """The streamed sites of ``jaxpr`` and the callbacks each sends per run of it (``times``
+    per run of the enclosing jaxpr; ``None``: not static, inside a while_loop)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p:
+            p = eqn.params
+            if p["stream"] is not None and not p["recompute"]:
+                key = (p["site"], p["mode"])
+                before = out.get(key, 0)
+                out[key] = None if times is None or before is None else max(before, times)
+            continue
+        kind = jc.construct(eqn)
+        inner = times
+        if kind == "while":
+            inner = None
+        elif kind in ("scan", "scan3") and times is not None:
+            inner = times * jc.loop_parts(eqn)["length"]
+        for sub in jc.sub_jaxprs(eqn):
+            _streamed_sites(sub, inner, out)
+
+
+def _skipped(occurrences: tuple[tuple[tuple[Any, ...], int], ...]) -> None:
+    """The host side of a branch that did not run: ``(named sites, callbacks)`` it skipped."""
+    policy = RECEIVERS.active
+    if policy is None:
+        return
+    counts: dict[StreamSite, int] = {}
+    for named, n in occurrences:
+        for site in {x().counter_key: x() for x in named}.values():
+            counts[site] = max(counts.get(site, 0), n)
+    for site, n in counts.items():
+        policy.skip(site, n)
+
+
+def _cond_lowering(rule: Callable[..., Any], ctx: Any, index: Any, *args: Any,
+                   branches: Any, **params: Any) -> Any:
+    """JAX's lowering of a cond, each branch ending with a callback that tells the host how
+    many occurrences it skipped of the streamed sites only other branches hold."""
+    lowered = functools.partial(rule, ctx, index, *args, branches=branches, **params)
+    if params.get("branches_platforms") is not None:
+        return lowered()
+    sites: list[dict[tuple[SiteStatic, str], int | None]] = []
+    for branch in branches:
+        sites.append({})
+        _streamed_sites(jc.as_jaxpr(branch), 1, sites[-1])
+    names = [{(s.name, m) for s, m in held} for held in sites]
+    skips = [
+        {key: n for other, held in enumerate(sites) if other != b for key, n in held.items()
+         if (key[0].name, key[1]) not in names[b] and n is not None
+         and "shard" not in key[0].extras}
+        for b in range(len(branches))]
+    if not any(skips):
+        return lowered()
+    seen: dict[tuple[SiteStatic, str], list[Any]] = {}
+    _LOWERED.stack.append(seen)
+    try:
+        outs = lowered()
+    finally:
+        _LOWERED.stack.pop()
+    case_op = jc.lowered_case_op(len(branches))
+    if case_op is None:
+        return outs
+    for b, skip in enumerate(skips):
+        occurrences = tuple((tuple(seen[key]), n) for key, n in skip.items() if key in seen)
+        if occurrences:
+            quiet = ctx.replace(avals_in=[], avals_out=[], tokens_out=None)
+            with jc.at_branch_end(case_op, b):
+                jc.emit_host_callback(quiet, functools.partial(_skipped, occurrences), [], [])
+    return outs
+
+
+jc.wrap_lowering(jc.cond_p, _cond_lowering)
 
 
 def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
@@ -876,8 +982,11 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
         bins=DEFAULT_BINS, loops=site.loops, extras=sent, order=next(_lowering_order),
     )
+    in_branch = bool(jc.branch_path(ctx))
+    if in_branch:
+        info = dataclasses.replace(info, in_branch=True)
     naming.note_branches(ctx, info)
-    if site.loops and jc.branch_path(ctx):
+    if site.loops and "shard" in site.extras and jc.branch_path(ctx):
         _warn_counted_index(site.name)
 
     def on_device(*operands: Any) -> list[Any]:
@@ -890,7 +999,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
             sow_emit_p.bind(*arrays, *extras, site=info,
                             export_process=stream.export_process)
 
-        if every > 1 and "step" in site.extras:
+        if every > 1 and "step" in site.extras and not in_branch:
             step = extras[sent.index("step")]
             jax.lax.cond(step % every == 0, emit, lambda: None)
         else:
@@ -898,6 +1007,8 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         return []
 
     jc.mlir.lower_fun(on_device, multiple_results=True)(ctx, *args)
+    if _LOWERED.stack:
+        _note_lowered(site, mode, jc.module_state(ctx)[("numbered", info)])
     return leaves
 
 

@@ -254,6 +254,18 @@ class Session:
         self._late_lock = threading.Lock()
         self._forked = True
 
+    def skip(self, site: StreamSite, occurrences: int) -> None:
+        """A cond's branch that did not run skipped ``occurrences`` of ``site`` (a site of
+        another branch): its count moves on, so later records keep their step and index."""
+        try:
+            counter = self._counters.get(site.counter_key)
+            if counter is None:
+                counter = self._counters.setdefault(site.counter_key, itertools.count())
+            for _ in range(occurrences):
+                next(counter)  # type: ignore[call-overload]
+        except Exception:  # noqa: BLE001 - a callback must never raise into XLA
+            logger.exception("sowtel: a skipped branch of %r could not be counted", site.name)
+
     def count_late(self, site: StreamSite) -> None:
         """A host callback of ``site`` ran after this session ended: counted, not exported."""
         with self._late_lock:
@@ -276,7 +288,10 @@ class Session:
             steps = self._host_steps
             host_step = steps[-1] if steps else None
             if site.host_every > 1:
-                step = host_step if host_step is not None else occurrence // site.period
+                if "step" in site.extras:
+                    step = int(arrays[len(arrays) - len(site.extras) + site.extras.index("step")])
+                else:
+                    step = host_step if host_step is not None else occurrence // site.period
                 if step % site.host_every:
                     return
             views = self._views.get(site.counter_key)

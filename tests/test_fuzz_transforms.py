@@ -68,10 +68,6 @@ POLICIES = {
 # Constructs that hit an open defect of issue 19, by item, and the rule that keeps them out of
 # the generated programs (kind, policy, enclosing kinds, transform) -> broken.
 KNOWN_BROKEN: dict[str, tuple[str, Callable[[str, str | None, tuple[str, ...], str], bool]]] = {
-    "cond-inside-loop": (
-        "issue 19 item 5: the callback transport numbers a skipped branch's indices by counting "
-        "(it warns; sowtel.jit is exact), so a cond in a loop is not generated for either",
-        lambda kind, policy, outer, tr: kind == "cond" and bool(LOOPS & set(outer))),
     "custom-jvp-in-loop-jvp-of-grad-jax-0.10": (
         "issue 19 (JAX 0.10 only): under jvp-of-grad a sow in a custom_jvp function reports "
         "{primal, tangent} inside a scan but {primal} outside one (a strict xfail on 0.10 in "

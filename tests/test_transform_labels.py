@@ -70,15 +70,108 @@ def test_cond_in_scan_records_carry_the_iteration_with_sowtel_jit() -> None:
 
 
 @pytest.mark.parametrize("path", ["fast", "debug"])
-def test_cond_in_scan_with_host_callbacks_warns_that_indices_are_counted(
-        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cond_in_scan_records_carry_the_iteration_with_host_callbacks(
+        path: str, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder) -> None:
+    # The branch that does not run tells the host what it skipped: the host's count, and so
+    # each record's step and index, stays that of the iteration.
     monkeypatch.setenv("SOWTEL_CALLBACK", path)
+    # A new function: lowered anew, with this callback path.
+    records = stream(jax.jit(lambda xs: cond_in_scan(xs)), COND_XS, calls=2)
+    assert [(r.step, r.index) for r in records] == [
+        (0, 0), (0, 2), (0, 4), (1, 0), (1, 2), (1, 4)]
+    np.testing.assert_allclose([r.value for r in records], [2.0, 4.0, 8.0] * 2)
+    assert not [w for w in recwarn if "inside a cond" in str(w.message)]
+
+
+def test_scan_in_a_skipped_branch_skips_all_its_iterations(transport: str) -> None:
+    # A branch holding a scan of 3 skips 3 occurrences of its site; the other branch's site
+    # is skipped once a run of the taken branch.
+    def f(xs):
+        def body(c, x):
+            inner = lambda v: jax.lax.scan(  # noqa: E731
+                lambda a, k: (a + sow(v * k, "inner"), None), 0.0, jnp.arange(1.0, 4.0))[0]
+            return c + jax.lax.cond(x > 0, inner, lambda v: sow(v - 1.0, "other"), x), None
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+    records = stream(jit(f), COND_XS, calls=2)
+    inner = [(r.step, r.index, float(r.value)) for r in records if r.name == "inner"]
+    other = [(r.step, r.index, float(r.value)) for r in records if r.name == "other"]
+    assert sorted(inner) == [(s, (i, k), COND_XS[i] * (k + 1)) for s in (0, 1)
+                             for i in (0, 2, 4) for k in range(3)]
+    assert sorted(other) == [(s, i, COND_XS[i] - 1.0) for s in (0, 1) for i in (1, 3)]
+
+
+def test_switch_in_fori_loop_counts_every_branch_it_skips(transport: str) -> None:
+    # Three branches, two sites (one held by two branches): each site gets the iterations
+    # whose branch held it.
+    def f(x):
+        branches = [lambda v: sow(v + 1.0, "ab"), lambda v: sow(v * 2.0, "ab"),
+                    lambda v: sow(-v, "c")]
+        return jax.lax.fori_loop(
+            0, 6, lambda i, c: c + jax.lax.switch(i % 3, branches, x * i), 0.0)
+
+    records = stream(jit(f), jnp.float32(0.5), calls=2)
+    ab = [(r.step, r.index, float(r.value)) for r in records if r.name == "ab"]
+    c = [(r.step, r.index, float(r.value)) for r in records if r.name == "c"]
+    want_ab = {0: 1.0, 1: 1.0, 3: 2.5, 4: 4.0}
+    assert sorted(ab) == [(s, i, want_ab[i]) for s in (0, 1) for i in (0, 1, 3, 4)]
+    assert sorted(c) == [(s, i, -0.5 * i) for s in (0, 1) for i in (2, 5)]
+
+
+def test_a_skipped_branch_outside_loops_keeps_the_step(transport: str) -> None:
+    # Without at_step the host counts calls by occurrences: a call that skips the branch
+    # still counts.
+    fn = jit(lambda x: jax.lax.cond(x > 0, lambda v: sow(v, "p"), lambda v: v * 0.0, x))
+    with sowtel.enable(exporter="memory", summary="full") as session:
+        for x in (1.0, -1.0, 2.0, -2.0, 3.0):
+            jax.block_until_ready(fn(jnp.float32(x)))
+        assert sowtel.flush(timeout=30)
+    assert [(r.step, float(r.value)) for r in session.exporters[0].records] == [
+        (0, 1.0), (2, 2.0), (4, 3.0)]
+
+
+def test_cond_in_scan_every_n_at_a_device_step_keeps_indices() -> None:
+    # Under a device at_step with every=2 the host applies every: the skipped branches are
+    # counted on every step, logged or not.
+    @jax.jit
+    def step_fn(xs, step):
+        with sowtel.at_step(step):
+            return cond_in_scan(xs)
+
+    with sowtel.enable(exporter="memory", summary="full", every=2) as session:
+        for step in range(4):
+            jax.block_until_ready(step_fn(COND_XS, jnp.int32(step)))
+        assert sowtel.flush(timeout=30)
+    records = sorted(session.exporters[0].records, key=lambda r: (r.step, r.index))
+    assert [(r.step, r.index) for r in records] == [
+        (0, 0), (0, 2), (0, 4), (2, 0), (2, 2), (2, 4)]
+    np.testing.assert_allclose([r.value for r in records], [2.0, 4.0, 8.0] * 2)
+
+
+def test_cond_in_scan_inside_shard_map_warns_that_indices_are_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each device counts its own occurrences, and a skipped branch does not say which device
+    # skipped it: there the host callbacks still count, and say so.
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
     monkeypatch.setattr(sowtel.primitive, "_warned_counted", set())
-    with pytest.warns(UserWarning, match="'pos' is inside a cond inside a scan"):
-        # A new function: lowered anew, with this callback path.
-        records = stream(jax.jit(lambda xs: cond_in_scan(xs)), COND_XS)
-    assert len(records) == 3  # every run of the branch is streamed, none dropped
-    np.testing.assert_allclose(sorted(r.value for r in records), [2.0, 4.0, 8.0])
+    mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
+
+    def per_device(v):
+        def body(c, x):
+            return c + jax.lax.cond(x > 0, lambda a: sow(a * 2.0, "shpos"), lambda a: a, x), None
+
+        return jax.lax.scan(body, jnp.zeros_like(v[0]), v)[0][None]
+
+    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+    with pytest.warns(UserWarning, match="'shpos' is inside a cond inside a scan inside "
+                                         "shard_map"):
+        records = stream(fn, np.tile(np.array([1.0, -1.0], np.float32), 8))
+    # Each device ran the branch in its first iteration: one record each, none dropped.
+    assert sorted(r.index for r in records) == [(k, 0) for k in range(8)]
+    np.testing.assert_allclose([r.value for r in records], [2.0] * 8)
 
 
 def test_scan_in_cond_does_not_warn(recwarn: pytest.WarningsRecorder) -> None:
