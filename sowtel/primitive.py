@@ -922,7 +922,7 @@ def _skipped(occurrences: tuple[tuple[tuple[Any, ...], int], ...]) -> None:
         return
     counts: dict[StreamSite, int] = {}
     for named, n in occurrences:
-        for site in {x().counter_key: x() for x in named}.values():
+        for site in {s.counter_key: s for s in (x() for x in named)}.values():
             counts[site] = max(counts.get(site, 0), n)
     for site, n in counts.items():
         policy.skip(site, n)
@@ -986,7 +986,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
     if in_branch:
         info = dataclasses.replace(info, in_branch=True)
     naming.note_branches(ctx, info)
-    if site.loops and "shard" in site.extras and jc.branch_path(ctx):
+    if in_branch and site.loops and "shard" in site.extras:
         _warn_counted_index(site.name)
 
     def on_device(*operands: Any) -> list[Any]:
