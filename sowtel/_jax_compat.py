@@ -15,6 +15,9 @@ when that is gone.
   ``_scan_transpose``), so host-side records can carry iteration indices.
 - ``in_custom_vjp_bwd``: whether a ``custom_vjp`` ``bwd`` is traced, from the frame of
   ``ad._custom_lin_transpose`` (0.12: also ``_custom_lin_transpose_fancy``); False if gone.
+- ``in_custom_jvp_function``: whether a ``custom_jvp`` function (not its rule) is traced, from
+  the frames of ``custom_jvp.__call__`` and of its rule's wrapper ``_flatten_jvp``; False if
+  gone.
 - ``enclosing_map``: ``lax.map(batch_size=b)``'s length and batch size, from its frame.
 - ``batched_branch_predicate``: under ``vmap`` of a ``cond`` with a batched predicate, the rows
   that take the branch being run, from the ``predicate`` local of ``_cond_batching_rule``; when
@@ -39,6 +42,9 @@ when that is gone.
 - ``distributed_client``: the ``jax.distributed`` coordinator's client
   (``jax._src.distributed.global_state.client``), whose key-value store lets processes check
   that they agree; ``None`` when it is gone (then nothing is checked).
+- ``wrap_lowering`` / ``cond_p`` / ``lowered_case_op`` / ``at_branch_end``: a lowering rule
+  around JAX's own (``mlir._lowerings``), here the cond's, and the ``stablehlo.case`` op it
+  appended, to add operations at the end of a branch.
 - ``effects_barrier``: ``jax.effects_barrier`` that returns, rather than raises, the error of an
   earlier failed computation (JAX re-raises it there: 0.12 once, 0.10 and 0.11 at every later
   barrier and at exit, as they keep the failed token).
@@ -47,6 +53,7 @@ when that is gone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -57,6 +64,7 @@ from typing import Any
 import jax
 from jax._src import config as _config
 from jax._src import core as core
+from jax._src import custom_derivatives as _custom
 from jax._src import dispatch as dispatch
 from jax._src import effects as effects
 from jax._src import source_info_util
@@ -79,11 +87,13 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "batched_branch_predicate", "callback_path", "emit_host_callback",
-    "enclosing_loops", "enclosing_map", "in_custom_vjp_bwd", "in_transpose",
+    "enclosing_loops", "enclosing_map", "in_custom_jvp_function", "in_custom_vjp_bwd",
+    "in_transpose",
     "requires_devices", "global_devices",
     "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
     "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
-    "scan_split_counts", "traced_for",
+    "scan_split_counts", "traced_for", "wrap_lowering", "cond_p", "lowered_case_op",
+    "at_branch_end",
     "call_body", "construct", "eqn_context", "eqn_name", "eqn_params", "loop_parts",
     "register_remat3_rule", "scan3_over", "sub_jaxprs", "SCAN3_REVERSES",
 ]
@@ -288,8 +298,10 @@ _MAP_CODE = inspect.unwrap(_loops.map).__code__
 
 
 def _codes(module: Any, *names: str) -> frozenset[Any]:
-    """The code objects of the functions of ``module`` that exist in this JAX version."""
-    found = (getattr(module, n, None) for n in names)
+    """The code objects of the functions of ``module`` that exist in this JAX version (of the
+    generator a ``linear_util.transformation2``, a curried partial, holds)."""
+    found = [getattr(module, n, None) for n in names]
+    found = [f.args[0] if isinstance(f, functools.partial) and f.args else f for f in found]
     return frozenset(inspect.unwrap(f).__code__ for f in found if f is not None)
 
 
@@ -377,6 +389,26 @@ def in_custom_vjp_bwd() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code in _CUSTOM_BWD:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+# custom_jvp.__call__ traces the function (and, under a derivative, calls the rule, which
+# _flatten_jvp wraps): the nearer of the two frames says which one runs.
+_CUSTOM_JVP_CALL = inspect.unwrap(_custom.custom_jvp.__call__).__code__
+_CUSTOM_JVP_RULE = _codes(_custom, "_flatten_jvp")
+
+
+def in_custom_jvp_function() -> bool:
+    """True while the function of a ``custom_jvp`` is traced (also when its rule calls it), not
+    its rule (a sow in a rule belongs to the rule: ``capture`` refuses it where it is lost)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code in _CUSTOM_JVP_RULE:
+            return False
+        if code is _CUSTOM_JVP_CALL:
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False

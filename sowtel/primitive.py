@@ -376,6 +376,10 @@ class SiteStatic:
     # With a "taken" extra: (key of the vmapped cond, branch index); capture joins a name's
     # sites in sibling branches into one, as it does for an unbatched cond.
     branch: tuple[int, int] | None = None
+    # Sown in a custom_jvp function: its derivatives are the rule's, so it reports its primal
+    # only, also where JAX differentiates the function's body instead (JAX 0.10 partially
+    # evaluates a scan's body with the custom_jvp inlined, losing the rule, under jvp-of-grad).
+    custom_jvp: bool = False
 
     def transposed(self) -> SiteStatic:
         loops = None if self.loops is None else tuple((n, not r) for n, r in self.loops)
@@ -561,6 +565,7 @@ def sow(
         name=name, tag=tag, treedef=treedef, summary=summary, every=every,
         loops=jc.enclosing_loops(), extras=tuple(kinds),
         mapped=jc.enclosing_map() if capture else None,
+        custom_jvp=jc.in_custom_jvp_function(),
     )
     # A custom_vjp bwd is traced in a backward pass; jitted, or in a scan, cond or checkpoint,
     # its name stack no longer says so, but its caller's frame does.
@@ -615,8 +620,10 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str, recomp
     _, extras = _split(primals, site)
     differentiable = [jnp.issubdtype(jnp.result_type(p), jnp.inexact)
                       for p in primals[: len(leaves_t)]]
-    if not any(differentiable):
-        return out, leaves_t  # integer and bool leaves have no tangent to report
+    if not any(differentiable) or site.custom_jvp:
+        # Integer and bool leaves have no tangent to report; a custom_jvp function's site
+        # has none either (its rule gives the derivative).
+        return out, leaves_t
     site_t = site
     if not all(differentiable):
         # The tangent site holds the differentiable leaves, in the sown structure (None elsewhere).

@@ -188,11 +188,9 @@ def test_cond_streams_only_the_taken_branch_each_call(jit: Any) -> None:
             fn(x)
         sowtel.flush()
     got = sorted((r.step, r.name) for r in session.exporters[0].records)
-    # Steps count the calls (sowtel.jit) or each name's occurrences (callbacks).
-    if jit is sowtel.jit:
-        assert got == [(0, "yes"), (1, "no"), (2, "yes")]
-    else:
-        assert got == [(0, "no"), (0, "yes"), (1, "yes")]
+    # Steps count the calls: sowtel.jit counts them; host callbacks count each name's
+    # occurrences, and a branch that does not run counts the other branch's as skipped.
+    assert got == [(0, "yes"), (1, "no"), (2, "yes")]
 
 
 @pytest.mark.parametrize("jit", [jax.jit, sowtel.jit], ids=["callback", "sowtel.jit"])
@@ -209,9 +207,12 @@ def test_while_streams_once_per_iteration_in_order(jit: Any) -> None:
         np.testing.assert_allclose(total, np.abs(X).sum() * 3 ** (k + 1), rtol=1e-5)
 
 
-def test_cond_inside_scan_indices_skip_untaken_iterations_and_callbacks_warn() -> None:
-    # sowtel.jit reads the iteration from the program: exact. A host callback cannot (the
-    # scan's counter never reaches the sow), so it counts callbacks and says so once.
+@pytest.mark.parametrize("jit", [jax.jit, sowtel.jit], ids=["callback", "sowtel.jit"])
+def test_cond_inside_scan_indices_skip_untaken_iterations(
+        jit: Any, recwarn: pytest.WarningsRecorder) -> None:
+    # sowtel.jit reads the iteration from the program. A host callback cannot (the scan's
+    # counter never reaches the sow): it counts, and the branch that does not run says what
+    # it skipped. Both are exact, and neither warns.
     def f(xs: Any) -> Any:
         def body(c: Any, x: Any) -> Any:
             return c + jax.lax.cond(x > 0, lambda v: sow(v, "pos"), lambda v: 0.0 * v, x), None
@@ -219,11 +220,10 @@ def test_cond_inside_scan_indices_skip_untaken_iterations_and_callbacks_warn() -
         return jax.lax.scan(body, 0.0, xs)[0]
 
     xs = jnp.asarray([1.0, -1.0, 2.0, -3.0, 4.0])
-    records = stream(sowtel.jit(f), xs, calls=2)
+    records = stream(jit(f), xs, calls=2)
     assert sorted((r.step, r.index) for r in records) == [
         (0, 0), (0, 2), (0, 4), (1, 0), (1, 2), (1, 4)]
-    with pytest.warns(UserWarning, match="sowtel.jit"):
-        stream(jax.jit(f), xs, calls=1)
+    assert not [w for w in recwarn if "inside a cond" in str(w.message)]
 
 
 # -- found by the fuzzer ---------------------------------------------------------------------------
@@ -240,9 +240,9 @@ def _sine_jvp(primals: Any, tangents: Any) -> Any:
     return _sine(h), jnp.cos(h) * t
 
 
-@pytest.mark.xfail(not JAX_NEW, strict=True, reason="JAX 0.10: a sow in a custom_jvp function "
-                   "reports a tangent under jvp-of-grad inside a scan, none outside one")
 def test_custom_jvp_site_reports_the_same_modes_inside_a_scan() -> None:
+    # JAX 0.10 differentiates the scan's body with the custom_jvp inlined (its rule lost) under
+    # jvp-of-grad; the site still reports its primal only, as outside a scan.
     def top(x: Any) -> Any:
         return _sine(x).sum()
 
@@ -253,7 +253,7 @@ def test_custom_jvp_site_reports_the_same_modes_inside_a_scan() -> None:
     for f in (top, scanned):
         _, inter = save_intermediates(lambda x, t, f=f: jax.jvp(jax.grad(f), (x,), (t,)))(X, X)
         modes.append(set(inter["c"]))
-    assert modes[0] == modes[1]
+    assert modes == [{"primal"}, {"primal"}]
 
 
 def test_custom_jvp_in_jitted_fori_under_jvp_keeps_its_index() -> None:
