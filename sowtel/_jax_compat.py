@@ -395,18 +395,21 @@ def in_custom_vjp_bwd() -> bool:
 
 
 # custom_jvp.__call__ traces the function (and, under a derivative, calls the rule, which
-# _flatten_jvp wraps): the nearer of the two frames says which one runs.
+# _flatten_jvp wraps): the nearer of the two frames says which one runs. A derivative that
+# starts inside the function (ad.jvp, ad.linearize: jax.jvp, jax.grad, jax.vjp...) is its own.
 _CUSTOM_JVP_CALL = inspect.unwrap(_custom.custom_jvp.__call__).__code__
 _CUSTOM_JVP_RULE = _codes(_custom, "_flatten_jvp")
+_DERIVATIVES = _codes(ad, "jvp", "linearize")
 
 
 def in_custom_jvp_function() -> bool:
     """True while the function of a ``custom_jvp`` is traced (also when its rule calls it), not
-    its rule (a sow in a rule belongs to the rule: ``capture`` refuses it where it is lost)."""
+    its rule (a sow in a rule belongs to the rule: ``capture`` refuses it where it is lost),
+    nor a derivative taken inside the function (``jax.grad`` of a sowing function there)."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code in _CUSTOM_JVP_RULE:
+        if code in _CUSTOM_JVP_RULE or code in _DERIVATIVES:
             return False
         if code is _CUSTOM_JVP_CALL:
             return True

@@ -286,6 +286,25 @@ def test_custom_jvp_rule_calling_its_function_differentiates_from_outside() -> N
     close(inter_dot["fn"]["primal"], np.cos([0.5, -1.0]))  # the value's own derivative
 
 
+def test_a_derivative_taken_inside_a_custom_jvp_function_reports_its_modes() -> None:
+    # A sow in a custom_jvp function reports its primal only (the rule gives the derivative),
+    # but a grad the function itself takes is the function's own: its cotangent is reported.
+    def inner(h: Any) -> Any:
+        return jnp.sum(sow(jnp.sin(h), "in") ** 2)
+
+    @jax.custom_jvp
+    def f(h: Any) -> Any:
+        return jax.grad(inner)(h)
+
+    f.defjvp(lambda p, t: (f(p[0]), t[0]))
+    x = np.array([0.4, -0.3, 0.7], np.float32)
+    for outer in (lambda x: f(x).sum(), jax.grad(lambda x: f(x).sum())):
+        _, inter = save_intermediates(outer)(x)
+        assert set(inter["in"]) == {"primal", "cotangent"}
+        close(inter["in"]["primal"], np.sin(x))
+        close(inter["in"]["cotangent"], 2 * np.sin(x.astype(np.float64)))  # d(s²)/ds
+
+
 # -- the next JAX: jax_scan3 and jax_remat3 -------------------------------------------------
 
 
