@@ -53,6 +53,12 @@ XS = np.stack([X, np.array([-0.2, 0.5, 0.1], np.float32)])
 EXAMPLES = int(os.environ.get("SOWTEL_FUZZ_EXAMPLES", "120"))
 
 TRANSFORMS = ("fwd", "grad", "jvp", "jvp_grad", "vmap_grad")
+# SOWTEL_FUZZ_TRANSFORMS=jvp_grad,grad draws only those outer transforms (to aim a run).
+DRAWN = tuple(t for t in os.environ.get("SOWTEL_FUZZ_TRANSFORMS", ",".join(TRANSFORMS)).split(",")
+              if t) or TRANSFORMS
+if set(DRAWN) - set(TRANSFORMS):
+    raise ValueError(f"SOWTEL_FUZZ_TRANSFORMS={','.join(DRAWN)!r}: each must be one of "
+                     f"{', '.join(TRANSFORMS)}")
 REVERSE = frozenset({"grad", "jvp_grad", "vmap_grad"})
 LOOPS = frozenset({"scan", "fori"})
 POLICIES = {
@@ -147,7 +153,7 @@ SHARDED = frozenset({"shard", "explicit"})
 
 @st.composite
 def programs(draw: Any) -> tuple[str, tuple[Node, ...]]:
-    transform = draw(st.sampled_from(TRANSFORMS))
+    transform = draw(st.sampled_from(DRAWN))
     # One program shards one way: an auto-axes constraint fails inside an explicit mesh.
     sharding = draw(st.sampled_from(sorted(SHARDED)))
     counter = [0]
