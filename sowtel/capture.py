@@ -665,29 +665,42 @@ def _join_maps(caps: list[_Captured]) -> list[_Captured]:
     dropped: set[int] = set()
     out = list(caps)
     for members in groups.values():
-        parts = {caps[i].site.mapped[3]: i for i in members}
-        main = parts.get(False)
-        if main is None or len(parts) != len(members):
+        # One map call gives its batches' site and, when b does not divide n, its remainder's,
+        # next to each other (in either order: a backward pass runs them reversed); a jitted
+        # function holding the map, called k times, gives k of those.
+        _, n, b, _, _ = caps[members[0]].site.mapped
+        size = 2 if n % b else 1
+        calls = [members[start:start + size] for start in range(0, len(members), size)]
+        if any(sorted(caps[i].site.mapped[3] for i in call) != [False, True][:size]
+               for call in calls):
             continue
-        c = caps[main]
-        _, n, _, _, outer = c.site.mapped
-        scans = [k for k, (kind, _) in enumerate(c.stacked) if kind == "scan"]
-        if len(scans) <= outer:
-            continue
-        k = scans[outer]  # the map's scan among the axes stacked around the site
-        # The map's vmap axis lies right after every stacked axis: it joins the scan's.
-        moved = [jnp.moveaxis(leaf, len(c.stacked), k + 1) for leaf in c.leaves]
-        leaves = [x.reshape(*x.shape[:k], -1, *x.shape[k + 2:]) for x in moved]
-        rest = parts.get(True)
-        if rest is not None:
-            r = caps[rest]
-            tails = [jnp.moveaxis(leaf, len(r.stacked), k) for leaf in r.leaves]
-            leaves = [jnp.concatenate([a, b], axis=k)
-                      for a, b in zip(leaves, tails, strict=True)]
-            dropped.add(rest)
-        stacked = (*c.stacked[:k], ("scan", n), *c.stacked[k + 1:])
-        out[main] = dataclasses.replace(c, leaves=leaves, stacked=stacked)
+        for call in calls:
+            main, *rest = sorted(call, key=lambda i: caps[i].site.mapped[3])
+            _join_map_call(caps, out, dropped, main, *rest)
     return [c for i, c in enumerate(out) if i not in dropped]
+
+
+def _join_map_call(caps: list[_Captured], out: list[_Captured], dropped: set[int], main: int,
+                   rest: int | None = None) -> None:
+    """Joins one ``lax.map`` call's batches' site ``caps[main]`` and its remainder's
+    ``caps[rest]`` into ``out[main]`` (see :func:`_join_maps`)."""
+    c = caps[main]
+    _, n, _, _, outer = c.site.mapped
+    scans = [k for k, (kind, _) in enumerate(c.stacked) if kind == "scan"]
+    if len(scans) <= outer:
+        return
+    k = scans[outer]  # the map's scan among the axes stacked around the site
+    # The map's vmap axis lies right after every stacked axis: it joins the scan's.
+    moved = [jnp.moveaxis(leaf, len(c.stacked), k + 1) for leaf in c.leaves]
+    leaves = [x.reshape(*x.shape[:k], -1, *x.shape[k + 2:]) for x in moved]
+    if rest is not None:
+        r = caps[rest]
+        tails = [jnp.moveaxis(leaf, len(r.stacked), k) for leaf in r.leaves]
+        leaves = [jnp.concatenate([a, b], axis=k)
+                  for a, b in zip(leaves, tails, strict=True)]
+        dropped.add(rest)
+    stacked = (*c.stacked[:k], ("scan", n), *c.stacked[k + 1:])
+    out[main] = dataclasses.replace(c, leaves=leaves, stacked=stacked)
 
 
 def _join_branches(caps: list[_Captured]) -> list[_Captured]:

@@ -393,6 +393,24 @@ def test_map_with_batch_size_inside_a_scan_keeps_the_outer_axis() -> None:
     assert inter["m"].stacked == {"primal": (("scan", 2), ("scan", 7))}
 
 
+@pytest.mark.parametrize("b", [2, 5], ids=lambda b: f"batch{b}")
+def test_map_with_batch_size_in_a_jitted_function_called_twice(b: int) -> None:
+    # The jitted function is traced once: both calls hold the same sites, joined call by call.
+    inner = jax.jit(lambda xs: jax.lax.map(lambda v: sow(v * 2.0, "m"), xs, batch_size=b))
+
+    def f(xs):
+        return inner(xs).sum() + 3.0 * inner(xs + 10.0).sum()
+
+    xs = jnp.arange(5.0)
+    _, inter = save_intermediates(jax.grad(f), duplicates="number")(xs)
+    assert list(inter) == ["m_0", "m_1"]
+    for name, shift, weight in (("m_0", 0.0, 1.0), ("m_1", 10.0, 3.0)):
+        np.testing.assert_allclose(inter[name]["primal"], (np.arange(5.0) + shift) * 2.0)
+        # The derivative of f with respect to the site: the weight of its call's sum.
+        np.testing.assert_allclose(inter[name]["cotangent"], np.full(5, weight))
+        assert inter[name].stacked == {"primal": (("scan", 5),), "cotangent": (("scan", 5),)}
+
+
 # -- vmap of a scan: the scan axis leads, the batch axis follows -----------------------------
 
 
