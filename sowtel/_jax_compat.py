@@ -18,7 +18,8 @@ when that is gone.
 - ``in_custom_jvp_function``: whether a ``custom_jvp`` function (not its rule) is traced, from
   the frames of ``custom_jvp.__call__`` and of its rule's wrapper ``_flatten_jvp``; False if
   gone.
-- ``enclosing_map``: ``lax.map(batch_size=b)``'s length and batch size, from its frame.
+- ``enclosing_map``: ``lax.map(batch_size=b)``'s length and batch size, from its frame, and
+  the ``vmap`` calls inside it (frames of ``jax.vmap``'s ``vmap_f``).
 - ``batched_branch_predicate``: under ``vmap`` of a ``cond`` with a batched predicate, the rows
   that take the branch being run, from the ``predicate`` local of ``_cond_batching_rule``; when
   it is gone, every row reports the branch's values (as before).
@@ -62,6 +63,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax._src import api as _api
 from jax._src import config as _config
 from jax._src import core as core
 from jax._src import custom_derivatives as _custom
@@ -295,6 +297,9 @@ _SCAN_NOCARRY_CODE = inspect.unwrap(_SCAN_NOCARRY).__code__ if _SCAN_NOCARRY els
 #: expansion walks the iterations in order), so records are indexed in the order that ran.
 SCAN3_REVERSES = False
 _MAP_CODE = inspect.unwrap(_loops.map).__code__
+# The function jax.vmap returns: one frame per vmap being traced.
+_VMAP_CALL = next((c for c in inspect.unwrap(_api.vmap).__code__.co_consts
+                   if getattr(c, "co_name", None) == "vmap_f"), None)
 
 
 def _codes(module: Any, *names: str) -> frozenset[Any]:
@@ -437,24 +442,28 @@ def in_flax_broadcast_trace() -> bool:
     return False
 
 
-def enclosing_map() -> tuple[int, int, int, bool, int] | None:
-    """``(key, length, batch_size, remainder, outer)`` when this code runs in
+def enclosing_map() -> tuple[int, int, int, bool, int, int] | None:
+    """``(key, length, batch_size, remainder, outer, vmaps)`` when this code runs in
     ``lax.map(batch_size=b)``.
 
     ``lax.map`` runs ``n // b`` batches in a scan over a ``vmap``, then the ``n % b`` left in one
     more ``vmap`` (``remainder``: its local ``scan_ys`` is set by then); ``key`` tells the call
-    apart from others, ``outer`` counts the scans around it. ``None`` outside such a map, or
-    with ``batch_size`` 0 or ``>= n``.
+    apart from others, ``outer`` counts the scans around it, ``vmaps`` the ``vmap`` calls
+    between it and the code (its own included: the frames of ``jax.vmap``'s ``vmap_f``).
+    ``None`` outside such a map, or with ``batch_size`` 0 or ``>= n``.
     """
     frame = sys._getframe(1)
+    vmaps = 0
     while frame is not None:
+        if frame.f_code is _VMAP_CALL:
+            vmaps += 1
         if frame.f_code is _MAP_CODE:
             local = frame.f_locals
             size, xs = local.get("batch_size"), jax.tree_util.tree_leaves(local.get("xs"))
             if not size or not xs or local.get("scan_xs", 0) is None:
                 return None
             outer = len(_loops_from(frame) or ())
-            return id(frame), int(xs[0].shape[0]), int(size), "scan_ys" in local, outer
+            return id(frame), int(xs[0].shape[0]), int(size), "scan_ys" in local, outer, vmaps
         frame = frame.f_back  # type: ignore[assignment]
     return None
 

@@ -668,7 +668,7 @@ def _join_maps(caps: list[_Captured]) -> list[_Captured]:
         # One map call gives its batches' site and, when b does not divide n, its remainder's,
         # next to each other (in either order: a backward pass runs them reversed); a jitted
         # function holding the map, called k times, gives k of those.
-        _, n, b, _, _ = caps[members[0]].site.mapped
+        _, n, b, *_ = caps[members[0]].site.mapped
         size = 2 if n % b else 1
         calls = [members[start:start + size] for start in range(0, len(members), size)]
         if any(sorted(caps[i].site.mapped[3] for i in call) != [False, True][:size]
@@ -685,22 +685,38 @@ def _join_map_call(caps: list[_Captured], out: list[_Captured], dropped: set[int
     """Joins one ``lax.map`` call's batches' site ``caps[main]`` and its remainder's
     ``caps[rest]`` into ``out[main]`` (see :func:`_join_maps`)."""
     c = caps[main]
-    _, n, _, _, outer = c.site.mapped
+    _, n, _, _, outer, _, _ = c.site.mapped
     scans = [k for k, (kind, _) in enumerate(c.stacked) if kind == "scan"]
-    if len(scans) <= outer:
+    axis = _map_axis(c)
+    if len(scans) <= outer or axis is None:
         return
     k = scans[outer]  # the map's scan among the axes stacked around the site
-    # The map's vmap axis lies right after every stacked axis: it joins the scan's.
-    moved = [jnp.moveaxis(leaf, len(c.stacked), k + 1) for leaf in c.leaves]
+    # The map's vmap axis joins the scan's.
+    moved = [jnp.moveaxis(leaf, axis, k + 1) for leaf in c.leaves]
     leaves = [x.reshape(*x.shape[:k], -1, *x.shape[k + 2:]) for x in moved]
     if rest is not None:
         r = caps[rest]
-        tails = [jnp.moveaxis(leaf, len(r.stacked), k) for leaf in r.leaves]
+        r_axis = _map_axis(r)
+        if r_axis is None:
+            return
+        tails = [jnp.moveaxis(leaf, r_axis, k) for leaf in r.leaves]
         leaves = [jnp.concatenate([a, b], axis=k)
                   for a, b in zip(leaves, tails, strict=True)]
         dropped.add(rest)
     stacked = (*c.stacked[:k], ("scan", n), *c.stacked[k + 1:])
     out[main] = dataclasses.replace(c, leaves=leaves, stacked=stacked)
+
+
+def _map_axis(c: _Captured) -> int | None:
+    """Where the axis of ``lax.map``'s own ``vmap`` lies in a captured site's leaves.
+
+    After the stacked axes come the batch axes, the last vmap applied first: those of vmaps
+    around the map, then the map's, then those inside it (their number counted when sown);
+    None where the leaves have fewer batch axes than that (a vmap that batched nothing).
+    """
+    _, _, _, _, _, inside, ndim = c.site.mapped
+    around = c.leaves[0].ndim - len(c.stacked) - ndim - inside
+    return None if around < 0 else len(c.stacked) + around
 
 
 def _join_branches(caps: list[_Captured]) -> list[_Captured]:

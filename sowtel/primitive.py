@@ -370,9 +370,10 @@ class SiteStatic:
     # primal, so vmap batches the derivative whenever it batches the primal), "step", "shard",
     # "taken" (under vmap of a cond with a batched predicate: the rows that take the branch).
     extras: tuple[str, ...] = ()
-    # In lax.map(batch_size=b): (call key, length, b, remainder, scans around the map); capture
-    # joins the batches and the remainder into one axis of the map's length.
-    mapped: tuple[int, int, int, bool, int] | None = None
+    # In lax.map(batch_size=b): (call key, length, b, remainder, scans around the map, vmaps
+    # inside it (its own included), ndim of the first leaf as sown); capture joins the batches
+    # and the remainder into one axis of the map's length.
+    mapped: tuple[int, int, int, bool, int, int, int] | None = None
     # With a "taken" extra: (key of the vmapped cond, branch index); capture joins a name's
     # sites in sibling branches into one, as it does for an unbatched cond.
     branch: tuple[int, int] | None = None
@@ -564,7 +565,7 @@ def sow(
     site = SiteStatic(
         name=name, tag=tag, treedef=treedef, summary=summary, every=every,
         loops=jc.enclosing_loops(), extras=tuple(kinds),
-        mapped=jc.enclosing_map() if capture else None,
+        mapped=_mapped(leaves) if capture else None,
         custom_jvp=jc.in_custom_jvp_function(),
     )
     # A custom_vjp bwd is traced in a backward pass; jitted, or in a scan, cond or checkpoint,
@@ -572,6 +573,12 @@ def sow(
     mode = "cotangent" if jc.in_transpose() or jc.in_custom_vjp_bwd() else "primal"
     outs = _bind(leaves, extras, site, mode)
     return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _mapped(leaves: list[Any]) -> tuple[int, int, int, bool, int, int, int] | None:
+    """``SiteStatic.mapped`` of a sow in ``lax.map(batch_size=b)`` (None elsewhere)."""
+    found = jc.enclosing_map()
+    return None if found is None else (*found, jnp.ndim(leaves[0]))
 
 
 def _split(args: Any, site: SiteStatic) -> tuple[list[Any], list[Any]]:

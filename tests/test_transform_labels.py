@@ -411,6 +411,33 @@ def test_map_with_batch_size_in_a_jitted_function_called_twice(b: int) -> None:
         assert inter[name].stacked == {"primal": (("scan", 5),), "cotangent": (("scan", 5),)}
 
 
+@pytest.mark.parametrize("n", [5, 4], ids=["remainder", "divides"])
+def test_map_with_batch_size_under_vmap_joins_the_maps_own_axis(n: int) -> None:
+    # A vmap around the map puts its batch axis before the map's own; one inside it, after.
+    # Either way the map's axis is the one joined: (n, B) like vmap of a scan.
+    xs = np.arange(2.0 * n, dtype=np.float32).reshape(2, n)  # B = 2 rows, maps of n
+
+    def loss(x, eps=None):
+        ys = jax.lax.map(lambda v: hook(jnp.sin(v) * 2.0, "m", None if eps is None else
+                                        {"m": eps["m"][jnp.int32(v) % n]}), x, batch_size=2)
+        return jnp.sum(ys ** 2)
+
+    around = lambda xs: jnp.sum(jax.vmap(loss)(xs))  # noqa: E731
+    _, inter = save_intermediates(jax.grad(around))(xs)
+    assert inter["m"].stacked == {"primal": (("scan", n),), "cotangent": (("scan", n),)}
+    np.testing.assert_allclose(inter["m"]["primal"], np.sin(xs.T) * 2.0, rtol=1e-6)
+    # Row b's cotangent at element i: jax.grad of a perturbation added there.
+    eps = np.stack([jax.grad(lambda e, b=b: loss(xs[b], {"m": e}))(jnp.zeros(n))
+                    for b in range(2)], axis=1)
+    np.testing.assert_allclose(inter["m"]["cotangent"], eps, rtol=1e-6)
+
+    inside = lambda x: jnp.sum(jax.lax.map(  # noqa: E731
+        lambda v: jax.vmap(lambda u: sow(u * 2.0, "m"))(v), x, batch_size=2))
+    _, inter = save_intermediates(inside)(xs.T)
+    np.testing.assert_allclose(inter["m"]["primal"], xs.T * 2.0)
+    assert inter["m"].stacked == {"primal": (("scan", n),)}
+
+
 # -- vmap of a scan: the scan axis leads, the batch axis follows -----------------------------
 
 
