@@ -280,7 +280,11 @@ def test_hung_exporter_in_drop_mode_never_blocks_training_nor_the_others(made, r
             assert d.put(n)
             slowest = max(slowest, time.perf_counter() - t0)
             n += 1
-        time.sleep(0.02)  # lets the dispatcher drain, so only the hung backlog overflows
+        # Lets the dispatcher drain the queue (the healthy exporter has everything so far), so
+        # only the hung backlog overflows: waited for, not timed, as the machine may be loaded.
+        deadline = time.monotonic() + 60.0
+        while len(memory.records) < n and time.monotonic() < deadline:
+            time.sleep(0.005)
     assert hung.entered.is_set()
     # A put that waited for the hung exporter would take exporter_timeout (4 s).
     assert slowest < 2.5
