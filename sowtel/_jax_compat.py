@@ -43,9 +43,9 @@ when that is gone.
 - ``distributed_client``: the ``jax.distributed`` coordinator's client
   (``jax._src.distributed.global_state.client``), whose key-value store lets processes check
   that they agree; ``None`` when it is gone (then nothing is checked).
-- ``wrap_lowering`` / ``cond_p`` / ``lowered_case_op`` / ``at_branch_end``: a lowering rule
-  around JAX's own (``mlir._lowerings``), here the cond's, and the ``stablehlo.case`` op it
-  appended, to add operations at the end of a branch.
+- ``wrap_cond_lowering`` / ``lowered_case_op`` / ``at_branch_end``: a lowering of ``cond``
+  around JAX's own (``mlir._lowerings``, its ``branches`` parameter), and the
+  ``stablehlo.case`` op it appended, to add operations at the end of a branch.
 - ``effects_barrier``: ``jax.effects_barrier`` that returns, rather than raises, the error of an
   earlier failed computation (JAX re-raises it there: 0.12 once, 0.10 and 0.11 at every later
   barrier and at exit, as they keep the failed token).
@@ -94,7 +94,7 @@ __all__ = [
     "requires_devices", "global_devices",
     "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
     "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
-    "scan_split_counts", "traced_for", "wrap_lowering", "cond_p", "lowered_case_op",
+    "scan_split_counts", "traced_for", "wrap_cond_lowering", "lowered_case_op",
     "at_branch_end",
     "call_body", "construct", "eqn_context", "eqn_name", "eqn_params", "loop_parts",
     "register_remat3_rule", "scan3_over", "sub_jaxprs", "SCAN3_REVERSES",
@@ -816,21 +816,21 @@ def branch_path(ctx: Any) -> tuple[tuple[int, int], ...]:
     return tuple(reversed(path))
 
 
-def wrap_lowering(prim: Any, wrapper: Callable[..., Any]) -> None:
-    """Registers ``wrapper(rule, ctx, *args, **params)`` as ``prim``'s lowering, around the
-    rule JAX registered for every platform (``rule``), keeping how it is inlined."""
-    entry = mlir._lowerings[prim]
+def wrap_cond_lowering(wrapper: Callable[..., Any]) -> None:
+    """Lowers ``lax.cond`` / ``lax.switch`` through ``wrapper(lower, ctx, branches)``, around
+    the rule JAX registered for every platform (``mlir._lowerings``): ``lower()`` runs JAX's
+    rule, ``branches`` are the branches' jaxprs. A platform-dependent cond (its branches picked
+    per platform) is lowered by JAX's rule alone."""
+    entry = mlir._lowerings[_conditionals.cond_p]
     rule = getattr(entry, "rule", entry)
-    inline = getattr(entry, "inline", True)
 
-    def lowering(ctx: Any, *args: Any, **params: Any) -> Any:
-        return wrapper(rule, ctx, *args, **params)
+    def lowering(ctx: Any, index: Any, *args: Any, branches: Any, **params: Any) -> Any:
+        lower = functools.partial(rule, ctx, index, *args, branches=branches, **params)
+        if params.get("branches_platforms") is not None:
+            return lower()
+        return wrapper(lower, ctx, [as_jaxpr(b) for b in branches])
 
-    mlir.register_lowering(prim, lowering, inline=inline)
-
-
-#: The primitive of ``lax.cond`` and ``lax.switch``.
-cond_p = _conditionals.cond_p
+    mlir.register_lowering(_conditionals.cond_p, lowering, inline=getattr(entry, "inline", True))
 
 
 def lowered_case_op(num_branches: int) -> Any:

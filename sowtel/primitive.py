@@ -942,17 +942,13 @@ def _skipped(occurrences: tuple[tuple[tuple[Any, ...], int], ...]) -> None:
         policy.skip(site, n)
 
 
-def _cond_lowering(rule: Callable[..., Any], ctx: Any, index: Any, *args: Any,
-                   branches: Any, **params: Any) -> Any:
-    """JAX's lowering of a cond, each branch ending with a callback that tells the host how
-    many occurrences it skipped of the streamed sites only other branches hold."""
-    lowered = functools.partial(rule, ctx, index, *args, branches=branches, **params)
-    if params.get("branches_platforms") is not None:
-        return lowered()
+def _cond_lowering(lowered: Callable[[], Any], ctx: Any, branches: list[Any]) -> Any:
+    """JAX's lowering of a cond (``lowered``), each branch ending with a callback that tells
+    the host how many occurrences it skipped of the streamed sites only other branches hold."""
     sites: list[dict[tuple[SiteStatic, str], int | None]] = []
     for branch in branches:
         sites.append({})
-        _streamed_sites(jc.as_jaxpr(branch), 1, sites[-1])
+        _streamed_sites(branch, 1, sites[-1])
     names = [{(s.name, m) for s, m in held} for held in sites]
     skips = [
         {key: n for other, held in enumerate(sites) if other != b for key, n in held.items()
@@ -979,7 +975,7 @@ def _cond_lowering(rule: Callable[..., Any], ctx: Any, index: Any, *args: Any,
     return outs
 
 
-jc.wrap_lowering(jc.cond_p, _cond_lowering)
+jc.wrap_cond_lowering(_cond_lowering)
 
 
 def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
