@@ -822,7 +822,7 @@ def wrap_cond_lowering(wrapper: Callable[..., Any]) -> None:
     rule, ``branches`` are the branches' jaxprs. A platform-dependent cond (its branches picked
     per platform) is lowered by JAX's rule alone."""
     entry = mlir._lowerings[_conditionals.cond_p]
-    rule = getattr(entry, "rule", entry)
+    rule: Callable[..., Any] = entry.rule
 
     def lowering(ctx: Any, index: Any, *args: Any, branches: Any, **params: Any) -> Any:
         lower = functools.partial(rule, ctx, index, *args, branches=branches, **params)
@@ -830,7 +830,7 @@ def wrap_cond_lowering(wrapper: Callable[..., Any]) -> None:
             return lower()
         return wrapper(lower, ctx, [as_jaxpr(b) for b in branches])
 
-    mlir.register_lowering(_conditionals.cond_p, lowering, inline=getattr(entry, "inline", True))
+    mlir.register_lowering(_conditionals.cond_p, lowering, inline=entry.inline)
 
 
 def lowered_case_op(num_branches: int) -> Any:
