@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 import math
@@ -430,7 +431,11 @@ class Jitted:
 
     def _build(self, config: StreamConfig, due: frozenset[int] | None,
                gather: Any = None, health: bool = False, histogram: bool = False) -> Any:
-        fun = self._fun
+        # The program is kept in _SHARED, keyed weakly by the function: it must not hold the
+        # function (nor this object, which does), or neither would ever be freed. Every call
+        # comes through a Jitted, which holds the function.
+        fun_ref = weakref.ref(self._fun)
+        callbacks = self._callbacks
         strides = self._strides.setdefault(config, {config.every})
         in_blocks: set[int] = set()  # sites whose stats are summarised per device (multihost)
 
@@ -471,6 +476,8 @@ class Jitted:
                 for i, x in zip(dynamic, dyn, strict=True):
                     full[i] = x
                 a, k = jax.tree_util.tree_unflatten(treedef, full)
+                fun = fun_ref()
+                assert fun is not None, "a logging program outlived its function"
                 return fun(*a, **k)
 
             dyn = [leaves[i] for i in dynamic]
@@ -478,7 +485,7 @@ class Jitted:
             summary_pass = capture.SummaryPass(reduce=reduce)
             outs, caps = capture.eval_summaries(jaxpr, consts, dyn, summary_pass)
             if summary_pass.callbacks:
-                self._callbacks[config] = True
+                callbacks[config] = True
             if in_blocks:
                 caps = multihost.combine_partials(caps, in_blocks, gather)
             names = _numbered(caps)
@@ -501,7 +508,13 @@ class Jitted:
             buffers, layout = CompiledSummaries.pack(arrays)
             return result, CompiledSummaries(buffers, tuple(sites), layout)
 
-        functools.update_wrapper(logging_step, fun)  # static_argnames read its signature
+        # static_argnames read its signature; __wrapped__ would hold the function.
+        functools.update_wrapper(logging_step, self._fun)
+        del logging_step.__wrapped__
+        try:
+            logging_step.__signature__ = inspect.signature(self._fun)  # type: ignore[attr-defined]
+        except (TypeError, ValueError):  # no signature to read (some builtins)
+            pass
         options = dict(self._options)
         if "out_shardings" in options:
             options["out_shardings"] = (options["out_shardings"], None)

@@ -51,6 +51,7 @@ T = np.array([1.0, -0.5, 0.25], np.float32)
 XS = np.stack([X, np.array([-0.2, 0.5, 0.1], np.float32)])
 
 EXAMPLES = int(os.environ.get("SOWTEL_FUZZ_EXAMPLES", "120"))
+LOG = os.environ.get("SOWTEL_FUZZ_LOG")  # a file each program drawn is appended to
 
 TRANSFORMS = ("fwd", "grad", "jvp", "jvp_grad", "vmap_grad")
 # SOWTEL_FUZZ_TRANSFORMS=jvp_grad,grad draws only those outer transforms (to aim a run).
@@ -475,6 +476,9 @@ Captured = dict[str, dict[str, np.ndarray]]
 
 def check_capture(nodes: tuple[Node, ...], transform: str) -> tuple[Any, Captured]:
     fn, args = under_test(nodes, transform)
+    if LOG:  # each program before it runs: a long run's progress, and what it ran last
+        with open(LOG, "a") as log:
+            log.write(f"{transform} {nodes!r}\n")
     result, captured = jax.jit(save_intermediates(fn))(*args)
     expected = expected_values(nodes, transform)
     sites = layout(nodes, transform)

@@ -493,3 +493,26 @@ def test_histogram_every_rejects_what_is_not_a_positive_int(bad: Any) -> None:
     with pytest.raises(ValueError, match=rf"histogram_every={bad!r} must be a positive int"):
         sowtel.enable(exporter="memory", histogram_every=bad)
     assert sowtel.status()["enabled"] is False
+
+
+def test_a_dropped_function_frees_its_logging_programs() -> None:
+    # The logging programs are shared per function, keyed weakly: they must not hold the
+    # function themselves, or every sowtel.jit function would live (compiled) to the end.
+    import importlib
+    import weakref
+
+    shared = importlib.import_module("sowtel.jit")._SHARED
+
+    def step(x):
+        return jnp.sum(sow(jnp.sin(x), "freed") ** 2)
+
+    gone = weakref.ref(step)
+    with sowtel.enable(exporter="memory"):
+        jitted = sowtel.jit(step)
+        jax.block_until_ready(jitted(jnp.ones(3)))
+        assert sowtel.flush(timeout=30)
+        assert step in shared and shared[step]
+        del jitted, step
+        gc.collect()
+    assert gone() is None
+    assert not any(getattr(f, "__name__", "") == "step" for f in list(shared.keys()))
