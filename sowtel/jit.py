@@ -510,7 +510,7 @@ class Jitted:
 
         # static_argnames read its signature; __wrapped__ would hold the function.
         functools.update_wrapper(logging_step, self._fun)
-        del logging_step.__wrapped__
+        del logging_step.__wrapped__  # type: ignore[attr-defined]
         try:
             logging_step.__signature__ = inspect.signature(self._fun)  # type: ignore[attr-defined]
         except (TypeError, ValueError):  # no signature to read (some builtins)
