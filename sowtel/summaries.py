@@ -109,10 +109,12 @@ def _bucket_counts_host(finite: np.ndarray, lo: float, hi: float, bins: int) -> 
     return np.bincount(idx, minlength=bins).astype(np.float64)
 
 
-#: How :func:`device_summary` reduces, per backend, chosen by measurement (see the README's
-#: speed section): ``"separate"`` sibling reductions, each its own fused loop reading the value
-#: (fastest on XLA:CPU, whose reductions take only elementwise producers that no other reduction
-#: shares), ``"variadic"`` one ``lax.reduce`` over all operands together (one pass on GPU).
+#: How :func:`device_summary` reduces, per backend, chosen by measurement (see
+#: docs/benchmarks.md): ``"separate"``, sibling reductions behind a ``lax.cond`` (XLA:CPU, where
+#: each sum is a vectorised library kernel but a variadic floating-point reduce is a scalar
+#: loop), and ``"variadic"``, one variadic ``lax.reduce`` that masks the non-finite elements and
+#: counts them in the same pass, with no conditional (GPU, TPU: one read of the value, and no
+#: branch, whose predicate XLA:GPU copies to the host before it can go on).
 #: ``SOWTEL_SUMMARY_FORM`` overrides.
 SUMMARY_FORMS = ("separate", "variadic")
 _FORM_BY_BACKEND = {"cpu": "separate", "gpu": "variadic", "cuda": "variadic", "rocm": "variadic",
@@ -184,47 +186,49 @@ def _sharded(x: Any) -> bool:
     return spec is not None and any(p is not None for p in spec)
 
 
-def _separate(x: Any, mask: Any, ctype: Any) -> tuple[Any, ...]:
-    """``(n, mean, sum (x - mean)^2, min, max, sum |x|, zeros)`` of the elements ``mask`` keeps
-    (all when None), as sibling reductions over every axis of ``x`` (never reshaped: a sharded
-    value stays as it is sharded). No reduction shares an elementwise producer with another, so
-    each fuses its own (XLA:CPU materialises a producer two reductions share, such as a shifted
-    copy): the sum of squares is about the mean (a second pass, exact), the zero count is
-    ``n - sum |sign x|``."""
-    import jax.numpy as jnp
-
-    ftype = x.dtype
-    if mask is None:
-        n = jnp.asarray(x.size, ftype)
-        mean = jnp.sum(x) / n
-        m2 = jnp.sum(jnp.square(x - mean))
-        mn, mx, a = jnp.min(x), jnp.max(x), jnp.sum(jnp.abs(x))
-        nonzero = jnp.sum(jnp.abs(jnp.sign(x)), dtype=ctype)
-        zeros = jnp.asarray(x.size, ctype) - nonzero
-    else:
-        n = jnp.sum(mask, dtype=ftype)
-        mean = jnp.sum(jnp.where(mask, x, 0)) / jnp.maximum(n, 1)
-        m2 = jnp.sum(jnp.where(mask, jnp.square(x - mean), 0))
-        mn = jnp.min(jnp.where(mask, x, jnp.inf))
-        mx = jnp.max(jnp.where(mask, x, -jnp.inf))
-        a = jnp.sum(jnp.where(mask, jnp.abs(x), 0))
-        zeros = jnp.sum(x == 0, dtype=ctype)
-    return n, mean, m2, mn, mx, a, zeros
+def _all_axes(x: Any) -> tuple[int, ...]:
+    return tuple(range(x.ndim))
 
 
-def _variadic(x: Any, mask: Any, ctype: Any, counts: bool = False) -> tuple[Any, ...]:
-    """What :func:`_separate` returns, from one variadic reduce: each element enters as a count
-    of one, its value as the mean and no spread, and partial results merge pairwise (Chan et
-    al.), which needs no shift to stay accurate. Over the last axis, then the others: two
-    levels keep rounding at (rows + row length) ulps, with no reshape of a sharded value.
-    With ``counts``, also the NaN, +inf and -inf counts, as an int32 vector (one reduce in all:
-    the masked statistics compile to one loop, a tenth of what sibling reductions take to
-    compile, where they run only for values holding NaN or infinities)."""
+def _separate(x: Any) -> tuple[Any, ...]:
+    """``(n, mean, sum (x - mean)^2, min, max, sum |x|, zeros, no counts)`` of every element,
+    each reduction over every axis of ``x`` (never reshaped: a sharded value stays as it is
+    sharded). The three sums are sibling reductions, each its own vectorised kernel on XLA:CPU;
+    the sum of squares is about the mean (a second pass, exact). The extrema and the zero count
+    come from one variadic reduce: minimum, maximum and integer addition are exact in any
+    order, so XLA:CPU vectorises that loop (it cannot reorder a floating-point sum), and one
+    read gives three statistics."""
     import jax
     import jax.numpy as jnp
 
     ftype = x.dtype
+    n = jnp.asarray(x.size, ftype)
+    mean = jnp.sum(x) / n
+    m2 = jnp.sum(jnp.square(x - mean))
+    a = jnp.sum(jnp.abs(x))
+    i32 = jnp.int32
+    mn, mx, zeros = jax.lax.reduce(
+        (x, x, (x == 0).astype(i32)),
+        (jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype), i32(0)),
+        lambda p, q: (jnp.minimum(p[0], q[0]), jnp.maximum(p[1], q[1]), p[2] + q[2]),
+        _all_axes(x))
+    return n, mean, m2, mn, mx, a, zeros, jnp.zeros((3,), i32)
+
+
+def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
+    """What :func:`_separate` returns (with the NaN, +inf and -inf counts), of the elements
+    ``mask`` keeps (all when None), from one variadic reduce: each element enters as a count of
+    one, its value as the mean and no spread, and partial results merge pairwise (Chan et al.),
+    which needs no shift to stay accurate. Counts are int32 operands of the same reduce, exact
+    at any size. Over the last axis, then the others: two levels keep rounding at (rows + row
+    length) ulps, with no reshape of a sharded value."""
+    import jax
+    import jax.numpy as jnp
+
+    ftype = x.dtype
+    i32 = jnp.int32
     zero = jnp.zeros((), ftype)
+    counts = mask is not None
 
     def merge(p: tuple[Any, ...], q: tuple[Any, ...]) -> tuple[Any, ...]:
         count = p[0] + q[0]
@@ -235,35 +239,27 @@ def _variadic(x: Any, mask: Any, ctype: Any, counts: bool = False) -> tuple[Any,
                 *(a + b for a, b in zip(p[5:], q[5:], strict=True)))
 
     inits = (zero, zero, zero, jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype),
-             zero, zero) + (zero,) * (3 * counts)
+             zero, i32(0)) + (i32(0),) * (3 * counts)
     operands: tuple[Any, ...]
     if mask is None:
-        ones = jnp.ones_like(x)
-        operands = (ones, x, jnp.zeros_like(x), x, x, jnp.abs(x), ones - jnp.abs(jnp.sign(x)))
+        operands = (jnp.ones_like(x), x, jnp.zeros_like(x), x, x, jnp.abs(x),
+                    (x == 0).astype(i32))
     else:
         vals = jnp.where(mask, x, 0)
         operands = (mask.astype(ftype), vals, jnp.zeros_like(x), jnp.where(mask, x, jnp.inf),
-                    jnp.where(mask, x, -jnp.inf), jnp.abs(vals), (x == 0).astype(ftype))
-    if counts:
-        operands += (jnp.isnan(x).astype(ftype), jnp.isposinf(x).astype(ftype),
-                     jnp.isneginf(x).astype(ftype))
+                    jnp.where(mask, x, -jnp.inf), jnp.abs(vals), (x == 0).astype(i32),
+                    jnp.isnan(x).astype(i32), jnp.isposinf(x).astype(i32),
+                    jnp.isneginf(x).astype(i32))
     parts = operands
     if x.ndim == 1 and not _sharded(x):
         # Rows of _ROW elements: one long accumulation could reach size ulps.
         pad = -x.size % _ROW
-        parts = tuple(jnp.concatenate([o, jnp.full((pad,), i, ftype)]).reshape(-1, _ROW)
+        parts = tuple(jnp.concatenate([o, jnp.full((pad,), i, o.dtype)]).reshape(-1, _ROW)
                       for o, i in zip(operands, inits, strict=True))
     if parts[0].ndim >= 2:
         parts = jax.lax.reduce(parts, inits, merge, (parts[0].ndim - 1,))
-    k, m, m2, mn, mx, a, z, *c = jax.lax.reduce(parts, inits, merge,
-                                                 tuple(range(parts[0].ndim)))
-    if counts:
-        # Exact as floats up to 2**24 elements (float32); beyond, a separate int32 count.
-        bad = (jnp.stack(c).astype(jnp.int32) if x.size < (1 << 24) else
-               jnp.stack([jnp.sum(f(x), dtype=jnp.int32)
-                          for f in (jnp.isnan, jnp.isposinf, jnp.isneginf)]))
-        return k, m, m2, mn, mx, a, z.astype(ctype), bad
-    return k, m, m2, mn, mx, a, z.astype(ctype)
+    k, m, m2, mn, mx, a, z, *bad = jax.lax.reduce(parts, inits, merge, _all_axes(parts[0]))
+    return k, m, m2, mn, mx, a, z, (jnp.stack(bad) if counts else jnp.zeros((3,), i32))
 
 
 def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
@@ -277,11 +273,13 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
     ``shape`` -> ``[]``. :func:`decode_device_summary` turns them back into a dict.
 
     ``stats`` reduces over every axis of ``x`` without reshaping it (so a value with an
-    explicit sharding is summarised where it lies): the sum, the sum of squares about the mean,
-    the extrema, the sum of absolute values and the count of non-zeros, as sibling reductions
-    or one variadic reduce (``form``, else :func:`summary_form`). Their sum being finite is the
-    cheap test that the value holds no NaN or infinity; only when it does not, under a
-    ``lax.cond``, the statistics are taken again with those elements masked out and counted.
+    explicit sharding is summarised where it lies), in one of two forms (``form``, else
+    :func:`summary_form`): ``"variadic"`` reads the value once, masking the non-finite elements
+    and counting them in the same reduce; ``"separate"`` takes the sums as sibling reductions
+    and the extrema with the zero count in one more, and tests their sum of squares for being
+    finite: only when it is not (the value holds a NaN or an infinity, or the sum overflowed),
+    under a ``lax.cond``, are the statistics taken again with those elements masked out and
+    counted.
 
     Example:
         >>> import jax.numpy as jnp
@@ -304,11 +302,7 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
     xf = x.astype(ftype)
     cdtype = jnp.int32
     size = xf.size
-
-    def nonfinite_counts() -> Any:
-        return jnp.stack([jnp.sum(jnp.isnan(xf), dtype=cdtype),
-                          jnp.sum(jnp.isposinf(xf), dtype=cdtype),
-                          jnp.sum(jnp.isneginf(xf), dtype=cdtype)])
+    variadic = (form or summary_form()) == "variadic"
 
     if summary == "health":
         # Zeros derived from the data, so that inside shard_map they vary across shards as the
@@ -317,7 +311,8 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
         no_counts = jnp.zeros((3,), cdtype) + (total != total).astype(cdtype) * 0
         if not is_float or size == 0:
             return [no_counts]
-        return [jax.lax.cond(jnp.isfinite(total), lambda: no_counts, nonfinite_counts)]
+        return [jax.lax.cond(jnp.isfinite(total), lambda: no_counts, lambda: jnp.stack(
+            [jnp.sum(f(xf), dtype=cdtype) for f in (jnp.isnan, jnp.isposinf, jnp.isneginf)]))]
     if size == 0:
         nan = jnp.asarray(jnp.nan, ftype)
         floats = jnp.stack([nan, nan, nan, nan, jnp.asarray(0, ftype), nan])
@@ -325,53 +320,39 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
         if summary == "histogram":
             out.append(jnp.zeros((bins,), cdtype))
         return out
-    moments = _variadic if (form or summary_form()) == "variadic" else _separate
-    # Counts in the float type are exact up to 2**24 elements (float32); beyond, in int32.
-    ctype = ftype if size < (1 << 24) else jnp.int32
 
-    def pack(stats: tuple[Any, ...], counts: Any) -> tuple[Any, Any]:
-        n, mean, m2, mn, mx, a, z = stats
-        safe_n = jnp.maximum(n, 1)
-        var = jnp.maximum(m2 / safe_n, 0)
-        # sum x^2 = sum (x - mean)^2 + n mean^2, both terms positive: no cancellation.
-        sq = m2 + n * mean * mean
-        empty = n == 0
-        nan = jnp.asarray(jnp.nan, ftype)
-        floats = jnp.stack([
-            jnp.where(empty, nan, mean), jnp.where(empty, nan, jnp.sqrt(var)),
-            jnp.where(empty, nan, mn), jnp.where(empty, nan, mx), jnp.sqrt(sq),
-            jnp.where(empty, nan, a / safe_n)]).astype(ftype)
-        return floats, jnp.concatenate([counts, z.astype(cdtype)[None]])
-
-    first = moments(xf, None, ctype)
-
-    def masked() -> tuple[Any, Any]:
-        # The value holds NaN or infinities (or its sum overflowed): the statistics of its
-        # finite elements, and the others counted, in one variadic reduce whatever the form
-        # (it compiles to one loop). Rare by design.
-        *stats, counts = _variadic(xf, jnp.isfinite(xf), ctype, counts=True)
-        return pack(tuple(stats), counts)
-
-    m2 = first[2]
-    # Zeros derived from the data, as for health above.
-    no_counts = jnp.zeros((3,), cdtype) + (m2 != m2).astype(cdtype) * 0
-    if is_float:
-        floats, counts = jax.lax.cond(jnp.isfinite(m2), lambda: pack(first, no_counts), masked)
+    if variadic:
+        raw = _variadic(xf, jnp.isfinite(xf) if is_float else None)
     else:
-        floats, counts = pack(first, no_counts)
-    out = [floats, counts]
+        raw = _separate(xf)
+        if is_float:
+            m2 = raw[2]
+            # The size and the bad counts plus zeros derived from the data, as for health
+            # above (inside shard_map the branches' outputs must vary alike).
+            vary = (m2 != m2).astype(cdtype) * 0
+            fast = (raw[0] + vary.astype(ftype), *raw[1:7], raw[7] + vary)
+            raw = jax.lax.cond(jnp.isfinite(m2), lambda: fast,
+                               lambda: _variadic(xf, jnp.isfinite(xf)))
+    n, mean, m2, mn, mx, a, zeros, bad = raw
+    safe_n = jnp.maximum(n, 1)
+    empty = n == 0
+    nan = jnp.asarray(jnp.nan, ftype)
+    # sum x^2 = sum (x - mean)^2 + n mean^2, both terms positive: no cancellation.
+    floats = jnp.stack([
+        jnp.where(empty, nan, mean), jnp.where(empty, nan, jnp.sqrt(jnp.maximum(m2 / safe_n, 0))),
+        jnp.where(empty, nan, mn), jnp.where(empty, nan, mx), jnp.sqrt(m2 + n * mean * mean),
+        jnp.where(empty, nan, a / safe_n)]).astype(ftype)
+    out = [floats, jnp.concatenate([bad, zeros.astype(cdtype)[None]])]
     if summary == "histogram":
-        mn, mx = floats[2], floats[3]
-        empty = jnp.isnan(mn)
-        lo = jnp.where(empty, 0, mn)
-        hi = jnp.where(empty, 0, mx)
+        empty = jnp.isnan(floats[2])
+        lo = jnp.where(empty, 0, floats[2])
+        hi = jnp.where(empty, 0, floats[3])
         flat = flatten(xf)
         mask = jnp.isfinite(flat)
         safe = jnp.where(mask, flat, 0)
         scale = jnp.where(hi > lo, jnp.asarray(bins, ftype) / (hi - lo), 0)
         idx = jnp.clip(jnp.floor((safe - lo) * scale), 0, bins - 1).astype(jnp.int32)
-        counts_h = jnp.zeros((bins,), cdtype).at[idx].add(mask.astype(cdtype))
-        out.append(counts_h)
+        out.append(jnp.zeros((bins,), cdtype).at[idx].add(mask.astype(cdtype)))
     return out
 
 
