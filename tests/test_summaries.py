@@ -126,3 +126,64 @@ def test_both_forms_give_the_same_stats_with_non_finite_values(
     assert got[0]["stats"] == got[1]["stats"]
     assert got[0]["stats"]["nan"] == 1 and got[0]["stats"]["mean"] == pytest.approx(0.5)
     np.testing.assert_array_equal(got[0]["histogram"][1], got[1]["histogram"][1])
+
+
+def _finite_stats(value: np.ndarray) -> dict[str, float]:
+    """The stats of ``value`` by numpy in float64: finite elements only, the rest counted."""
+    x = np.asarray(value, np.float64).ravel()
+    finite = x[np.isfinite(x)]
+    return {"mean": finite.mean(), "std": finite.std(), "min": finite.min(),
+            "max": finite.max(), "l2": np.sqrt(np.sum(finite ** 2)),
+            "mean_abs": np.abs(finite).mean(), "nan": np.isnan(x).sum(),
+            "posinf": np.isposinf(x).sum(), "neginf": np.isneginf(x).sum(),
+            "zeros": (x == 0).sum()}
+
+
+@pytest.mark.parametrize("form", ["separate", "variadic"])
+@pytest.mark.parametrize("share", [0.001, 0.3, 0.9])
+@pytest.mark.parametrize("first", ["finite", "nan"])
+def test_non_finite_elements_are_masked_without_losing_the_spread(
+        form: str, share: float, first: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # |mean| = 900 std with up to 90% NaN / +inf / -inf: the non-finite elements are taken out
+    # of the sums exactly enough that std keeps its 1e-3 promise.
+    monkeypatch.setenv("SOWTEL_SUMMARY_FORM", form)
+    rng = np.random.default_rng(3)
+    n = 100_000
+    x = (900.0 + rng.normal(size=n)).astype(np.float32)
+    bad = rng.random(n) < share
+    x[bad] = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), size=int(bad.sum()))
+    x[0] = np.nan if first == "nan" else 900.5
+    floats, counts = jax.jit(lambda v: device_summary(v, "stats"))(jnp.asarray(x.reshape(4, -1)))
+    got = dict(zip(("mean", "std", "min", "max", "l2", "mean_abs"),
+                   np.asarray(floats, np.float64), strict=True))
+    got.update(zip(("nan", "posinf", "neginf", "zeros"), np.asarray(counts), strict=True))
+    want = _finite_stats(x)
+    assert want["mean"] > 500 * want["std"]
+    for key in ("nan", "posinf", "neginf", "zeros", "min", "max"):
+        assert got[key] == want[key], key
+    np.testing.assert_allclose(got["std"], want["std"], rtol=1e-3)
+    for key in ("mean", "l2", "mean_abs"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("form", ["separate", "variadic"])
+def test_extremes_and_signed_zeros_by_hand(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SOWTEL_SUMMARY_FORM", form)
+    big = np.finfo(np.float32).max
+    x = np.array([big, -big, -0.0, 0.0, 1.0, np.inf, np.nan, -np.inf], np.float32)
+    floats, counts = jax.jit(lambda v: device_summary(v, "stats"))(jnp.asarray(x))
+    mean, std, mn, mx, l2, mean_abs = np.asarray(floats, np.float64)
+    assert (mn, mx) == (-big, big)  # the finite extremes, not the infinities
+    assert np.asarray(counts).tolist() == [1, 1, 1, 2]  # nan, +inf, -inf, zeros (both signs)
+
+
+def test_float64_values_are_summarised_in_float64() -> None:
+    x = np.array([1e300, 3e300, np.inf, np.nan, 0.0, -2e300], np.float64)
+    with jax.enable_x64(True):
+        floats, counts = jax.jit(lambda v: device_summary(v, "stats"))(jnp.asarray(x))
+        assert floats.dtype == jnp.float64
+    mean, std, mn, mx, l2, mean_abs = np.asarray(floats)
+    assert (mn, mx) == (-2e300, 3e300)
+    assert mean == pytest.approx(0.5e300)
+    assert mean_abs == pytest.approx(1.5e300)
+    assert np.asarray(counts).tolist() == [1, 1, 0, 1]
