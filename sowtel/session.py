@@ -341,10 +341,15 @@ class Session:
                                            "summaries were not fetched")
                     fetched, lowest = multihost.fetch(item.summaries.buffers,
                                                       self.config.export_process)
-                host = item.summaries.unpack(fetched)
-                parts.extend(self._compiled.columns(
-                    item.summaries.sites, host, step=item.step, seqs=self._seq,
-                    wall_time=item.wall_time, process_index=self.process_index, lowest=lowest))
+                if lowest is None and item.summaries.layout is not None:
+                    parts.extend(self._compiled.packed_columns(
+                        item.summaries, fetched, step=item.step, seqs=self._seq,
+                        wall_time=item.wall_time, process_index=self.process_index))
+                else:
+                    parts.extend(self._compiled.columns(
+                        item.summaries.sites, item.summaries.unpack(fetched), step=item.step,
+                        seqs=self._seq, wall_time=item.wall_time,
+                        process_index=self.process_index, lowest=lowest))
             else:
                 callbacks.append(item)
         if callbacks:

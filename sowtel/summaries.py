@@ -241,10 +241,10 @@ def _separate(x: Any, is_float: bool) -> tuple[Any, ...]:
       elements (as order-preserving integers of their bits), the zero count and the counts of
       NaN, +inf and -inf;
     - the sums read a copy with each non-finite element replaced by a finite element of the
-      value (see :func:`_fill`; taken back out of each sum after): the sum, the sum of squares about the mean (a second
-      pass, exact), the sum of absolute values. Where a conditional would skip the copy for a
-      value with nothing to mask, it costs XLA:CPU more than the copy (measured: see
-      docs/benchmarks.md).
+      value (see :func:`_fill`), taken back out of each sum after: the sum, the sum of squares
+      about the mean (a second pass, exact), the sum of absolute values. A conditional that
+      skipped the copy for a value with nothing to mask cost XLA:CPU as much at run time, and
+      compilation besides (see docs/benchmarks.md).
 
     For integers and bools (nothing to mask) the sums read the value itself."""
     import jax

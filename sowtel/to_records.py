@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -102,7 +103,8 @@ class SiteColumns:
                  wall_time: float, process_index: int, order: int, index: Sequence[Index],
                  seqs: Sequence[int], stat_keys: tuple[str, ...], stats: np.ndarray,
                  edges: np.ndarray | None = None, counts: np.ndarray | None = None,
-                 values: Sequence[Sequence[np.ndarray]] | None = None) -> None:
+                 values: Sequence[Sequence[np.ndarray]] | None = None,
+                 any_nonfinite: bool | None = None) -> None:
         self.names = names
         self.shapes = shapes
         self.dtypes = dtypes
@@ -120,10 +122,12 @@ class SiteColumns:
         self.edges = edges
         self.counts = counts
         self.values = values
-        cols = _NONFINITE.get(summary)
+        if any_nonfinite is None:
+            cols = _NONFINITE.get(summary)
+            any_nonfinite = bool(cols is not None and len(stats)
+                                 and stats[:, :, cols[0]:cols[-1] + 1].any())
         # Decided once, where the table is made: first_nonfinite reads only this flag.
-        self.any_nonfinite = bool(cols is not None and len(stats)
-                                  and stats[:, :, cols[0]:cols[-1] + 1].any())
+        self.any_nonfinite = any_nonfinite
         self._records: list[Record] | None = None
 
     @property
@@ -442,6 +446,65 @@ class _Layout:
         self.in_order = bool((self.take == np.arange(len(self.take))).all())
 
 
+class _StepPlan:
+    """Where a logging program's plain ``stats`` sites lie in its packed buffers: those of one
+    leaf outside any scan or ``shard_map`` (most sites of most steps), decoded for the whole
+    step with a few numpy operations instead of site by site (fixed per program, so computed
+    once)."""
+
+    __slots__ = ("sites", "layout", "rows", "buffers", "floats", "counts", "ran", "sizes")
+
+    def __init__(self, sites: Sequence[Any], layout: Sequence[tuple[int, int, tuple[int, ...]]]
+                 ) -> None:
+        self.sites = sites
+        self.layout = layout
+        self.rows: list[int | None] = []  # per site: its row of the step's table, or None
+        floats: list[int] = []
+        counts: list[int] = []
+        ran: list[int] = []
+        sizes: list[int] = []
+        buffers: tuple[int, int, int] | None = None
+        at = 0
+        for entry in sites:
+            site = entry.site
+            spots = layout[at:at + entry.n_arrays]
+            at += entry.n_arrays
+            where = tuple(b for b, _, _ in spots)
+            if (site.summary != "stats" or len(site.leaf_names) != 1 or entry.stacked
+                    or [shape for _, _, shape in spots] != [(6,), (4,), ()]
+                    or buffers not in (None, where)):
+                self.rows.append(None)
+                continue
+            buffers = where  # type: ignore[assignment]
+            self.rows.append(len(sizes))
+            floats.extend(range(spots[0][1], spots[0][1] + 6))
+            counts.extend(range(spots[1][1], spots[1][1] + 4))
+            ran.append(spots[2][1])
+            sizes.append(site.sizes[0])
+        self.buffers = buffers
+        self.floats = np.array(floats, np.intp).reshape(-1, 6)
+        self.counts = np.array(counts, np.intp).reshape(-1, 4)
+        self.ran = np.array(ran, np.intp)
+        self.sizes = np.array(sizes, np.float64)
+
+    def table(self, buffers: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The plain sites' stats ``(rows, len(STAT_KEYS))``, whether each ran, and whether
+        each holds a non-finite element: :func:`_decode`'s rules, for all rows at once."""
+        table = np.empty((len(self.sizes), len(STAT_KEYS)))
+        if self.buffers is None:
+            return table, np.zeros(0, bool), np.zeros(0, bool)
+        f, c, r = (buffers[b] for b in self.buffers)
+        table[:, 0] = self.sizes
+        table[:, _FLOATS] = f[self.floats]
+        table[:, _COUNTS] = c[self.counts]
+        bad = table[:, 7:10].sum(axis=1)
+        nonfinite = bad > 0
+        if nonfinite.any():
+            # Nothing finite: l2 is the norm of no elements (the device sums nothing).
+            table[(bad == self.sizes) & (self.sizes > 0), 5] = 0.0
+        return table, r[self.ran] != 0, nonfinite
+
+
 class CompiledConverter:
     """Turns ``sowtel.jit`` logging steps' summary outputs into :class:`SiteColumns`.
 
@@ -456,12 +519,58 @@ class CompiledConverter:
 
     def __init__(self) -> None:
         self._layouts: dict[int, _Layout] = {}
+        self._plans: dict[int, _StepPlan] = {}
 
     def _layout(self, entry: Any, shape: tuple[int, ...]) -> _Layout:
         layout = self._layouts.get(id(entry))
         if layout is None or layout.entry is not entry:
             layout = self._layouts[id(entry)] = _Layout(entry, shape)
         return layout
+
+    def _plan(self, sites: Sequence[Any], layout: Any) -> _StepPlan:
+        plan = self._plans.get(id(sites))
+        if plan is None or plan.sites is not sites or plan.layout is not layout:
+            plan = self._plans[id(sites)] = _StepPlan(sites, layout)
+        return plan
+
+    def packed_columns(self, summaries: Any, buffers: Sequence[np.ndarray], *, step: int,
+                       seqs: Iterator[int], wall_time: float,
+                       process_index: int) -> list[SiteColumns]:
+        """:meth:`columns` of a logging step's packed outputs (``sowtel.jit``'s
+        ``CompiledSummaries``, fetched into ``buffers``): the plain ``stats`` sites decoded
+        together, the others site by site.
+
+        Example:
+          >>> CompiledConverter().packed_columns(type("S", (), {"sites": (), "layout": ()})(),
+          ...                                    [], step=0, seqs=iter(range(3)),
+          ...                                    wall_time=0.0, process_index=0)
+          []
+        """
+        plan = self._plan(summaries.sites, summaries.layout)
+        table, ran, nonfinite = plan.table(buffers)
+        out: list[SiteColumns] = []
+        at = 0
+        for entry, row in zip(summaries.sites, plan.rows, strict=True):
+            spots = summaries.layout[at:at + entry.n_arrays]
+            at += entry.n_arrays
+            if row is None:
+                mine = [buffers[b][offset:offset + math.prod(shape)].reshape(shape)
+                        for b, offset, shape in spots]
+                found = self._entry_columns(entry, mine, None, step=step, seqs=seqs,
+                                            wall_time=wall_time, process_index=process_index)
+                if found is not None:
+                    out.append(found)
+                continue
+            if not ran[row]:
+                continue
+            site = entry.site
+            out.append(SiteColumns(
+                names=site.leaf_names, shapes=site.shapes, dtypes=site.dtypes, mode=site.mode,
+                tag=site.tag, summary="stats", step=step, wall_time=wall_time,
+                process_index=process_index, order=site.order, index=_UNINDEXED,
+                seqs=[next(seqs)], stat_keys=STAT_KEYS, stats=table[row:row + 1, None, :],
+                any_nonfinite=bool(nonfinite[row])))
+        return out
 
     def columns(self, sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step: int,
                 seqs: Iterator[int], wall_time: float, process_index: int,
@@ -474,41 +583,53 @@ class CompiledConverter:
         ran there (0 in a cond branch not taken: no record). ``lowest`` (several processes,
         see :func:`sowtel.multihost.fetch`): this process keeps only the positions it owns.
         """
-        from sowtel.multihost import owns
-
         out: list[SiteColumns] = []
         at = 0
         for entry in sites:
             mine = arrays[at:at + entry.n_arrays]
             held = lowest[at:at + entry.n_arrays] if lowest is not None else None
             at += entry.n_arrays
-            ran = np.asarray(mine[-1])
-            layout = self._layout(entry, ran.shape)
-            everywhere = held is None and bool(ran.all())  # the usual case: one numpy call
-            if everywhere:
-                n = everywhere_n = len(layout.take)
-            else:
-                keep = ran.reshape(-1)[layout.take].astype(bool)
-                if held is not None:
-                    keep &= np.array([owns(held, p, process_index) for p in layout.positions],
-                                     dtype=bool)
-                n = int(keep.sum())
-                everywhere_n = len(keep)
-            if not n:
-                continue
-            take = layout.take if n == everywhere_n else layout.take[keep]
-            index = layout.index if n == everywhere_n else [
-                i for i, k in zip(layout.index, keep, strict=True) if k]
-            lead = ran.ndim
-            if n == everywhere_n and layout.in_order:
-                gathered = [np.asarray(a).reshape(n, *np.shape(a)[lead:]) for a in mine[:-1]]
-            else:
-                gathered = [np.asarray(a).reshape(-1, *np.shape(a)[lead:])[take]
-                            for a in mine[:-1]]
-            seq = list(itertools.islice(seqs, n))
-            out.append(site_columns(entry.site, gathered, index=index, step=step, seqs=seq,
-                                    wall_time=wall_time, process_index=process_index))
+            found = self._entry_columns(entry, mine, held, step=step, seqs=seqs,
+                                        wall_time=wall_time, process_index=process_index)
+            if found is not None:
+                out.append(found)
         return out
+
+    def _entry_columns(self, entry: Any, mine: Sequence[np.ndarray],
+                       held: Sequence[np.ndarray] | None, *, step: int, seqs: Iterator[int],
+                       wall_time: float, process_index: int) -> SiteColumns | None:
+        from sowtel.multihost import owns
+
+        ran = np.asarray(mine[-1])
+        layout = self._layout(entry, ran.shape)
+        everywhere = held is None and bool(ran.all())  # the usual case: one numpy call
+        if everywhere:
+            n = everywhere_n = len(layout.take)
+        else:
+            keep = ran.reshape(-1)[layout.take].astype(bool)
+            if held is not None:
+                keep &= np.array([owns(held, p, process_index) for p in layout.positions],
+                                 dtype=bool)
+            n = int(keep.sum())
+            everywhere_n = len(keep)
+        if not n:
+            return None
+        take = layout.take if n == everywhere_n else layout.take[keep]
+        index = layout.index if n == everywhere_n else [
+            i for i, k in zip(layout.index, keep, strict=True) if k]
+        lead = ran.ndim
+        if n == everywhere_n and layout.in_order:
+            gathered = [np.asarray(a).reshape(n, *np.shape(a)[lead:]) for a in mine[:-1]]
+        else:
+            gathered = [np.asarray(a).reshape(-1, *np.shape(a)[lead:])[take]
+                        for a in mine[:-1]]
+        seq = list(itertools.islice(seqs, n))
+        return site_columns(entry.site, gathered, index=index, step=step, seqs=seq,
+                            wall_time=wall_time, process_index=process_index)
+
+
+# The record index of a site outside any scan or shard_map (record_index of no axes).
+_UNINDEXED: tuple[Index, ...] = (record_index([]),)
 
 
 def compiled_columns(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step: int,

@@ -438,3 +438,42 @@ def test_otel_a_steps_span_ends_when_a_later_steps_table_arrives():
     ended = [(s.attributes["sowtel.step"], len(s.events)) for s in spans.get_finished_spans()]
     assert ended == [(0, SITES), (1, SITES)]
     otel.close()
+
+
+def test_a_steps_plain_stats_sites_decoded_together_equal_the_site_by_site_tables():
+    from sowtel.to_records import CompiledConverter
+
+    def step(x):
+        sowtel.sow(x * 2.0, "plain")
+        sowtel.sow(jnp.log(x - 1.0), "some_nan")  # log of negatives: NaN, log 0: -inf
+        sowtel.sow(jnp.full((3,), jnp.nan), "all_nan")
+        sowtel.sow({"a": x, "b": x[:2] + 1.0}, "tree")
+        sowtel.sow(x.astype(jnp.int32), "ints")
+        sowtel.sow(x + 5.0, "hist", summary="histogram")
+        jax.lax.cond(x[0] > 100.0, lambda v: sowtel.sow(v, "untaken"), lambda v: v, x)
+        jax.lax.scan(lambda c, _: (sowtel.sow(c * 3.0, "in_scan"), None), x, None, length=2)
+        return (x ** 2).sum()
+
+    x = jnp.array([0.0, 1.0, 2.0, 3.5])
+    f = sowtel.jit(step)
+    with sowtel.enable(exporter="memory") as session:
+        _, summaries = f._program(session.config, frozenset({1}))(x)
+    buffers = [np.asarray(b) for b in summaries.buffers]
+    args = dict(step=3, wall_time=1.5, process_index=0)
+    together = CompiledConverter().packed_columns(summaries, buffers, seqs=iter(range(100)),
+                                                  **args)
+    one_by_one = CompiledConverter().columns(summaries.sites, summaries.unpack(buffers),
+                                             seqs=iter(range(100)), **args)
+    got, want = RecordBatch(together).records(), RecordBatch(one_by_one).records()
+    assert [(r.name, r.index, r.seq) for r in got] == [(r.name, r.index, r.seq) for r in want]
+    assert "untaken" not in {r.name for r in got}
+    for a, b in zip(got, want, strict=True):
+        assert a.stats.keys() == b.stats.keys()
+        for k in a.stats:
+            assert a.stats[k] == b.stats[k] or (np.isnan(a.stats[k]) and np.isnan(b.stats[k]))
+    by_name = {r.name: r for r in got}
+    assert by_name["plain"].stats["max"] == 7.0 and by_name["plain"].stats["zeros"] == 1.0
+    assert (by_name["some_nan"].stats["nan"], by_name["some_nan"].stats["neginf"]) == (1.0, 1.0)
+    assert by_name["all_nan"].stats["l2"] == 0.0 and np.isnan(by_name["all_nan"].stats["mean"])
+    assert [t.any_nonfinite for t in together if t.names[0] in ("plain", "some_nan")] == [
+        False, True]
