@@ -317,7 +317,7 @@ def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
                     jnp.where(mask, x, -jnp.inf), jnp.abs(vals), (x == 0).astype(i32),
                     jnp.isnan(x).astype(i32), jnp.isposinf(x).astype(i32),
                     jnp.isneginf(x).astype(i32))
-    parts = operands
+    parts: tuple[Any, ...] = operands
     if x.ndim == 1 and not _sharded(x):
         # Rows of _ROW elements: one long accumulation could reach size ulps.
         pad = -x.size % _ROW
