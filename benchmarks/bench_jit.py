@@ -135,13 +135,12 @@ def _floor(work: Workload) -> Callable[..., Any]:
 
 
 def _unmasked_stats(x: Any) -> list[Any]:
-    """``stats``'s arrays with the sums taken over the value as it is: the extrema and all
-    counts as sowtel's ``"separate"`` form takes them (one integer reduce), the sums without
-    the copy that masks non-finite elements. Not a sowtel summary: what ``stats`` would cost if
-    ``mean``, ``std``, ``l2`` and ``mean_abs`` of a value holding a NaN or an infinity were NaN
-    instead of those of its finite elements (the proposal in docs/benchmarks.md)."""
+    """``stats``'s arrays as sowtel's ``"separate"`` form takes them for a value with nothing
+    to mask, with no conditional around the masked statistics. Not a sowtel summary: what
+    ``stats`` would cost if those of a value holding a NaN or an infinity were NaN instead of
+    its finite elements' (the proposal in docs/benchmarks.md)."""
     jnp = jax.numpy
-    n, mean, m2, mn, mx, a, zeros, bad = _separate(x.astype(jnp.float32), False)
+    n, mean, m2, mn, mx, a, zeros, bad = _separate(x.astype(jnp.float32))
     floats = jnp.stack([mean, jnp.sqrt(m2 / n), mn, mx, jnp.sqrt(m2 + n * mean * mean), a / n])
     return [floats, jnp.concatenate([bad, zeros[None]])]
 
