@@ -18,7 +18,10 @@ The call returns the function's results at once; the session's dispatcher thread
 summaries when the device has computed them and builds the same records the callback transport
 gives. The step is the host-side :func:`sowtel.at_step` around the call, else the number of
 calls of this function since the session began. ``every=N`` (the session's or a site's) is
-decided on the host: a step at which no site is due runs the plain program.
+decided on the host: a step at which no site is due runs the plain program (compiled in a
+background thread during the first logging step; until it is ready, such steps run the logging
+program already compiled for their arguments and drop its summaries, so that no step waits
+for the second compilation).
 ``enable(histogram_every=N)`` (default 100) is too: the logging steps divisible by N, from
 step N on, run a second logging program in which sites whose summary is ``stats`` send
 ``histogram`` (compiled ahead in a background thread, so training does not wait for it).
@@ -200,6 +203,9 @@ class Jitted:
         # and all those it was started for.
         self._warming: dict[Any, threading.Thread] = {}
         self._warmed: set[Any] = set()
+        # Per argument signature, the logging program that last ran with those arguments:
+        # while the plain program compiles, steps that log nothing run it (see _stand_in).
+        self._ran: dict[Any, tuple[Any, ...]] = {}
         _exit.after_fork(self)
         functools.update_wrapper(self, fun)  # __wrapped__, __name__, __doc__ as jax.jit's
 
@@ -288,6 +294,9 @@ class Jitted:
             due = self._due(config, step)
             if not due and not health:
                 if self._warming:
+                    out = self._stand_in(config, args, kwargs)
+                    if out is not None:
+                        return out
                     self._join_warming("plain", args, kwargs)
                 with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                     return self._plain(*args, **kwargs)
@@ -318,6 +327,8 @@ class Jitted:
                         out, summaries = self._program(*key)(*args, **kwargs)
                 else:
                     out, summaries = self._program(*key)(*args, **kwargs)
+                    if self._warming:
+                        self._remember(key, args, kwargs)
             except _NewStride as new:  # raised while tracing: nothing ran
                 self._strides[config].add(new.every)
                 continue
@@ -396,6 +407,31 @@ class Jitted:
         thread = threading.Thread(target=compile_ahead, name="sowtel-compile", daemon=True)
         self._warming[key] = thread
         thread.start()
+
+    def _remember(self, key: tuple[Any, ...], args: Any, kwargs: Any) -> None:
+        try:
+            self._ran[self._signature(args, kwargs)] = key
+        except TypeError:  # an unhashable static argument
+            pass
+
+    def _stand_in(self, config: StreamConfig, args: Any, kwargs: Any) -> Any:
+        """The results of a step that logs nothing, run by the logging program that last ran
+        with these arguments (already compiled), its summaries dropped, while the plain
+        program still compiles in the background (see :meth:`_warm_plain`): with ``every=N``
+        no step waits for the second compilation. None when the plain program is ready (or
+        no such logging program ran, or it has host callbacks, which would stream)."""
+        try:
+            signature = self._signature(args, kwargs)
+            thread = self._warming.get(("plain", signature))
+            key = self._ran.get(signature)
+        except TypeError:  # an unhashable static argument
+            return None
+        if (thread is None or not thread.is_alive() or key is None or key[0] != config
+                or self._callbacks.get(config)):
+            self._ran.pop(signature, None)
+            return None
+        out, _ = self._program(*key)(*args, **kwargs)
+        return out
 
     def _join_warming(self, variant: Any, args: Any, kwargs: Any) -> None:
         try:

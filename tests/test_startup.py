@@ -3,7 +3,8 @@
 - a function's logging program is traced once per (function, settings, shapes): a second
   ``sowtel.jit`` of it, or a new session with the same settings, traces nothing again;
 - with ``every=N`` the plain program is traced and compiled in a background thread while the
-  first logging step runs, and the first plain step uses it;
+  first logging step runs; steps that log nothing meanwhile run the logging program (no step
+  waits for the compilation), and the first step after it uses the plain program;
 - with JAX's persistent compilation cache, a second process compiles nothing (JAX's own
   cache-hit and cache-miss events, counted in a fresh process).
 """
@@ -132,6 +133,53 @@ def test_background_compile_with_donated_arguments() -> None:
     assert float(loss) == float((jnp.tanh(x @ jnp.full((3, 2), 0.5 ** 3)) ** 2).sum())
     assert [(r.step, r.stats["max"]) for r in session.exporters[0].records] == [
         (0, float(jnp.tanh(3.0))), (2, float(jnp.tanh(3 * 0.25)))]
+
+
+def test_steps_that_log_nothing_do_not_wait_for_the_plain_compile() -> None:
+    # The plain program's trace, in the compile thread, is held until this test releases it:
+    # steps 1 and 2 (every=3 logs at 0 and 3) must return meanwhile, run by the logging
+    # program already compiled, with their results and no records. Had they waited, the
+    # compile thread would time out after 60 s, which the test reports.
+    release = threading.Event()
+    held: list[bool] = []
+    traced_in: list[str] = []
+
+    def step(w, x):
+        traced_in.append(threading.current_thread().name)
+        if threading.current_thread().name == "sowtel-compile":
+            held.append(release.wait(60))
+        h = sowtel.sow(jnp.tanh(x @ w), "h")
+        return w * 0.5, (h ** 2).sum()
+
+    def compiling() -> bool:
+        return any(t.name == "sowtel-compile" and t.is_alive() for t in threading.enumerate())
+
+    jitted = sowtel.jit(step, donate_argnums=0)
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    losses = []
+    with sowtel.enable(exporter="memory", every=3) as session:
+        for _ in range(3):
+            w, loss = jitted(w, x)
+            losses.append(float(loss))
+        assert compiling() and not release.is_set()
+        release.set()
+        for _ in range(2):
+            w, loss = jitted(w, x)
+            losses.append(float(loss))
+        for t in threading.enumerate():  # then the plain program, once it is ready
+            if t.name == "sowtel-compile":
+                t.join(60)
+        assert not compiling()
+        w, loss = jitted(w, x)
+        losses.append(float(loss))
+        sowtel.flush()
+    assert held == [True]
+    assert sorted(traced_in) == sorted([threading.current_thread().name, "sowtel-compile"])
+    assert float(w[0, 0]) == 0.5 ** 6
+    assert losses == [float((jnp.tanh(x @ jnp.full((3, 2), 0.5 ** k)) ** 2).sum())
+                      for k in range(6)]
+    assert [(r.step, r.stats["max"]) for r in session.exporters[0].records] == [
+        (0, float(jnp.tanh(3.0))), (3, float(jnp.tanh(3 * 0.125)))]
 
 
 _EXITING = """
