@@ -344,46 +344,42 @@ def partial_summaries(leaves: Sequence[Any], summary: str, bins: int,
     out = []
     for v, n in zip(leaves, sizes, strict=True):
         rows = jnp.reshape(v, (parts, n // parts))
-        floats, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats", bins)))(rows)
-        out.append(jnp.concatenate([floats, counts.astype(floats.dtype)], axis=1))
+        moments, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats", bins)))(rows)
+        out.append(jnp.concatenate([moments, counts.astype(moments.dtype)], axis=1))
     return out
 
 
-def merge_partials(partial: Any, per_row: int) -> tuple[Any, Any]:
-    """The ``stats`` arrays ``[floats(6), counts(4)]`` of ``P`` block summaries ``(..., P, 10)``:
-    counts add, extrema take the extremum, means and variances merge (Chan et al.).
+def merge_partials(partial: Any) -> tuple[Any, Any]:
+    """The ``stats`` arrays ``[moments(6), counts(4)]`` of ``P`` block summaries
+    ``(..., P, 10)`` (:func:`sowtel.summaries.device_summary`'s, side by side): counts and sums
+    add, extrema take the extremum over the blocks with finite elements, means and sums of
+    squares merge (Chan et al.).
 
     Example (the blocks [1, 3] and [5, 7] of [1, 3, 5, 7]):
         >>> import jax, jax.numpy as jnp
         >>> from sowtel.summaries import device_summary
         >>> rows = jnp.array([[1.0, 3.0], [5.0, 7.0]])
-        >>> floats, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats", 8)))(rows)
-        >>> merged, _ = merge_partials(jnp.concatenate([floats, counts.astype(floats.dtype)], 1), 2)
-        >>> [round(float(v), 4) for v in merged[:4]]  # mean, std, min, max
-        [4.0, 2.2361, 1.0, 7.0]
+        >>> moments, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats", 8)))(rows)
+        >>> merged, _ = merge_partials(jnp.concatenate([moments, counts.astype(moments.dtype)],
+        ...                                            1))
+        >>> [round(float(v), 4) for v in merged]  # mean, sum of squares, min, max, n, sum |x|
+        [4.0, 20.0, 1.0, 7.0, 4.0, 16.0]
     """
     import jax.numpy as jnp
 
     ftype = partial.dtype
-    mean_r, std_r, min_r, max_r, l2_r, abs_r = (partial[..., i] for i in range(6))
-    n_r = per_row - (partial[..., 6] + partial[..., 7] + partial[..., 8])
+    mean_r, m2_r, min_r, max_r, n_r, abs_r = (partial[..., i] for i in range(6))
     has = n_r > 0
     n = jnp.sum(n_r, axis=-1)
-    safe_n = jnp.maximum(n, 1)
-    mean = jnp.sum(jnp.where(has, n_r * mean_r, 0), axis=-1) / safe_n
+    mean = jnp.sum(jnp.where(has, n_r * mean_r, 0), axis=-1) / jnp.maximum(n, 1)
     dev = jnp.where(has, mean_r - mean[..., None], 0)
-    var = jnp.sum(jnp.where(has, n_r * (std_r * std_r + dev * dev), 0), axis=-1) / safe_n
-    empty = n == 0
-    nan = jnp.asarray(jnp.nan, ftype)
-    floats = jnp.stack([
-        jnp.where(empty, nan, mean), jnp.where(empty, nan, jnp.sqrt(var)),
-        jnp.where(empty, nan, jnp.min(jnp.where(has, min_r, jnp.inf), axis=-1)),
-        jnp.where(empty, nan, jnp.max(jnp.where(has, max_r, -jnp.inf), axis=-1)),
-        jnp.sqrt(jnp.sum(l2_r * l2_r, axis=-1)),
-        jnp.where(empty, nan, jnp.sum(jnp.where(has, n_r * abs_r, 0), axis=-1) / safe_n),
-    ], axis=-1).astype(ftype)
+    m2 = jnp.sum(jnp.where(has, m2_r + n_r * dev * dev, 0), axis=-1)
+    moments = jnp.stack([
+        mean, m2, jnp.min(jnp.where(has, min_r, jnp.inf), axis=-1),
+        jnp.max(jnp.where(has, max_r, -jnp.inf), axis=-1), n,
+        jnp.sum(jnp.where(has, abs_r, 0), axis=-1)], axis=-1).astype(ftype)
     counts = jnp.sum(partial[..., 6:10], axis=-2).astype(jnp.int32)
-    return floats, counts
+    return moments, counts
 
 
 def combine_partials(caps: list[Any], orders: set[int], replicated: Any) -> list[Any]:
@@ -415,7 +411,7 @@ def combine_partials(caps: list[Any], orders: set[int], replicated: Any) -> list
             continue
         leaves: list[Any] = []
         for j in range(len(c.leaves) - 1):
-            leaves.extend(merge_partials(gathered[(i, j)], c.site.sizes[j] // parts))
+            leaves.extend(merge_partials(gathered[(i, j)]))
         out[i] = c.with_leaves([*leaves, c.leaves[-1]])
     return out
 

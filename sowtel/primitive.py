@@ -854,9 +854,9 @@ def _site_summary(ctx: Any, values: list[Any], summary: str, bins: int) -> list[
         partial = multihost.partial_summaries(values, summary, bins, replicated)
         if partial is not None:
             out: list[Any] = []
-            for v, part in zip(values, partial, strict=True):
+            for part in partial:
                 gathered = jax.lax.with_sharding_constraint(part, replicated)
-                out.extend(multihost.merge_partials(gathered, math.prod(v.shape) // len(devices)))
+                out.extend(multihost.merge_partials(gathered))
             return out
     return [a for v in values for a in device_summary(v, summary, bins)]
 

@@ -31,9 +31,6 @@ HISTOGRAM_EVERY: int | None = 100
 #: How many arrays the device sends per leaf, by summary (see :func:`device_summary`).
 ARRAYS_PER_LEAF = {"full": 1, "histogram": 3, "stats": 2, "health": 1, "shape": 0}
 
-# Order of the float and count vectors the device sends for "stats".
-_FLOAT_KEYS = ("mean", "std", "min", "max", "l2", "mean_abs")
-_COUNT_KEYS = ("nan", "posinf", "neginf", "zeros")
 
 
 def check_summary(summary: Any, what: str = "summary") -> str:
@@ -216,7 +213,8 @@ def _separate(x: Any) -> tuple[Any, ...]:
         (jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype), i32(0)),
         lambda p, q: (jnp.minimum(p[0], q[0]), jnp.maximum(p[1], q[1]), p[2] + q[2]),
         _all_axes(x))
-    return n, mean, m2, mn, mx, a, zeros, jnp.zeros((3,), i32)
+    none = i32(0)
+    return n, mean, m2, mn, mx, a, zeros, (none, none, none)
 
 
 def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
@@ -263,14 +261,15 @@ def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
     if parts[0].ndim >= 2:
         parts = jax.lax.reduce(parts, inits, merge, (parts[0].ndim - 1,))
     k, m, m2, mn, mx, a, z, *bad = jax.lax.reduce(parts, inits, merge, _all_axes(parts[0]))
-    return k, m, m2, mn, mx, a, z, (jnp.stack(bad) if counts else jnp.zeros((3,), i32))
+    return k, m, m2, mn, mx, a, z, (tuple(bad) if counts else (i32(0),) * 3)
 
 
 def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
                    form: str | None = None) -> list[Any]:
     """JAX ops that reduce ``x`` on the device to the arrays the host receives.
 
-    Returns a list of arrays: ``stats`` -> ``[floats(6), counts(4)]``; ``full`` -> ``[x]``
+    Returns a list of arrays: ``stats`` -> ``[moments(6), counts(4)]`` (see
+    :func:`stats_table`); ``full`` -> ``[x]``
     (its stats are computed on the host, off the training thread, so that the transfer runs at
     copy speed);
     ``histogram`` -> the stats plus ``[counts(bins)]``; ``health`` -> ``[counts(3)]``;
@@ -287,9 +286,9 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
 
     Example:
         >>> import jax.numpy as jnp
-        >>> floats, counts = device_summary(jnp.array([[1.0, 0.0], [3.0, jnp.nan]]), "stats")
-        >>> [round(v, 5) for v in floats.tolist()]  # mean std min max l2 mean_abs
-        [1.33333, 1.24722, 0.0, 3.0, 3.16228, 1.33333]
+        >>> moments, counts = device_summary(jnp.array([[1.0, 0.0], [3.0, jnp.nan]]), "stats")
+        >>> [round(v, 5) for v in moments.tolist()]  # mean m2 min max n sum|x| (finite)
+        [1.33333, 4.66667, 0.0, 3.0, 3.0, 4.0]
         >>> counts.tolist()  # nan +inf -inf zeros
         [1, 0, 0, 1]
     """
@@ -320,9 +319,9 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
             (cdtype(0),) * 3, lambda p, q: tuple(a + b for a, b in zip(p, q, strict=True)),
             _all_axes(xf)))]
     if size == 0:
+        zero = jnp.zeros((), ftype)
         nan = jnp.asarray(jnp.nan, ftype)
-        floats = jnp.stack([nan, nan, nan, nan, jnp.asarray(0, ftype), nan])
-        out = [floats, jnp.zeros((4,), cdtype)]
+        out = [jnp.stack([nan, zero, nan, nan, zero, zero]), jnp.zeros((4,), cdtype)]
         if summary == "histogram":
             out.append(jnp.zeros((bins,), cdtype))
         return out
@@ -333,28 +332,27 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
         raw = _separate(xf)
         if is_float:
             m2 = raw[2]
-            # The size and the bad counts plus zeros derived from the data (inside shard_map
-            # the branches' outputs must vary alike).
-            vary = (m2 != m2).astype(cdtype) * 0
-            fast = (raw[0] + vary.astype(ftype), *raw[1:7], raw[7] + vary)
+            fast = raw
+            from sowtel import _jax_compat as jc
+
+            if jc.manual_axes():
+                # Inside shard_map the branches' outputs must vary alike: the size and the
+                # counts, constants here, plus zeros derived from the data.
+                vary = (m2 != m2).astype(cdtype) * 0
+                fast = (raw[0] + vary.astype(ftype), *raw[1:7], tuple(b + vary for b in raw[7]))
             # The value holds a NaN or an infinity (or its sum of squares overflowed): its
             # finite elements' statistics, and the others counted, in one variadic reduce.
             raw = jax.lax.cond(jnp.isfinite(m2), lambda: fast,
                                lambda: _variadic(xf, jnp.isfinite(xf)))
     n, mean, m2, mn, mx, a, zeros, bad = raw
-    safe_n = jnp.maximum(n, 1)
-    empty = n == 0
-    nan = jnp.asarray(jnp.nan, ftype)
-    # sum x^2 = sum (x - mean)^2 + n mean^2, both terms positive: no cancellation.
-    floats = jnp.stack([
-        jnp.where(empty, nan, mean), jnp.where(empty, nan, jnp.sqrt(jnp.maximum(m2 / safe_n, 0))),
-        jnp.where(empty, nan, mn), jnp.where(empty, nan, mx), jnp.sqrt(m2 + n * mean * mean),
-        jnp.where(empty, nan, a / safe_n)]).astype(ftype)
-    out = [floats, jnp.concatenate([bad, zeros.astype(cdtype)[None]])]
+    # The moments as they are: the host derives the statistics (stats_table), so that no
+    # scalar arithmetic is compiled a site (it took six kernels a site on XLA:CPU).
+    out = [jnp.stack([mean, m2, mn, mx, n, a]).astype(ftype),
+           jnp.stack([*bad, zeros]).astype(cdtype)]
     if summary == "histogram":
-        empty = jnp.isnan(floats[2])
-        lo = jnp.where(empty, 0, floats[2])
-        hi = jnp.where(empty, 0, floats[3])
+        empty = n == 0
+        lo = jnp.where(empty, 0, mn)
+        hi = jnp.where(empty, 0, mx)
         flat = flatten(xf)
         mask = jnp.isfinite(flat)
         safe = jnp.where(mask, flat, 0)
@@ -387,13 +385,48 @@ def site_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
         >>> import jax, jax.numpy as jnp
         >>> out = jax.jit(lambda a, b: site_summary(a, "stats") + site_summary(b, "stats"))(
         ...     jnp.arange(4.0), jnp.ones(4))
-        >>> [round(float(v), 4) for v in out[0][:2]], out[2][:2].tolist()
-        ([1.5, 1.118], [1.0, 0.0])
+        >>> [round(float(v), 4) for v in out[0][:2]], out[2][:2].tolist()  # mean, m2
+        ([1.5, 5.0], [1.0, 0.0])
     """
     global _SUMMARY_JIT
     if _SUMMARY_JIT is None:
         _SUMMARY_JIT = _summary_jit()
     return list(_SUMMARY_JIT(x, summary, bins, summary_form()))
+
+
+def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``stats`` of ``N`` device summaries as a float64 table ``(N, len(STAT_KEYS))``.
+
+    ``moments`` ``(N, 6)`` are what :func:`device_summary` sends for ``stats``: the mean, the
+    sum of squares about it, the minimum and maximum, the number and the sum of absolute values
+    of the finite elements; ``counts`` ``(N, 4)`` the NaN, +inf, -inf and zero counts; ``sizes``
+    the values' sizes. A value with no finite element has NaN statistics and ``l2`` 0.
+
+    Example:
+        >>> stats_table(np.array([[2.0, 8.0, 0.0, 4.0, 2.0, 4.0]]), np.array([[1, 0, 0, 1]]),
+        ...             np.array([3.0])).tolist()  # the finite elements 0 and 4, and a NaN
+        [[3.0, 2.0, 2.0, 0.0, 4.0, 4.0, 2.0, 1.0, 0.0, 0.0, 1.0]]
+    """
+    moments = np.asarray(moments, np.float64)
+    mean, m2, mn, mx, n, a = moments.T
+    table = np.empty((len(moments), len(STAT_KEYS)))
+    table[:, 0] = sizes
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        safe = np.maximum(n, 1)
+        table[:, 1] = mean
+        table[:, 2] = np.sqrt(np.maximum(m2 / safe, 0))
+        table[:, 3] = mn
+        table[:, 4] = mx
+        # sum x^2 = sum (x - mean)^2 + n mean^2, both terms positive: no cancellation.
+        table[:, 5] = np.sqrt(np.maximum(m2, 0) + n * mean * mean)
+        table[:, 6] = a / safe
+    empty = n == 0
+    if empty.any():
+        table[empty, 1:5] = np.nan
+        table[empty, 6] = np.nan
+        table[empty, 5] = 0.0
+    table[:, 7:11] = counts
+    return table
 
 
 def decode_device_summary(
@@ -409,11 +442,9 @@ def decode_device_summary(
         return {"stats": dict(zip(HEALTH_KEYS, (float(size), float(nan), float(posinf),
                                                 float(neginf)), strict=True)),
                 "histogram": None}
-    stats = {"size": float(size)}
-    stats.update(zip(_FLOAT_KEYS, np.asarray(arrays[0], np.float64).tolist(), strict=True))
-    stats.update(zip(_COUNT_KEYS, np.asarray(arrays[1], np.float64).tolist(), strict=True))
-    if stats["nan"] + stats["posinf"] + stats["neginf"] == size and size:
-        stats["l2"] = 0.0
+    table = stats_table(np.asarray(arrays[0])[None], np.asarray(arrays[1])[None],
+                        np.array([size], np.float64))[0]
+    stats = dict(zip(STAT_KEYS, table.tolist(), strict=True))
     hist = None
     if summary == "histogram":
         lo, hi = stats["min"], stats["max"]

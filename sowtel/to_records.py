@@ -41,7 +41,7 @@ from sowtel.records import (
     Record,
     record_index,
 )
-from sowtel.summaries import host_summary
+from sowtel.summaries import host_summary, stats_table
 
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
@@ -51,9 +51,6 @@ __all__ = ["SiteColumns", "RecordBatch", "site_columns", "site_records", "log_re
 
 Index = int | tuple[int, ...] | None
 
-# Positions of the device's "stats" vectors in STAT_KEYS: floats (mean..mean_abs), counts.
-_FLOATS = slice(1, 7)
-_COUNTS = slice(7, 11)
 _NONFINITE = {"stats": (7, 8, 9), "histogram": (7, 8, 9), "full": (7, 8, 9),
               "health": (1, 2, 3)}
 _new_record = object.__new__
@@ -305,13 +302,8 @@ def _decode(summary: str, arrays: Sequence[np.ndarray], size: int, bins: int,
         table[:, 0] = size
         table[:, 1:] = np.reshape(arrays[0], (n, 3))  # assigning converts to float64
         return HEALTH_KEYS, table, None, None
-    table = np.empty((n, len(STAT_KEYS)))
-    table[:, 0] = size
-    table[:, _FLOATS] = np.reshape(arrays[0], (n, 6))
-    table[:, _COUNTS] = np.reshape(arrays[1], (n, 4))
-    if size and table[:, 7:10].any():
-        # Nothing finite: l2 is the norm of no elements (the device sums nothing).
-        table[table[:, 7] + table[:, 8] + table[:, 9] == size, 5] = 0.0
+    table = stats_table(np.reshape(arrays[0], (n, 6)), np.reshape(arrays[1], (n, 4)),
+                        np.full(n, float(size)))
     if summary != "histogram":
         return STAT_KEYS, table, None, None
     lo = table[:, 3].copy()
@@ -488,21 +480,16 @@ class _StepPlan:
         self.sizes = np.array(sizes, np.float64)
 
     def table(self, buffers: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The plain sites' stats ``(rows, len(STAT_KEYS))``, whether each ran, and whether
-        each holds a non-finite element: :func:`_decode`'s rules, for all rows at once."""
-        table = np.empty((len(self.sizes), len(STAT_KEYS)))
+        """The plain sites' stats ``(rows, len(STAT_KEYS))`` (:func:`~sowtel.summaries.
+        stats_table` of all rows at once), whether each ran, and whether each holds a
+        non-finite element."""
         if self.buffers is None:
-            return table, np.zeros(0, bool), np.zeros(0, bool)
+            return np.empty((0, len(STAT_KEYS))), np.zeros(0, bool), np.zeros(0, bool)
         f, c, r = (buffers[b] for b in self.buffers)
-        table[:, 0] = self.sizes
-        table[:, _FLOATS] = f[self.floats]
-        table[:, _COUNTS] = c[self.counts]
-        bad = table[:, 7:10].sum(axis=1)
-        nonfinite = bad > 0
-        if nonfinite.any():
-            # Nothing finite: l2 is the norm of no elements (the device sums nothing).
-            table[(bad == self.sizes) & (self.sizes > 0), 5] = 0.0
-        return table, r[self.ran] != 0, nonfinite
+        table = stats_table(f[self.floats], c[self.counts], self.sizes)
+        ran: np.ndarray = r[self.ran] != 0
+        nonfinite: np.ndarray = np.any(table[:, 7:10], axis=1)
+        return table, ran, nonfinite
 
 
 class CompiledConverter:

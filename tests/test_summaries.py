@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sowtel.records import STAT_KEYS
-from sowtel.summaries import decode_device_summary, device_summary, host_summary
+from sowtel.summaries import decode_device_summary, device_summary, host_summary, stats_table
 
 RNG = np.random.default_rng(0)
 VALUES = {
@@ -96,8 +98,7 @@ def test_std_is_accurate_against_float64(case: str, dtype: str, form: str,
     else:
         pytest.fail(f"case {case} in {dtype} breaks |mean| <= 1e3 std: fix the case")
     assert abs(exact.mean()) > 50 * exact.std() or case in ("centred", "uniform_ramp")
-    floats, _ = jax.jit(lambda v: device_summary(v, "stats"))(value)
-    mean, std, mn, mx, l2, mean_abs = np.asarray(floats, np.float64)
+    mean, std, mn, mx, l2, mean_abs = _stats(value)[1:7]
     np.testing.assert_allclose(std, exact.std(), rtol=1e-3, err_msg="std")
     np.testing.assert_allclose(mean, exact.mean(), rtol=1e-5, atol=1e-3 * exact.std())
     np.testing.assert_allclose(l2, np.sqrt(np.sum(exact ** 2)), rtol=1e-4)
@@ -128,6 +129,13 @@ def test_both_forms_give_the_same_stats_with_non_finite_values(
     np.testing.assert_array_equal(got[0]["histogram"][1], got[1]["histogram"][1])
 
 
+def _stats(value: Any) -> np.ndarray:
+    """The device's ``stats`` of ``value``, decoded: one row in ``STAT_KEYS`` order."""
+    moments, counts = jax.jit(lambda v: device_summary(v, "stats"))(value)
+    return stats_table(np.asarray(moments)[None], np.asarray(counts)[None],
+                       np.array([np.size(value)], np.float64))[0]
+
+
 def _finite_stats(value: np.ndarray) -> dict[str, float]:
     """The stats of ``value`` by numpy in float64: finite elements only, the rest counted."""
     x = np.asarray(value, np.float64).ravel()
@@ -153,10 +161,7 @@ def test_non_finite_elements_are_masked_without_losing_the_spread(
     bad = rng.random(n) < share
     x[bad] = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), size=int(bad.sum()))
     x[0] = np.nan if first == "nan" else 900.5
-    floats, counts = jax.jit(lambda v: device_summary(v, "stats"))(jnp.asarray(x.reshape(4, -1)))
-    got = dict(zip(("mean", "std", "min", "max", "l2", "mean_abs"),
-                   np.asarray(floats, np.float64), strict=True))
-    got.update(zip(("nan", "posinf", "neginf", "zeros"), np.asarray(counts), strict=True))
+    got = dict(zip(STAT_KEYS, _stats(jnp.asarray(x.reshape(4, -1))), strict=True))
     want = _finite_stats(x)
     assert want["mean"] > 500 * want["std"]
     for key in ("nan", "posinf", "neginf", "zeros", "min", "max"):
@@ -171,19 +176,19 @@ def test_extremes_and_signed_zeros_by_hand(form: str, monkeypatch: pytest.Monkey
     monkeypatch.setenv("SOWTEL_SUMMARY_FORM", form)
     big = np.finfo(np.float32).max
     x = np.array([big, -big, -0.0, 0.0, 1.0, np.inf, np.nan, -np.inf], np.float32)
-    floats, counts = jax.jit(lambda v: device_summary(v, "stats"))(jnp.asarray(x))
-    mean, std, mn, mx, l2, mean_abs = np.asarray(floats, np.float64)
-    assert (mn, mx) == (-big, big)  # the finite extremes, not the infinities
-    assert np.asarray(counts).tolist() == [1, 1, 1, 2]  # nan, +inf, -inf, zeros (both signs)
+    stats = _stats(jnp.asarray(x))
+    assert (stats[3], stats[4]) == (-big, big)  # the finite extremes, not the infinities
+    assert stats[7:].tolist() == [1, 1, 1, 2]  # nan, +inf, -inf, zeros (both signs)
 
 
 def test_float64_values_are_summarised_in_float64() -> None:
     x = np.array([1e300, 3e300, np.inf, np.nan, 0.0, -2e300], np.float64)
     with jax.enable_x64(True):
-        floats, counts = jax.jit(lambda v: device_summary(v, "stats"))(jnp.asarray(x))
-        assert floats.dtype == jnp.float64
-    mean, std, mn, mx, l2, mean_abs = np.asarray(floats)
+        moments, _ = jax.jit(lambda v: device_summary(v, "stats"))(jnp.asarray(x))
+        assert moments.dtype == jnp.float64
+        stats = _stats(jnp.asarray(x))
+    size, mean, std, mn, mx, l2, mean_abs = stats[:7]
     assert (mn, mx) == (-2e300, 3e300)
     assert mean == pytest.approx(0.5e300)
     assert mean_abs == pytest.approx(1.5e300)
-    assert np.asarray(counts).tolist() == [1, 1, 0, 1]
+    assert stats[7:].tolist() == [1, 1, 0, 1]
