@@ -141,7 +141,7 @@ def _unmasked_stats(x: Any) -> list[Any]:
     its finite elements' (the proposal in docs/benchmarks.md)."""
     jnp = jax.numpy
     n, mean, m2, mn, mx, a, zeros, bad = _separate(x.astype(jnp.float32))
-    return [jnp.stack([mean, m2, mn, mx, n, a]), jnp.concatenate([bad, zeros[None]])]
+    return [jnp.stack([mean, m2, mn, mx, n, a]), jnp.stack([*bad, zeros])]
 
 
 def _floor_unmasked(work: Workload) -> Callable[..., Any]:
