@@ -19,9 +19,9 @@ summaries when the device has computed them and builds the same records the call
 gives. The step is the host-side :func:`sowtel.at_step` around the call, else the number of
 calls of this function since the session began. ``every=N`` (the session's or a site's) is
 decided on the host: a step at which no site is due runs the plain program (compiled in a
-background thread during the first logging step; until it is ready, such steps run the logging
-program already compiled for their arguments and drop its summaries, so that no step waits
-for the second compilation).
+background thread once the first logging step's program has compiled; until it is ready, such
+steps run the logging program already compiled for their arguments and drop its summaries, so
+that no step waits for the second compilation).
 ``enable(histogram_every=N)`` (default 100) is too: the logging steps divisible by N, from
 step N on, run a second logging program in which sites whose summary is ``stats`` send
 ``histogram`` (compiled ahead in a background thread, so training does not wait for it).
@@ -306,12 +306,14 @@ class Jitted:
                 if self._warming:  # compiled ahead in a thread: wait for it, not compile again
                     self._join_warming(key, args, kwargs)
                 if key not in self._traced:
-                    if any(e > 1 for e in self._strides[config]):
-                        self._warm_plain(args, kwargs)  # other steps will run it
                     # Traced before the call (jax.jit keeps the trace for it): the trace finds
                     # new every= strides and sites in while_loop bodies.
                     self._program(*key).trace(*args, **kwargs)
                     self._traced.add(key)
+                    if self._callbacks.get(config) and self._strided(config):
+                        # No stand-in for a program with host callbacks (see _stand_in): the
+                        # plain program compiles beside this one, for the steps after.
+                        self._warm_plain(args, kwargs)
                 every = session.histogram_every
                 if every is not None and every > 1:
                     sibling = (*key[:4], not key[4])
@@ -327,8 +329,11 @@ class Jitted:
                         out, summaries = self._program(*key)(*args, **kwargs)
                 else:
                     out, summaries = self._program(*key)(*args, **kwargs)
-                    if self._warming:
+                    if self._strided(config) and (self._warming or not self._warmed):
+                        # The plain program compiles now that this one has (on few cores the
+                        # two compete), while the steps that log nothing run this one.
                         self._remember(key, args, kwargs)
+                        self._warm_plain(args, kwargs)
             except _NewStride as new:  # raised while tracing: nothing ran
                 self._strides[config].add(new.every)
                 continue
@@ -360,9 +365,10 @@ class Jitted:
                               for x in leaves)
 
     def _warm_plain(self, args: Any, kwargs: Any) -> None:
-        """Compiles the plain program for these arguments in a thread, while the first logging
-        step compiles and runs (XLA compiles without the GIL), so that ``every=N`` reaches
-        steady state in about the time of one compilation. The next plain step waits for it."""
+        """Compiles the plain program for these arguments in a thread (XLA compiles without
+        the GIL), started once the first logging step's program has compiled: until it is
+        ready, steps that log nothing run that program (see :meth:`_stand_in`), so that
+        ``every=N`` reaches steady state in about the time of one compilation."""
 
         def lower() -> Any:
             with self._quiet():
@@ -407,6 +413,10 @@ class Jitted:
         thread = threading.Thread(target=compile_ahead, name="sowtel-compile", daemon=True)
         self._warming[key] = thread
         thread.start()
+
+    def _strided(self, config: StreamConfig) -> bool:
+        """Whether some steps log nothing (a stride above 1): they run the plain program."""
+        return any(e > 1 for e in self._strides[config])
 
     def _remember(self, key: tuple[Any, ...], args: Any, kwargs: Any) -> None:
         try:
