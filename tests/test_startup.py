@@ -91,6 +91,10 @@ with sowtel.enable(exporter="memory", every=2) as session:
     for _ in range(3):
         step(w, x)
     sowtel.flush()
+import threading
+for t in threading.enumerate():  # the plain program compiles in the background: let it end
+    if t.name == "sowtel-compile":
+        t.join(120)
 print(json.dumps({"hits": events.count("/jax/compilation_cache/cache_hits"),
                   "misses": events.count("/jax/compilation_cache/cache_misses"),
                   "steps": [r.step for r in session.exporters[0].records]}))
