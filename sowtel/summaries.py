@@ -32,7 +32,6 @@ HISTOGRAM_EVERY: int | None = 100
 ARRAYS_PER_LEAF = {"full": 1, "histogram": 3, "stats": 2, "health": 1, "shape": 0}
 
 
-
 def check_summary(summary: Any, what: str = "summary") -> str:
     """Returns ``summary`` if it names a summary kind, else raises ValueError."""
     if summary not in SUMMARIES:
