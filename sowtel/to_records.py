@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -535,14 +534,13 @@ class CompiledConverter:
         """
         plan = self._plan(summaries.sites, summaries.layout)
         table, ran, nonfinite = plan.table(buffers)
+        arrays = summaries.unpack(buffers) if None in plan.rows else []
         out: list[SiteColumns] = []
         at = 0
         for entry, row in zip(summaries.sites, plan.rows, strict=True):
-            spots = summaries.layout[at:at + entry.n_arrays]
+            mine = arrays[at:at + entry.n_arrays]
             at += entry.n_arrays
             if row is None:
-                mine = [buffers[b][offset:offset + math.prod(shape)].reshape(shape)
-                        for b, offset, shape in spots]
                 found = self._entry_columns(entry, mine, None, step=step, seqs=seqs,
                                             wall_time=wall_time, process_index=process_index)
                 if found is not None:
