@@ -25,6 +25,9 @@ ratio to the plain step (``jax.jit`` of the step without sows) run right around 
   is: what ``stats`` would cost if the sum-based statistics of a value holding a NaN or an
   infinity were NaN rather than those of its finite elements (the proposal in
   docs/benchmarks.md; not a sowtel summary).
+- **hand-written floor, every=10**: the hand-written floor's program one step in ten, the plain
+  step otherwise: the least that ``every=10`` can cost with these statistics (on XLA:CPU a
+  program run once among another's steps costs more than the same program run step after step).
 
 Workloads: the small MLP, the transformer block, and the GPT decoder (reduced on CPU; the full
 size with ``--gpt-full``, for a GPU). Each session has its own memory exporter (bounded); the
@@ -154,6 +157,20 @@ def _floor_unmasked(work: Workload) -> Callable[..., Any]:
     return jax.jit(step)
 
 
+def _one_in(every: int, logging: Callable[..., Any],
+            plain: Callable[..., Any]) -> Callable[..., Any]:
+    """A step that runs ``logging`` on every ``every``-th call (the first included) and
+    ``plain`` on the others."""
+    calls = 0
+
+    def step(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return (logging if (calls - 1) % every == 0 else plain)(*args)
+
+    return step
+
+
 def variants(work: Workload, stack: ExitStack,
              only: Sequence[str] | None = None) -> dict[str, Runner]:
     def session(**options: Any) -> sowtel.Session:
@@ -162,8 +179,9 @@ def variants(work: Workload, stack: ExitStack,
             exporter=MemoryExporter(max_records=256), **options))
 
     sown = make_train_step(work, sowtel.sow)
+    plain = jax.jit(make_train_step(work, no_tap))
     out = {
-        "plain": Runner(jax.jit(make_train_step(work, no_tap)), work, None),
+        "plain": Runner(plain, work, None),
         "disabled": Runner(jax.jit(sown), work, None),
         "callback transport, stats every step": Runner(jax.jit(sown), work, session()),
         "sowtel.jit, stats every step": Runner(sowtel.jit(sown), work, session()),
@@ -180,6 +198,7 @@ def variants(work: Workload, stack: ExitStack,
             sowtel.jit(sown), work, session(histogram_every=10)),
         "hand-written floor (summaries as outputs)": Runner(_floor(work), work, None),
         "hand-written floor, sums unmasked": Runner(_floor_unmasked(work), work, None),
+        "hand-written floor, every=10": Runner(_one_in(10, _floor(work), plain), work, None),
     }
     activate_session(None)
     return out if only is None else {name: out[name] for name in only}

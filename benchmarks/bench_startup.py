@@ -7,6 +7,9 @@ new program:
 - **plain, first step**: ``jax.jit`` of the step with sows, nothing enabled (the baseline:
   tracing, lowering and compiling the plain program, then one step);
 - **sowtel.jit, stats every step, first step**: the time to the first logging step;
+- **hand-written floor, first step**: ``jax.jit`` of a step that returns the same summaries
+  (``sowtel.summaries.device_summary`` of every site's primal and cotangent), no sowtel at run
+  time: what compiling these statistics costs on its own;
 - **sowtel.jit, every=10, steps 0-1**: to steady state (step 0 logs; step 1 runs the plain
   program if it is ready, else the logging program already compiled, its summaries dropped:
   after it, no step waits for a compilation);
@@ -48,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"first logging step": 1.5, "every=10 to steady state": 1.6,
            "second process, every=10 to steady state": 1.2}
 
-VARIANTS = ("plain", "every=1", "every=10")
+VARIANTS = ("plain", "every=1", "every=10", "floor")
 
 
 def _child(variant: str, workload: str, cache: str | None) -> dict[str, float]:
@@ -69,6 +72,10 @@ def _child(variant: str, workload: str, cache: str | None) -> dict[str, float]:
     sown = make_train_step(work, sowtel.sow)
     if variant == "plain":
         step, session, calls = jax.jit(sown), None, 1
+    elif variant == "floor":
+        from benchmarks.bench_jit import _floor
+
+        step, session, calls = _floor(work), None, 1
     else:
         every = int(variant.split("=")[1])
         step = sowtel.jit(sown)
@@ -164,6 +171,7 @@ def startup_table(workload: str, rounds: int) -> Table:
 
     row("plain, first step (baseline)", "plain", False, None)
     row("sowtel.jit, stats every step, first step", "every=1", False, "first logging step")
+    row("hand-written floor, first step", "floor", False, None)
     row("sowtel.jit, every=10, steps 0-1", "every=10", False, "every=10 to steady state")
     ready = statistics.median(plain_ready)
     table.add("sowtel.jit, every=10, to the plain program's first step", fmt_time(ready),
