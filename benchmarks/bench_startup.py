@@ -75,9 +75,9 @@ def _child(variant: str, workload: str, cache: str | None) -> dict[str, float]:
     if variant == "plain":
         step, session, calls = jax.jit(sown), None, 1
     elif variant == "floor":
-        from benchmarks.bench_jit import _floor
+        from benchmarks.bench_jit import floor_step
 
-        step, session, calls = _floor(work), None, 1
+        step, session, calls = floor_step(work), None, 1
     else:
         every = int(variant.split("=")[1])
         step = sowtel.jit(sown)
