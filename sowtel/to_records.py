@@ -443,14 +443,14 @@ class _StepPlan:
     step with a few numpy operations instead of site by site (fixed per program, so computed
     once)."""
 
-    __slots__ = ("sites", "layout", "rows", "buffers", "floats", "counts", "ran", "sizes")
+    __slots__ = ("sites", "layout", "rows", "buffers", "moments", "counts", "ran", "sizes")
 
     def __init__(self, sites: Sequence[Any], layout: Sequence[tuple[int, int, tuple[int, ...]]]
                  ) -> None:
         self.sites = sites
         self.layout = layout
         self.rows: list[int | None] = []  # per site: its row of the step's table, or None
-        floats: list[int] = []
+        moments: list[int] = []
         counts: list[int] = []
         ran: list[int] = []
         sizes: list[int] = []
@@ -468,12 +468,12 @@ class _StepPlan:
                 continue
             buffers = where  # type: ignore[assignment]
             self.rows.append(len(sizes))
-            floats.extend(range(spots[0][1], spots[0][1] + 6))
+            moments.extend(range(spots[0][1], spots[0][1] + 6))
             counts.extend(range(spots[1][1], spots[1][1] + 4))
             ran.append(spots[2][1])
             sizes.append(site.sizes[0])
         self.buffers = buffers
-        self.floats = np.array(floats, np.intp).reshape(-1, 6)
+        self.moments = np.array(moments, np.intp).reshape(-1, 6)
         self.counts = np.array(counts, np.intp).reshape(-1, 4)
         self.ran = np.array(ran, np.intp)
         self.sizes = np.array(sizes, np.float64)
@@ -484,8 +484,8 @@ class _StepPlan:
         non-finite element."""
         if self.buffers is None:
             return np.empty((0, len(STAT_KEYS))), np.zeros(0, bool), np.zeros(0, bool)
-        f, c, r = (buffers[b] for b in self.buffers)
-        table = stats_table(f[self.floats], c[self.counts], self.sizes)
+        m, c, r = (buffers[b] for b in self.buffers)
+        table = stats_table(m[self.moments], c[self.counts], self.sizes)
         ran: np.ndarray = r[self.ran] != 0
         nonfinite: np.ndarray = np.any(table[:, 7:10], axis=1)
         return table, ran, nonfinite
