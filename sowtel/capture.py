@@ -44,6 +44,7 @@ import collections
 import dataclasses
 import functools
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -822,6 +823,43 @@ class _StaticKey:
             return all(a is b for a, b in zip(self.items, other.items, strict=True))
 
 
+class _TagProbe(str):
+    """A ``capture`` tag that equals no sow's tag and records every tag compared with it: how
+    a capture that found nothing learns which tags its function sows (a sow of another tag
+    binds nothing, so the traced program holds no trace of it)."""
+
+    seen: dict[str, None]
+
+    def __new__(cls) -> _TagProbe:
+        probe = super().__new__(cls, "\0sowtel tag probe")
+        probe.seen = {}
+        return probe
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str) and not isinstance(other, _TagProbe):
+            self.seen.setdefault(other)
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def _sown_tags(fn: Callable[..., Any], dyn: list[Any]) -> list[str]:
+    """The tags of the sows in ``fn(*dyn)``, in the order they were traced."""
+    probe = _TagProbe()
+    with CONTEXT(Context(capture=probe)):
+        trace_flat(lambda *d: fn(list(d)), dyn)
+    return list(probe.seen)
+
+
+def _nothing_captured(fn: Callable[..., Any], tag: str, seen: list[str]) -> str:
+    what = getattr(fn, "__name__", None) or type(fn).__name__
+    if not seen:
+        return (f"save_intermediates(tag={tag!r}) captured nothing: {what} sows no value; tag "
+                "the values to capture with sowtel.sow(x, 'name') inside it")
+    return (f"save_intermediates(tag={tag!r}) captured nothing: {what} sows only with the "
+            f"tag(s) {seen}; pass tag={seen[0]!r}, or sow with tag={tag!r}")
+
+
 def trace_flat(fn: Callable[..., Any], dyn: Any) -> tuple[Any, list[Any], Any]:
     """Traces ``fn(*dyn)`` to ``(jaxpr, consts, out_tree)``: a jaxpr on flat outputs, for the
     capture pass (``save_intermediates``) and the summary pass (``sowtel.jit``) to evaluate.
@@ -895,6 +933,8 @@ def save_intermediates(
         )
     check_tag(tag)
     cache: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
+    # The message of a trace that captured nothing, warned about once by the first call.
+    empty: list[str] = []
 
     def build(treedef: Any, static: dict[int, Any], n_leaves: int) -> Callable[..., Any]:
         def merged(dyn: list[Any]) -> tuple[Any, Any]:
@@ -908,7 +948,10 @@ def save_intermediates(
             with CONTEXT(Context(stream=ctx.stream, capture=tag)):
                 jaxpr, consts, out_tree = trace_flat(lambda *d: merged(list(d)), dyn)
             outs, caps = eval_capture(jaxpr, consts, list(dyn), tag)
-            return jax.tree_util.tree_unflatten(out_tree, outs), _assemble(caps, duplicates)
+            captured = _assemble(caps, duplicates)
+            if not captured and not empty:
+                empty.append(_nothing_captured(fn, tag, _sown_tags(merged, list(dyn))))
+            return jax.tree_util.tree_unflatten(out_tree, outs), captured
 
         return jax.jit(run)
 
@@ -924,6 +967,10 @@ def save_intermediates(
             cache[key] = runner
             while len(cache) > 64:
                 cache.popitem(last=False)
-        return runner(*dyn)  # type: ignore[no-any-return]
+        result = runner(*dyn)
+        if empty and empty[0]:
+            warnings.warn(empty[0], stacklevel=2)
+            empty[0] = ""
+        return result  # type: ignore[no-any-return]
 
     return wrapped
