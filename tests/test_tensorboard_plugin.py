@@ -281,16 +281,18 @@ def test_plugin_page_in_headless_chromium_shows_the_depth_view(served, tmp_path)
                      "return f && f.contentDocument; })()")
         ready = (f"(() => {{ const d = {frame_doc}; if (!d || !d.body || "
                  "d.body.getAttribute('data-ready') !== '1') return null; "
-                 "return {sites: [...d.querySelectorAll('.site-name')].map(e => e.textContent),"
+                 "return {sites: [...d.querySelectorAll('#overview-table tbody tr')].map("
+                 "  tr => tr.dataset.site + ' ' + tr.dataset.mode),"
                  " health: d.querySelector('#health').textContent,"
                  " canvas: d.querySelectorAll('canvas.heatmap').length,"
-                 " lines: d.querySelectorAll('svg.lines path').length}; })()")
+                 " lines: d.querySelectorAll('svg.lines path.layer').length}; })()")
         shown = wait_for("the depth view", lambda: browser.evaluate(ready), 90, served["proc"])
         first_paint = time.monotonic() - started
         shot = browser.screenshot()
     finally:
         browser.close()
-    assert shown["sites"] == ["layer*/out", "inner", "blocks/h"]  # program order
+    assert shown["sites"] == ["layer*/out primal", "inner primal", "blocks/h primal",
+                              "blocks/h cotangent"]  # program order
     assert "First non-finite value: site blocks/h, gradient (cotangent), step 2, index 3" in (
         shown["health"])
     # It opens on the site that went non-finite: a heatmap, and one line per layer.

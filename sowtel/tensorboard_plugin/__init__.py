@@ -318,7 +318,10 @@ class SowtelPlugin:
                 row["nonfinite"] = {"first_step": entry["first_step"], "steps": entry["steps"],
                                     "first_index": entry["first_index"]}
             if stat is not None:
-                _spark(index, info, mode, stat, points, row)
+                try:
+                    _spark(index, info, mode, stat, points, row)
+                except BadRequest as e:  # one site a file got wrong: said on its row
+                    row["error"] = str(e)
             out.append(row)
         return {"rows": out, "total": len(rows), "offset": offset, "limit": limit,
                 "skipped": [{"tag": t, "why": w} for t, w in index.skipped[:20]]}
@@ -381,8 +384,10 @@ _COUNT_TAG = re.compile(r"^(?P<name>[^\[\]]+)(\[(?P<index>[0-9]+(?:,[0-9]+)*)\])
 
 
 def _depth_table(index: RunIndex, info: SiteInfo, mode: str, stat: str, max_steps: int,
-                 offset: int, limit: int, digits: int = 7) -> dict[str, Any]:
-    """The depth route's answer: ``stat`` at each (step, position) of a page of positions.
+                 offset: int, limit: int, digits: int = 7,
+                 spread: int | None = None) -> dict[str, Any]:
+    """The depth route's answer: ``stat`` at each (step, position) of a page of positions
+    (or, with ``spread``, of that many positions spread evenly over all of them).
 
     Positions are numbered as one integer each (row-major over the index rows), so a page and
     a grid are a few numpy calls whatever the depth; only the page's scalars are read (a
@@ -406,7 +411,8 @@ def _depth_table(index: RunIndex, info: SiteInfo, mode: str, stat: str, max_step
     known = np.unique(np.concatenate(ids + [np.ravel_multi_index(
         tuple(np.array(list(scalars.values())).T), dims)] if scalars else ids)) if (
         ids or scalars) else np.zeros(0, np.int64)
-    page_ids = known[offset:offset + limit]
+    page_ids = known[offset:offset + limit] if spread is None else known[np.unique(np.round(
+        np.linspace(0, len(known) - 1, min(spread, len(known)))).astype(int))]
     page = [tuple(int(v) for v in p) for p in zip(*np.unravel_index(page_ids, dims),
                                                    strict=True)] if len(page_ids) else []
     points = index.scalar_points({k: p for k, p in scalars.items() if p in set(page)}, mode,
@@ -448,7 +454,10 @@ def _spark(index: RunIndex, info: SiteInfo, mode: str, stat: str, points: int,
             row["spark"] = {"steps": steps, "values": json_grid(values, 4)}
             row["last"] = {"step": steps[-1], "value": json_grid(values[-1:])[0]}
         return
-    table = _depth_table(index, info, mode, stat, points, 0, _MOST_POSITIONS)
+    # A scan's tensors hold every layer: all of them give the last value. A family's members
+    # are a read each: a few, spread over the family, give the picture.
+    table = _depth_table(index, info, mode, stat, points, 0, _MOST_POSITIONS, 4,
+                         spread=_SPARK_POSITIONS if info.kind == "repeat" else None)
     row["positions"] = table["positions"]
     if not table["steps"]:
         return
