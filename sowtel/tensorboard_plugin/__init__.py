@@ -58,6 +58,7 @@ from sowtel.records import COUNT_STATS
 from sowtel.tensorboard_plugin._run import (
     MAX_CELLS,
     BadRequest,
+    DepthCache,
     RunIndex,
     SiteInfo,
     auto_stat,
@@ -167,6 +168,7 @@ class SowtelPlugin:
 
     def __init__(self, context: Any) -> None:
         self._provider = context.data_provider
+        self._cache = DepthCache()
 
     # -- TensorBoard's plugin interface ----------------------------------------------------------
 
@@ -255,7 +257,7 @@ class SowtelPlugin:
             raise BadRequest(f"run={run!r} holds no sowtel data: pick one of "
                              f"{self._runs(ctx, eid)[:50]} (GET /data/plugin/sowtel/runs)")
         return RunIndex(self._provider, ctx, eid, run, PLUGIN_NAME, parse_content,
-                        DEPTH_SUFFIX, NONFINITE_TAG)
+                        DEPTH_SUFFIX, NONFINITE_TAG, self._cache)
 
     def _depth_route(self, ctx: Any, eid: str, args: Any) -> dict[str, Any]:
         site, mode, stat = (_arg(args, k) for k in ("site", "mode", "stat"))
@@ -384,61 +386,82 @@ _COUNT_TAG = re.compile(r"^(?P<name>[^\[\]]+)(\[(?P<index>[0-9]+(?:,[0-9]+)*)\])
 
 
 def _depth_table(index: RunIndex, info: SiteInfo, mode: str, stat: str, max_steps: int,
-                 offset: int, limit: int, digits: int = 7,
-                 spread: int | None = None) -> dict[str, Any]:
-    """The depth route's answer: ``stat`` at each (step, position) of a page of positions
-    (or, with ``spread``, of that many positions spread evenly over all of them).
+                 offset: int, limit: int) -> dict[str, Any]:
+    """The depth route's answer: ``stat`` at each (step, position) of a page of positions."""
+    grid = _depth_grid(index, info, mode, stat, max_steps, offset, limit)
+    return {"steps": grid["steps"], "index": [index_value(p) for p in grid["page"]],
+            "values": json_grid(grid["values"], 7), "nonfinite": json_grid(grid["counts"]),
+            "positions": grid["positions"], "offset": offset, "limit": limit,
+            "downsampled": grid["downsampled"]}
+
+
+def _depth_grid(index: RunIndex, info: SiteInfo, mode: str, stat: str, max_steps: int,
+                offset: int, limit: int, spread: int | None = None) -> dict[str, Any]:
+    """``stat`` and the non-finite counts at each (step, position) of a page of positions (or,
+    with ``spread``, of that many positions spread evenly over all of them), as arrays; the
+    steps evenly thinned to ``max_steps``, the first and last kept.
 
     Positions are numbered as one integer each (row-major over the index rows), so a page and
     a grid are a few numpy calls whatever the depth; only the page's scalars are read (a
     family of 5,000 members reads ``limit`` of them)."""
-    arrays = index.depth_arrays(info, mode, max_steps + 1)
-    rank = arrays[0].index.shape[0] if arrays else 1
+    blocks = index.depth_arrays(info, mode)
+    rank = blocks[0].index.shape[1] if blocks else 1
     scalars: dict[str, tuple[int, ...]]
     if info.kind == "repeat":
         scalars = {name: (number,) for number, name in info.members.items()}
     else:
         scalars = {f"{info.site}[{','.join(map(str, p))}]": p for p in info.positions}
-        if not arrays and scalars:
+        if not blocks and scalars:
             rank = len(next(iter(scalars.values())))
         scalars = {k: p for k, p in scalars.items() if len(p) == rank}
-    tops = [a.index.max(axis=1) for a in arrays] + [np.array(p) for p in scalars.values()]
+    tops = [b.index.max(axis=(0, 2)) for b in blocks] + [np.array(p) for p in scalars.values()]
     dims = tuple(int(d) + 1 for d in np.max(tops, axis=0)) if tops else (1,) * rank
     if math.prod(dims) >= 2 ** 62:
         raise BadRequest(f"site {info.site!r} has positions too large to number "
                          f"({dims}): its event file is not one the exporter writes")
-    ids = [np.ravel_multi_index(tuple(a.index), dims) for a in arrays]
-    known = np.unique(np.concatenate(ids + [np.ravel_multi_index(
-        tuple(np.array(list(scalars.values())).T), dims)] if scalars else ids)) if (
-        ids or scalars) else np.zeros(0, np.int64)
-    page_ids = known[offset:offset + limit] if spread is None else known[np.unique(np.round(
-        np.linspace(0, len(known) - 1, min(spread, len(known)))).astype(int))]
+    # Each column's position as one number, -1 where the column holds none.
+    ids = [np.where(b.ok, np.ravel_multi_index(tuple(np.moveaxis(b.index, 1, 0)), dims), -1)
+           for b in blocks]
+    known_parts = [i[i >= 0] for i in ids]
+    if scalars:
+        known_parts.append(np.ravel_multi_index(tuple(np.array(list(scalars.values())).T),
+                                                dims))
+    known = np.unique(np.concatenate(known_parts)) if known_parts else np.zeros(0, np.int64)
+    if spread is None:
+        page_ids = known[offset:offset + limit]
+    else:
+        page_ids = known[np.unique(np.round(np.linspace(
+            0, len(known) - 1, min(spread, len(known)))).astype(int))]
     page = [tuple(int(v) for v in p) for p in zip(*np.unravel_index(page_ids, dims),
                                                    strict=True)] if len(page_ids) else []
     points = index.scalar_points({k: p for k, p in scalars.items() if p in set(page)}, mode,
                                  stat, max_steps + 1)
-    all_steps = sorted({a.step for a in arrays} | set(points.steps()))
+    all_steps = np.unique(np.concatenate([b.steps for b in blocks] + [np.array(
+        points.steps(), np.int64)])).tolist()
     steps = thin(all_steps, max_steps)
     row_of = {step: i for i, step in enumerate(steps)}
+    chosen = np.array(steps, np.int64)
     values = np.full((len(steps), len(page)), np.nan)
     counts = np.full((len(steps), len(page)), np.nan)
-    for a, lin in zip(arrays, ids, strict=True):
-        i = row_of.get(a.step)
-        if i is None or not len(page_ids):
+    for b, lin in zip(blocks, ids, strict=True):
+        if not len(page_ids) or not len(chosen):
+            continue
+        at_row = np.minimum(np.searchsorted(chosen, b.steps), len(chosen) - 1)
+        rows = np.where(chosen[at_row] == b.steps, at_row, -1)
+        if not (rows >= 0).any():
             continue
         cols = np.minimum(np.searchsorted(page_ids, lin), len(page_ids) - 1)
-        keep = page_ids[cols] == lin
-        values[i, cols[keep]] = a.stat(stat)[keep]
-        counts[i, cols[keep]] = a.counts()[keep]
+        keep = (page_ids[cols] == lin) & (lin >= 0) & (rows[:, None] >= 0)
+        at = (np.broadcast_to(rows[:, None], keep.shape)[keep], cols[keep])
+        values[at] = b.stat(stat)[keep]
+        counts[at] = b.counts()[keep]
     col_of = {p: j for j, p in enumerate(page)}
     for step, cells in points.cells.items():
         i = row_of.get(step)
         for p, (v, c) in cells.items() if i is not None else ():
             values[i, col_of[p]], counts[i, col_of[p]] = v, c
-    return {"steps": steps, "index": [index_value(p) for p in page],
-            "values": json_grid(values, digits), "nonfinite": json_grid(counts),
-            "positions": int(len(known)), "offset": offset, "limit": limit,
-            "downsampled": len(all_steps) > max_steps}
+    return {"steps": steps, "page": page, "values": values, "counts": counts,
+            "positions": int(len(known)), "downsampled": len(all_steps) > max_steps}
 
 
 def _spark(index: RunIndex, info: SiteInfo, mode: str, stat: str, points: int,
@@ -446,31 +469,31 @@ def _spark(index: RunIndex, info: SiteInfo, mode: str, stat: str, points: int,
     """Fills an overview row's ``last`` value and ``spark`` chart."""
     if info.kind in ("plain", "logged"):
         tag = info.site if info.kind == "logged" else f"{info.site}/{mode}/{stat}"
-        data = index.read_scalars([tag], points).get(tag, [])
+        data = index.read_scalars([tag], 10**9).get(tag, [])
         if data:
             by_step = {int(p.step): float(p.value) for p in data}
-            steps = sorted(by_step)
+            steps = thin(sorted(by_step), points)
             values = np.array([by_step[s] for s in steps])
             row["spark"] = {"steps": steps, "values": json_grid(values, 4)}
             row["last"] = {"step": steps[-1], "value": json_grid(values[-1:])[0]}
         return
     # A scan's tensors hold every layer: all of them give the last value. A family's members
     # are a read each: a few, spread over the family, give the picture.
-    table = _depth_table(index, info, mode, stat, points, 0, _MOST_POSITIONS, 4,
-                         spread=_SPARK_POSITIONS if info.kind == "repeat" else None)
-    row["positions"] = table["positions"]
-    if not table["steps"]:
+    grid = _depth_grid(index, info, mode, stat, points, 0, _MOST_POSITIONS,
+                       spread=_SPARK_POSITIONS if info.kind == "repeat" else None)
+    row["positions"] = grid["positions"]
+    values = grid["values"]
+    if not grid["steps"] or not values.size:
         return
-    values = np.array([[math.nan if v is None else v for v in r] for r in table["values"]])
     last = values[-1]
     finite = last[np.isfinite(last)]
-    row["last"] = {"step": table["steps"][-1],
+    row["last"] = {"step": grid["steps"][-1],
                    "min": float(finite.min()) if finite.size else None,
                    "max": float(finite.max()) if finite.size else None,
                    "positions": int(finite.size)}
     cols = np.unique(np.round(np.linspace(0, values.shape[1] - 1,
                                           min(_SPARK_POSITIONS, values.shape[1]))).astype(int))
-    row["spark"] = {"steps": table["steps"], "index": [table["index"][j] for j in cols],
+    row["spark"] = {"steps": grid["steps"], "index": [index_value(grid["page"][j]) for j in cols],
                     "values": json_grid(values[:, cols], 4)}
 
 

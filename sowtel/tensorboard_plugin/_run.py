@@ -13,10 +13,12 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
 import re
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,8 +26,9 @@ import numpy as np
 
 from sowtel.records import COUNT_STATS, mode_order
 
-__all__ = ["BadRequest", "RunIndex", "SiteInfo", "Points", "check_bound", "auto_stat",
-           "MAX_CELLS"]
+__all__ = ["BadRequest", "RunIndex", "SiteInfo", "Points", "DepthBlock", "DepthCache",
+           "check_bound",
+           "auto_stat", "MAX_CELLS"]
 
 #: The most cells (steps x positions) one depth answer may hold.
 MAX_CELLS = 2_000_000
@@ -133,10 +136,12 @@ class RunIndex:
 
     def __init__(self, provider: Any, ctx: Any, eid: str, run: str, plugin_name: str,
                  parse_content: Callable[[Any], dict[str, Any]], depth_suffix: str,
-                 nonfinite_tag: str) -> None:
+                 nonfinite_tag: str, cache: DepthCache | None = None) -> None:
         from tensorboard.data import provider as tb_provider
 
         self._provider, self._ctx, self._eid, self.run = provider, ctx, eid, run
+        self._cache = cache if cache is not None else DepthCache()
+        self._versions: dict[str, tuple[Any, ...]] = {}
         self._filter = tb_provider.RunTagFilter
         self._plugin = plugin_name
         self.nonfinite_tag = nonfinite_tag
@@ -164,6 +169,7 @@ class RunIndex:
                 self.skipped.append((tag, str(e)))
                 continue
             site = self._site(name, "scan")
+            self._versions[tag] = (eid, run, tag, series.max_step, series.max_wall_time)
             stats = set(meta["stats"])
             site.add(mode, stats | ({"max_abs"} if {"min", "max"} <= stats else set()))
             site.depth[mode] = (tag, meta)
@@ -278,25 +284,38 @@ class RunIndex:
             downsample=downsample, run_tag_filter=self._filter(runs=[self.run], tags=[tag]))
         return list(data.get(self.run, {}).get(tag, []))
 
-    def depth_arrays(self, info: SiteInfo, mode: str, downsample: int) -> list[_DepthStep]:
-        """The well-formed depth tensors of a scanned site and mode, a step each, in step
-        order (a step written again: its last tensor)."""
+    def depth_arrays(self, info: SiteInfo, mode: str) -> list[DepthBlock]:
+        """The well-formed depth tensors of a scanned site and mode, as blocks of steps of one
+        shape (a step written again: its last tensor). TensorBoard converts every point of
+        a tag on each read, whatever downsampling is asked for: the blocks are kept
+        (:class:`DepthCache`) until the tag gets a new point."""
         if mode not in info.depth:
             return []
         tag, meta = info.depth[mode]
+        version = self._versions.get(tag)
+        found = self._cache.get(version)
+        if found is not None:
+            return found  # type: ignore[no-any-return]
         rank, names = meta["index_rank"], list(meta["stats"])
-        steps: dict[int, _DepthStep] = {}
-        for datum in self.read_tensors(tag, downsample):
+        last: dict[int, np.ndarray] = {}
+        for datum in self.read_tensors(tag, 10**9):
             arr = _table(datum.numpy, rank + len(names))
-            if arr is None:
-                continue
-            index = arr[:rank]
+            if arr is not None:
+                last[int(datum.step)] = arr
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for step in sorted(last):
+            shapes.setdefault(last[step].shape, []).append(step)
+        blocks = []
+        for steps in shapes.values():
+            stack = np.stack([last[step] for step in steps])
+            index = stack[:, :rank]
             ok = np.all(np.isfinite(index) & (index >= 0) & (index < _MAX_INDEX)
-                        & (index == np.round(index)), axis=0)
-            if ok.any():
-                steps[int(datum.step)] = _DepthStep(int(datum.step), index[:, ok].astype(
-                    np.int64), arr[rank:, ok], names)
-        return [steps[k] for k in sorted(steps)]
+                        & (index == np.round(index)), axis=1)
+            blocks.append(DepthBlock(np.array(steps, np.int64),
+                                     np.where(ok[:, None], index, 0).astype(np.int64),
+                                     stack[:, rank:], ok, names))
+        self._cache.put(version, blocks, sum(b.nbytes for b in blocks))
+        return blocks
 
     def scalar_points(self, prefixes: dict[str, tuple[int, ...]], mode: str, stat: str,
                       downsample: int, points: Points | None = None) -> Points:
@@ -325,20 +344,32 @@ class RunIndex:
 
 
 @dataclasses.dataclass
-class _DepthStep:
-    """One step's depth tensor: its positions (``rank x P`` ints) and statistics' rows."""
+class DepthBlock:
+    """Steps of a depth tensor of one shape: ``steps`` (S), ``index`` (S x rank x P ints),
+    ``rows`` (S x statistics x P) and ``ok`` (S x P), whether a column holds a position."""
 
-    step: int
+    steps: np.ndarray
     index: np.ndarray
     rows: np.ndarray
+    ok: np.ndarray
     names: list[str]
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.steps.nbytes + self.index.nbytes + self.rows.nbytes + self.ok.nbytes)
+
     def stat(self, stat: str) -> np.ndarray:
-        return _stat_row(self.rows, self.names, stat)
+        """``stat`` at each step and column (NaN where the tensors lack it)."""
+        if stat in self.names:
+            return self.rows[:, self.names.index(stat)]
+        if stat == "max_abs" and "min" in self.names and "max" in self.names:
+            return np.fmax(np.abs(self.rows[:, self.names.index("min")]),
+                           np.abs(self.rows[:, self.names.index("max")]))
+        return np.full(self.ok.shape, np.nan, np.float32)
 
     def counts(self) -> np.ndarray:
-        found = [self.rows[self.names.index(k)] for k in COUNT_STATS if k in self.names]
-        return np.sum(found, axis=0) if found else np.full(self.rows.shape[1], np.nan)
+        found = [self.rows[:, self.names.index(k)] for k in COUNT_STATS if k in self.names]
+        return np.sum(found, axis=0) if found else np.full(self.ok.shape, np.nan, np.float32)
 
 
 class Points:
@@ -411,22 +442,55 @@ def index_value(parts: tuple[int, ...]) -> int | list[int]:
 
 
 def _table(value: Any, rows: int) -> np.ndarray | None:
-    """A depth tensor as float64 ``rows x positions``, or None if it is not one."""
+    """A depth tensor as float32 ``rows x positions`` (as written), or None if not one."""
     try:
         arr = np.asarray(value)
         if arr.dtype.kind not in "fiub" or arr.ndim != 2 or arr.shape[0] != rows:
             return None
-        return arr.astype(np.float64)
+        with np.errstate(over="ignore"):
+            return arr.astype(np.float32, copy=False)
     except (TypeError, ValueError):
         return None
 
 
-def _stat_row(stats: np.ndarray, names: list[str], stat: str) -> np.ndarray:
-    if stat in names:
-        return stats[names.index(stat)]
-    if stat == "max_abs" and "min" in names and "max" in names:
-        return np.fmax(np.abs(stats[names.index("min")]), np.abs(stats[names.index("max")]))
-    return np.full(stats.shape[1], np.nan)
+class DepthCache:
+    """Converted depth tensors of the tags read lately, at most ``most_bytes`` of them, the
+    least recently used dropped first; shared by the requests TensorBoard serves in threads.
+
+    Example:
+        >>> cache = DepthCache(most_bytes=10)
+        >>> cache.put(("a",), [1], 8); cache.put(("b",), [2], 8)
+        >>> cache.get(("a",)) is None, cache.get(("b",))
+        (True, [2])
+    """
+
+    def __init__(self, most_bytes: int = 256 << 20) -> None:
+        self._lock = threading.Lock()
+        self._items: collections.OrderedDict[Any, tuple[Any, int]] = collections.OrderedDict()
+        self._bytes = 0
+        self.most_bytes = most_bytes
+
+    def get(self, key: Any) -> Any:
+        if key is None:
+            return None
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
+
+    def put(self, key: Any, value: Any, nbytes: int) -> None:
+        if key is None:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            self._bytes -= old[1] if old else 0
+            self._items[key] = (value, nbytes)
+            self._bytes += nbytes
+            while self._bytes > self.most_bytes and len(self._items) > 1:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self._bytes -= dropped
 
 
 def nonfinite_rows(raw: Any) -> list[tuple[str, str, Any, float]]:

@@ -312,22 +312,20 @@ export async function render() {
                  layer: state.layer === null ? null : String(state.layer) });
   }
 
+  // What the page needs before it draws anything: the run's sites and health (quick); the
+  // overview, the depth picture and the cards then load side by side.
   async function load() {
     const run = state.run, cmp = state.cmp;
     const q = (r) => `run=${encodeURIComponent(r)}`;
-    const statQ = state.stat && state.stat !== "auto" ? `&stat=${encodeURIComponent(state.stat)}`
-      : "";
-    const [sites, health, overview, cmpSites, cmpOverview] = await Promise.all([
+    const [sites, health, cmpSites] = await Promise.all([
       getJSON(`sites?${q(run)}`), getJSON(`health?${q(run)}`),
-      getJSON(`overview?${q(run)}${statQ}`),
       cmp ? getJSON(`sites?${q(cmp)}`) : null,
-      cmp ? getJSON(`overview?${q(cmp)}${statQ}`) : null,
     ]);
     view = {
       sites: new Map(sites.sites.map((s) => [s.site, s])),
-      order: sites.sites, health, rows: overview.rows, total: overview.total,
+      order: sites.sites, health, rows: null, total: 0,
       cmpSites: cmpSites ? new Map(cmpSites.sites.map((s) => [s.site, s])) : null,
-      cmpRows: cmpOverview ? cmpOverview.rows : null,
+      cmpRows: null,
     };
     const stats = new Set();
     for (const s of sites.sites) for (const k of s.stats) stats.add(k);
@@ -336,6 +334,26 @@ export async function render() {
       el("option", { value: "auto" }, "auto: std of values, l2 of gradients"),
       ...[...stats].sort().map((k) => el("option", { value: k }, statLabel(null, "", k))));
     statSel.value = stats.has(state.stat) ? state.stat : "auto";
+  }
+
+  async function loadOverview() {
+    const q = (r) => `run=${encodeURIComponent(r)}`;
+    const statQ = state.stat && state.stat !== "auto" ? `&stat=${encodeURIComponent(state.stat)}`
+      : "";
+    overviewBox.replaceChildren(el("h2", {}, "Every site, in program order"),
+                                el("div", { class: "note", style: "margin-left:0" }, "loading…"));
+    try {
+      const [overview, other] = await Promise.all([
+        getJSON(`overview?${q(state.run)}${statQ}`),
+        state.cmp ? getJSON(`overview?${q(state.cmp)}${statQ}`) : null,
+      ]);
+      view.rows = overview.rows;
+      view.total = overview.total;
+      view.cmpRows = other ? other.rows : null;
+      drawOverview();
+    } catch (e) {
+      overviewBox.replaceChildren(el("div", { class: "error" }, e.message));
+    }
   }
 
   function drawOverview() {
@@ -562,8 +580,7 @@ export async function render() {
       return;
     }
     healthBox.replaceChildren(healthPanel(view.health, state.run));
-    drawOverview();
-    await Promise.all([drawDepth(), drawCards()]);
+    await Promise.all([loadOverview(), drawDepth(), drawCards()]);
     document.body.setAttribute("data-ready", "1");
   }
 
