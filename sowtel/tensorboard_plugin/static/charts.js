@@ -158,11 +158,13 @@ export function ramp(t) {
   return `rgb(${c[0]},${c[1]},${c[2]})`;
 }
 
-// Distinct colours for up to ten lines; more lines are coloured by depth along a ramp (dark:
-// the first layer, bright: the last), and the one selected in the legend is drawn on top.
+// Distinct colours for up to ten lines; more lines are coloured by depth along a ramp (dark
+// blue: the first layer, through purple and red to orange: the last; no pale end, which would
+// vanish on white, and no yellow-green, which is the heatmap's), and the one selected in the
+// legend is drawn on top.
 const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                  "#7f7f7f", "#bcbd22", "#17becf"];
-const DEPTH = [[13, 8, 135], [126, 3, 168], [204, 71, 120], [248, 149, 64], [240, 200, 30]];
+const DEPTH = [[13, 8, 135], [106, 0, 168], [177, 42, 144], [225, 100, 98], [232, 150, 30]];
 export function lineColour(j, n) {
   if (n <= PALETTE.length) return PALETTE[j % PALETTE.length];
   const t = n > 1 ? j / (n - 1) : 0;
