@@ -245,7 +245,7 @@ def deep_model(quick: bool = False) -> Table:
         "steps. 'depth route': GET /data/plugin/sowtel/depth for one site, mode and statistic "
         "from a TensorBoard started by `sowtel dashboard`'s launcher, once the run is loaded "
         "(median of 5; target < 2 s). 'page's data': the five requests the plugin page makes "
-        "before it paints (runs, sites, health, overview, depth), in sequence.")
+        "(runs, sites, health, overview, depth), in sequence; it paints after the depth.")
     return table
 
 
