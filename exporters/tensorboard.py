@@ -541,8 +541,7 @@ class TensorBoardExporter:
 
     def _record_values(self, r: Record, values: list[Summary.Value], layout: dict[str, _Site],
                        layout_due: set[int], every_stat: bool = False) -> int:
-        """Adds ``r``'s summary values (all but ``size`` with ``every_stat``, for the plugin's
-        depth view); returns its count of non-finite elements."""
+        """Adds ``r``'s values (``every_stat``: all but ``size``); returns its non-finite count."""
         if r.summary == "scalar":  # sowtel.log
             values.append(Summary.Value(tag=str(r.name), simple_value=float(r.stats["value"])))
             site = layout.setdefault(r.name, _Site())

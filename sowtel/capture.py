@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
+from sowtel.intermediates import nothing_captured
 from sowtel.primitive import (
     CONTEXT,
     Context,
@@ -823,43 +824,6 @@ class _StaticKey:
             return all(a is b for a, b in zip(self.items, other.items, strict=True))
 
 
-class _TagProbe(str):
-    """A ``capture`` tag that equals no sow's tag and records every tag compared with it: how
-    a capture that found nothing learns which tags its function sows (a sow of another tag
-    binds nothing, so the traced program holds no trace of it)."""
-
-    seen: dict[str, None]
-
-    def __new__(cls) -> _TagProbe:
-        probe = super().__new__(cls, "\0sowtel tag probe")
-        probe.seen = {}
-        return probe
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, str) and not isinstance(other, _TagProbe):
-            self.seen.setdefault(other)
-        return str.__eq__(self, other)
-
-    __hash__ = str.__hash__
-
-
-def _sown_tags(fn: Callable[..., Any], dyn: list[Any]) -> list[str]:
-    """The tags of the sows in ``fn(*dyn)``, in the order they were traced."""
-    probe = _TagProbe()
-    with CONTEXT(Context(capture=probe)):
-        trace_flat(lambda *d: fn(list(d)), dyn)
-    return list(probe.seen)
-
-
-def _nothing_captured(fn: Callable[..., Any], tag: str, seen: list[str]) -> str:
-    what = getattr(fn, "__name__", None) or type(fn).__name__
-    if not seen:
-        return (f"save_intermediates(tag={tag!r}) captured nothing: {what} sows no value; tag "
-                "the values to capture with sowtel.sow(x, 'name') inside it")
-    return (f"save_intermediates(tag={tag!r}) captured nothing: {what} sows only with the "
-            f"tag(s) {seen}; pass tag={seen[0]!r}, or sow with tag={tag!r}")
-
-
 def trace_flat(fn: Callable[..., Any], dyn: Any) -> tuple[Any, list[Any], Any]:
     """Traces ``fn(*dyn)`` to ``(jaxpr, consts, out_tree)``: a jaxpr on flat outputs, for the
     capture pass (``save_intermediates``) and the summary pass (``sowtel.jit``) to evaluate.
@@ -950,7 +914,8 @@ def save_intermediates(
             outs, caps = eval_capture(jaxpr, consts, list(dyn), tag)
             captured = _assemble(caps, duplicates)
             if not captured and not empty:
-                empty.append(_nothing_captured(fn, tag, _sown_tags(merged, list(dyn))))
+                empty.append(nothing_captured(fn, tag, lambda: trace_flat(
+                    lambda *d: merged(list(d)), dyn)))
             return jax.tree_util.tree_unflatten(out_tree, outs), captured
 
         return jax.jit(run)

@@ -15,6 +15,7 @@ MODULES = [
     "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite", "sowtel.to_records",
     "sowtel.tensorboard_plugin", "sowtel.tensorboard_plugin._run", "sowtel.exporters.tensorboard",
     "sowtel.exporters._tensorboard_layout", "sowtel.dashboard", "sowtel.dashboards",
+    "sowtel.intermediates",
 ]
 
 
