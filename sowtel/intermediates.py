@@ -14,17 +14,19 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
+from sowtel import primitive
 from sowtel.primitive import CONTEXT, Context
 
 __all__ = ["nothing_captured", "sown_tags"]
 
 
 class _TagProbe(str):
-    """A ``capture`` tag that equals no sow's tag and records every tag compared with it: a
-    sow of another tag binds nothing, so the traced program holds no trace of it."""
+    """A ``capture`` tag that equals no sow's tag and records the tags sows compare with it:
+    a sow of another tag binds nothing, so the traced program holds no trace of it."""
 
     seen: dict[str, None]
 
@@ -34,7 +36,10 @@ class _TagProbe(str):
         return probe
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, str) and not isinstance(other, _TagProbe):
+        # Only a sow's own comparison (in sowtel.primitive) names a tag it sows: JAX's caches
+        # compare whole contexts too, and so this probe with other captures' tags.
+        if (isinstance(other, str) and not isinstance(other, _TagProbe)
+                and sys._getframe(1).f_code.co_filename == primitive.__file__):
             self.seen.setdefault(other)
         return str.__eq__(self, other)
 

@@ -131,6 +131,13 @@ def test_save_intermediates_that_captures_nothing_warns_once_naming_the_tags() -
     with pytest.warns(UserWarning, match="captured nothing: <lambda> sows no value; tag the "
                                          "values to capture with sowtel.sow"):
         sowtel.save_intermediates(lambda x: x * 2)(X)
+    # JAX's caches compare contexts too: a capture of this tag earlier in the process must not
+    # make a function without sows look as if it sowed with it.
+    key = jax.random.key(0)
+    draw = lambda k: jax.random.truncated_normal(k, -1.0, 1.0, (3,)).sum()  # noqa: E731
+    sowtel.save_intermediates(lambda k: sow(draw(k), "s"))(key)
+    with pytest.warns(UserWarning, match="captured nothing: <lambda> sows no value"):
+        sowtel.save_intermediates(draw)(key)
     # The right tag captures, silently.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
