@@ -1,7 +1,9 @@
-# The two commands of the README: `make demo` and `make test`. Both create .venv and install
-# sowtel with its extras on first use (needs Python 3.11+ as python3).
+# The two commands of the README: `make demo` and `make test`. Both create .venv on first use
+# (needs Python 3.11+ as python3): `make demo` installs only what the demo needs (sowtel with the
+# tensorboard extra), `make test` adds the other extras and the test tools.
 PYTHON ?= python3
 VENV ?= .venv
+DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 
 # The newest end of the supported JAX range runs in a second environment, as JAX >= 0.11 needs
@@ -25,18 +27,22 @@ JAX_TESTS ?= tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/t
 # The derivative fuzzer's budget for `make fuzz` (the suite runs a fixed, smaller one).
 FUZZ_EXAMPLES ?= 2000
 
-.PHONY: demo test test-old test-new fuzz system-deps lint bench clean
+.PHONY: demo test test-old test-new wheel-check fuzz system-deps lint bench clean
 
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[tensorboard]' $(foreach r,$(JAX_OLD),'$(r)')
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
 	$(VENV)/bin/python -m pip install -q -e '.[dev]' $(foreach r,$(JAX_OLD),'$(r)')
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/sowtel demo
 
-test: system-deps test-old test-new
+test: system-deps test-old test-new wheel-check
 
 test-old: $(STAMP)
 	$(VENV)/bin/python -c 'import jax; print("JAX", jax.__version__)'
@@ -57,6 +63,25 @@ test-new:
 	else $(MAKE) --no-print-directory $(STAMP_NEW) && \
 	  $(VENV_NEW)/bin/python -c 'import jax; print("JAX", jax.__version__)' && \
 	  $(VENV_NEW)/bin/pytest -q $(JAX_TESTS); fi
+
+# What `pip install sowtel[tensorboard]` gives a user: the wheel built (with no packaging
+# warning), installed not editable in a fresh environment, and checked from outside the
+# repository (tests/wheel_smoke.py: LICENSE, the plugin's page, the dashboards, a short demo).
+WHEEL_DIR ?= build/wheel
+WHEEL_VENV ?= build/wheel-venv
+wheel-check: $(DEMO_STAMP)
+	rm -rf $(WHEEL_DIR) $(WHEEL_VENV)
+	mkdir -p $(WHEEL_DIR)
+	$(VENV)/bin/python -m pip wheel --no-deps -w $(WHEEL_DIR) . > $(WHEEL_DIR)/build.log 2>&1 \
+	  || { cat $(WHEEL_DIR)/build.log; exit 1; }
+	@if grep -E "would be ignored|Setuptools[A-Za-z]*Warning|BuildBackendWarning" \
+	  $(WHEEL_DIR)/build.log; then \
+	  echo "make wheel-check: building the wheel warned (above)" >&2; exit 1; fi
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls $(WHEEL_DIR)/sowtel-*.whl)[tensorboard]" \
+	  $(foreach r,$(JAX_OLD),'$(r)')
+	cd $(WHEEL_DIR) && ../../$(WHEEL_VENV)/bin/python ../../tests/wheel_smoke.py
 
 # The derivative fuzzer at a larger budget, on both JAX ends (reproducible: derandomized).
 fuzz: $(STAMP) $(STAMP_NEW)

@@ -244,8 +244,8 @@ def deep_model(quick: bool = False) -> Table:
         "sizes scaled to 1,000 steps. Targets: <= 1,000 scalar tags and <= 40 MB per 1,000 "
         "steps. 'depth route': GET /data/plugin/sowtel/depth for one site, mode and statistic "
         "from a TensorBoard started by `sowtel dashboard`'s launcher, once the run is loaded "
-        "(median of 5; target < 2 s). 'page's data': the four requests the plugin page makes "
-        "before it paints (runs, sites, health, depth), in sequence.")
+        "(median of 5; target < 2 s). 'page's data': the five requests the plugin page makes "
+        "(runs, sites, health, overview, depth), in sequence; it paints after the depth.")
     return table
 
 
@@ -277,7 +277,8 @@ def _route_seconds(top: str, run: str, steps: int) -> tuple[float, float]:
     query = f"{url}data/plugin/sowtel/depth?run={run}&site=blocks/site3&mode=cotangent&stat=l2"
     _wait_loaded(query, steps, 120)
     base = f"{url}data/plugin/sowtel/"
-    page = [f"{base}runs", f"{base}sites?run={run}", f"{base}health?run={run}", query]
+    page = [f"{base}runs", f"{base}sites?run={run}", f"{base}health?run={run}",
+            f"{base}overview?run={run}", query]
     times: dict[str, list[float]] = {"depth": [], "page": []}
     for _ in range(5):
         t0 = time.perf_counter()

@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 __all__ = ["Chromium"]
@@ -76,6 +77,24 @@ class Chromium:
     def screenshot(self) -> bytes:
         return base64.b64decode(self.call("Page.captureScreenshot", page=True,
                                           format="png")["data"])
+
+    def frame(self, expression: str) -> object:
+        """Evaluates ``expression`` with ``doc`` and ``win`` bound to the document and window of
+        TensorBoard's plugin frame (null while the frame is not there)."""
+        return self.evaluate(
+            "(() => { const f = document.querySelector('iframe'); const win = f && "
+            "f.contentWindow; const doc = f && f.contentDocument; if (!doc || !doc.body) "
+            f"return null; return ({expression}); }})()")
+
+    def full_screenshot(self, width: int = 1400, extra: int = 80) -> bytes:
+        """A screenshot of TensorBoard's page tall enough for the whole plugin frame, whose
+        content otherwise scrolls inside a frame of the window's height."""
+        height = self.frame("doc.documentElement.scrollHeight")
+        if isinstance(height, (int, float)):
+            self.call("Emulation.setDeviceMetricsOverride", page=True, width=width,
+                      height=int(height) + extra, deviceScaleFactor=1, mobile=False)
+            time.sleep(0.6)  # the frame lays out again at the new size
+        return self.screenshot()
 
     def close(self) -> None:
         try:

@@ -4,29 +4,25 @@ Each record becomes, in the run's event file:
 
 - scalars ``{name}/{mode}/{stat}`` for the statistics chosen with ``stats=`` (``"stats"``,
   ``"histogram"``, ``"health"`` and ``"full"`` summaries; ``"full"`` values are summarised on the
-  host with :func:`sowtel.summaries.host_summary`). By default ``mean``, ``std``, ``min``,
-  ``max`` and ``l2``, and the counts ``nan``, ``posinf``, ``neginf`` of a series from the first
-  step one of them is non-zero (a ``"health"`` record writes its counts always);
-  ``stats="all"`` writes every statistic a record carries;
-- derivative records (tangent, cotangent) of scalar sites are skipped unless
-  ``scalar_derivatives=True``: the cotangent of a scalar loss is 1.0 at every step;
+  host with :func:`sowtel.summaries.host_summary`). By default, per mode
+  (:data:`DEFAULT_STATS_BY_MODE`): ``mean``, ``std`` and ``max_abs`` (max |x|) of a value,
+  ``l2``, ``std`` and ``max_abs`` of a tangent or cotangent, only the value of a site that is
+  one number; and the counts ``nan``, ``posinf``, ``neginf`` of a series from the first step
+  one of them is non-zero (a ``"health"`` record writes its counts always). ``stats="all"``
+  writes every statistic a record carries;
+- derivative records of scalar sites are skipped unless ``scalar_derivatives=True``;
 - host-side scalars from :func:`sowtel.log` as plain tags ``{name}``;
 - a histogram ``{name}/{mode}``: for ``"histogram"`` records the bucket counts computed on the
   device are written as they are (TensorBoard's raw histogram format, no re-bucketing on the
   host); ``"full"`` values are bucketed on the host with the same rule as the device;
-- a custom-scalars layout (the "Custom Scalars" tab): the logged scalars first, then one
-  category per site (sorted by name) with one chart per mode: the primal value's mean with a
-  band from min to max, a derivative's l2 norm (its magnitude, which spans decades, so one
-  series per chart keeps its axis readable), and, once a NaN or infinity appeared, the counts.
-  TensorBoard colours custom-scalars lines by run, so a chart holds one statistic (scan
-  iterations of a site are its several lines);
+- a custom-scalars layout (the "Custom Scalars" tab, ``_tensorboard_layout``): the logged
+  scalars first, then one category per site in program order, with one chart per mode;
 - the first record holding NaN or infinities, as a text summary ``sowtel/alerts/text_summary``
   (TensorBoard's text plugin appends ``/text_summary`` to :data:`ALERT_TAG`).
 
-A record with an ``index`` (scan iteration, shard, or a tuple of them for nested scans) gets its
-own series: the index is written in brackets after the site name, ``{name}[3]/{mode}/{stat}`` or
-``{name}[1,0]/{mode}/{stat}``, so each iteration is a curve of its own over training steps.
-Site names may not contain brackets, so these tags never collide with another site's.
+A site inside a scan is one tensor a step for the ``sowtel`` plugin (``depth="tensor"``) or a
+series per iteration, ``{name}[3]/{mode}/{stat}`` (``depth="scalars"``); site names may not
+contain brackets, so these tags never collide with another site's.
 
 Site names are only ever tags inside an event file, never file or folder names: whatever a name
 holds, everything is written inside ``logdir``. With several JAX processes each process writes
@@ -55,7 +51,6 @@ import json
 import logging
 import math
 import os
-import re
 import socket
 import struct
 import time
@@ -69,9 +64,17 @@ from tensorboardX.proto.tensor_pb2 import TensorProto
 from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboardX.proto.types_pb2 import DT_FLOAT, DT_STRING
 from tensorboardX.record_writer import masked_crc32c
-from tensorboardX.summary import custom_scalars, histogram_raw, text
+from tensorboardX.summary import histogram_raw, text
 
 from sowtel.exporters import check_logdir
+from sowtel.exporters._tensorboard_layout import (
+    DEFAULT_STATS_BY_MODE,
+    LAYOUT_TAG,
+    LOG_CATEGORY,
+    default_stats,
+)
+from sowtel.exporters._tensorboard_layout import Site as _Site
+from sowtel.exporters._tensorboard_layout import layout_summary as _layout_summary
 from sowtel.records import (
     COUNT_STATS,
     DEFAULT_STATS,
@@ -80,6 +83,7 @@ from sowtel.records import (
     Record,
     StatChoice,
     series_tag,
+    with_derived,
 )
 from sowtel.summaries import host_summary
 from sowtel.tensorboard_plugin import (
@@ -92,22 +96,14 @@ from sowtel.tensorboard_plugin import (
 from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFAULT_STATS",
-           "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS"]
+           "DEFAULT_STATS_BY_MODE", "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS"]
 
 #: Tag of the text summary holding the first non-finite alert (TensorBoard's text plugin adds
 #: ``/text_summary``).
 ALERT_TAG = "sowtel/alerts"
-#: Tag under which TensorBoard's custom-scalars plugin looks for its layout.
-LAYOUT_TAG = "custom_scalars__config__"
-#: Category of the custom-scalars layout holding the scalars of :func:`sowtel.log`.
-LOG_CATEGORY = "logged scalars"
 #: Layouts of scan-stacked sites (``depth=``): a tensor for the plugin, scalars, or both.
 DEPTH_LAYOUTS: tuple[str, ...] = ("tensor", "scalars", "both")
 
-# Charts of the layout, in this order; any other statistic a record carries follows them.
-_CHART_ORDER = {k: i for i, k in enumerate(STAT_KEYS)}
-# Chart titles name a mode with the word ML users know for it.
-_MODE_WORDS = {"primal": "activation", "cotangent": "gradient"}
 # Unique event-file names even for several exporters in one process within the same second.
 _file_counter = itertools.count()
 logger = logging.getLogger("sowtel")
@@ -148,40 +144,6 @@ def _frame_bytes(data: bytes) -> bytes:
     header = struct.pack("<Q", len(data))
     return b"".join((header, struct.pack("<I", masked_crc32c(header)), data,
                      struct.pack("<I", masked_crc32c(data))))
-
-
-def _chart_regex(name: str, mode: str | None, stat: str) -> str:
-    # One statistic of one site and mode (any mode for None), every scan iteration.
-    modes = "[^/]+" if mode is None else re.escape(mode)
-    return "^" + re.escape(name) + r"(\[[0-9,]+\])?/" + modes + "/" + stat + "$"
-
-
-class _Site:
-    """What the custom-scalars layout needs to know of one site."""
-
-    __slots__ = ("modes", "indexed", "nonfinite", "logged", "order")
-
-    def __init__(self) -> None:
-        self.modes: dict[str, frozenset[str]] = {}  # mode -> statistics written
-        self.indexed = False
-        self.nonfinite = False
-        self.logged = False  # a name of sowtel.log
-        self.order: int | None = None  # the site's place in its program, for sorting
-
-    def learn(self, mode: str, stats: frozenset[str], indexed: bool, nonfinite: bool,
-              order: int = 0) -> bool:
-        """Adds what one record shows; returns whether the layout changed."""
-        known = self.modes.get(mode)
-        changed = known is None or not known.issuperset(stats)
-        if self.order is None or order < self.order:
-            changed |= self.order is not None
-            self.order = order
-        if changed:
-            self.modes[mode] = stats if known is None else known | stats
-        changed |= (indexed and not self.indexed) or (nonfinite and not self.nonfinite)
-        self.indexed |= indexed
-        self.nonfinite |= nonfinite
-        return changed
 
 
 class _EventFile:
@@ -277,10 +239,10 @@ class TensorBoardExporter:
       flush_secs: the longest time, in seconds, events stay in the operating system's cache
         before they are synced to the disk while records arrive. Events are visible to a
         running TensorBoard as soon as ``write()`` returns.
-      stats: the statistics written as scalars: ``"default"`` (:data:`DEFAULT_STATS`, plus the
-        counts :data:`COUNT_STATS` of a series from its first non-zero one), ``"all"`` (every
-        statistic a record carries, constant ones included), or a list of names from
-        :data:`sowtel.records.STAT_KEYS` (written at every step).
+      stats: the statistics written as scalars: ``"default"`` (:data:`DEFAULT_STATS_BY_MODE`,
+        plus the counts :data:`COUNT_STATS` of a series from its first non-zero one), ``"all"``
+        (every statistic a record carries), or a list of names from
+        :data:`sowtel.records.STAT_KEYS` and ``"max_abs"`` (written at every step).
       scalar_derivatives: also write tangent and cotangent records of sites whose value is a
         scalar (shape ``()``); off by default, as the cotangent of a loss is always 1.0.
       depth: how a site with an ``index`` (inside a scan) is written. ``"tensor"`` (default):
@@ -335,7 +297,7 @@ class TensorBoardExporter:
             )
         self.depth = depth
         self.flush_secs = float(flush_secs)
-        self._choice = StatChoice(stats)
+        self._choice = StatChoice(stats, by_mode=default_stats)
         self.stats = self._choice.stats
         self.scalar_derivatives = scalar_derivatives
         self.logdir = os.path.abspath(check_logdir(logdir))
@@ -541,6 +503,10 @@ class TensorBoardExporter:
         keys = table.stat_keys
         with np.errstate(over="ignore"):  # beyond float32: infinity, as protobuf stores it
             as_f32 = table.stats.astype(np.float32)
+        if "min" in keys and "max" in keys:  # max_abs, derived as with_derived derives it
+            lo, hi = (as_f32[..., keys.index(k)] for k in ("min", "max"))
+            as_f32 = np.concatenate([as_f32, np.fmax(abs(lo), abs(hi))[..., None]], axis=-1)
+            keys = (*keys, "max_abs")
         for leaf, name in enumerate(table.names):
             if table.shapes[leaf] == () and table.mode != "primal" and not self.scalar_derivatives:
                 continue
@@ -569,12 +535,13 @@ class TensorBoardExporter:
             counts_chart = (any(k in COUNT_STATS for k in chosen_stats)
                             and table.summary == "health")
             if site.learn(table.mode, frozenset(chosen_stats), table.index[0] is not None,
-                          counts_chart):
+                          counts_chart, order=table.order,
+                          single=math.prod(table.shapes[leaf]) == 1):
                 layout_due.add(table.process_index)
 
-    def _record_values(self, r: Record, values: list[Summary.Value],
-                       layout: dict[str, _Site], layout_due: set[int]) -> int:
-        """Adds ``r``'s summary values; returns its count of non-finite elements."""
+    def _record_values(self, r: Record, values: list[Summary.Value], layout: dict[str, _Site],
+                       layout_due: set[int], every_stat: bool = False) -> int:
+        """Adds ``r``'s values (``every_stat``: all but ``size``); returns its non-finite count."""
         if r.summary == "scalar":  # sowtel.log
             values.append(Summary.Value(tag=str(r.name), simple_value=float(r.stats["value"])))
             site = layout.setdefault(r.name, _Site())
@@ -591,12 +558,13 @@ class TensorBoardExporter:
         if r.value is not None:
             summary = host_summary(r.value, "histogram")
             stats, hist = summary["stats"], summary["histogram"]
+        stats = with_derived(stats)
         nonfinite = self._alert(r, stats, values)
         count = int(_nonfinite(stats))
         if r.shape == () and r.mode != "primal" and not self.scalar_derivatives:
             return count
-        written = self._chosen(key, r.summary, stats, nonfinite,
-                               single=math.prod(r.shape) == 1)
+        written = [k for k in stats if k != "size"] if every_stat else self._chosen(
+            key, r.summary, stats, nonfinite, single=math.prod(r.shape) == 1)
         for stat in written:
             values.append(Summary.Value(tag=f"{prefix}/{stat}", simple_value=float(stats[stat])))
         if hist is not None:
@@ -608,7 +576,7 @@ class TensorBoardExporter:
         counts_chart = any(k in COUNT_STATS for k in written) and (
             nonfinite or r.summary == "health")
         if site.learn(r.mode, frozenset(written), r.index is not None, counts_chart,
-                      order=r.order):
+                      order=r.order, single=math.prod(r.shape) == 1):
             layout_due.add(r.process_index)
         return count
 
@@ -652,7 +620,7 @@ class TensorBoardExporter:
                 for make in rows.late:
                     for r in make():
                         if r.name == name and r.mode == mode:
-                            self._record_values(r, values, layout, layout_due)
+                            self._record_values(r, values, layout, layout_due, True)
             return
         blocks = (last[1] if last is not None and last[0] == step else []) + rows.blocks
         self._last_depth[key] = (step, blocks)
@@ -918,47 +886,6 @@ def _histogram_value(prefix: str, stats: dict[str, float],
         bucket_counts=counts.tolist(),
     )
     return summary.value[0]
-
-
-def _layout_summary(layout: dict[str, _Site]) -> Summary:
-    categories: dict[str, dict[str, list[Any]]] = {}
-    logged = sorted(name for name, site in layout.items() if site.logged)
-    if logged:
-        categories[LOG_CATEGORY] = {
-            name: ["Multiline", ["^" + re.escape(name) + "$"]] for name in logged}
-    # Sites in program order (the order of their sows), then by name.
-    for name, site in sorted(layout.items(), key=lambda kv: (kv[1].order or 0, kv[0])):
-        if site.modes:
-            categories[name] = _site_charts(name, site)
-    return custom_scalars(categories)
-
-
-def _mode_title(mode: str) -> str:
-    """A mode with the word users know beside it: ``cotangent (gradient)``."""
-    word = _MODE_WORDS.get(mode)
-    return f"{mode} ({word})" if word else mode
-
-
-def _site_charts(name: str, site: _Site) -> dict[str, list[Any]]:
-    charts: dict[str, list[Any]] = {}
-    for mode in sorted(site.modes, key=lambda m: (m.count("."), m != "primal", m)):
-        written = site.modes[mode]
-        if mode == "primal" and not site.indexed and {"mean", "min", "max"} <= written:
-            prefix = series_tag(name, mode)
-            charts[f"{_mode_title(mode)}: mean, band min to max"] = [
-                "Margin", [f"{prefix}/mean", f"{prefix}/min", f"{prefix}/max"]]
-            continue
-        preferred = "mean" if mode == "primal" else "l2"
-        shown = [preferred] if preferred in written else sorted(
-            (k for k in written if k not in COUNT_STATS and k != "size"),
-            key=lambda k: _CHART_ORDER.get(k, len(_CHART_ORDER)))[:1]
-        for stat in shown:
-            title = f"{_mode_title(mode)}: {'l2 norm' if stat == 'l2' else stat}"
-            charts[title] = ["Multiline", [_chart_regex(name, mode, stat)]]
-    if site.nonfinite:
-        counts = "(" + "|".join(COUNT_STATS) + ")"
-        charts["NaN and infinities"] = ["Multiline", [_chart_regex(name, None, counts)]]
-    return charts
 
 
 def _alert_text(r: Record, stats: dict[str, float]) -> str:

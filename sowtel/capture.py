@@ -44,6 +44,7 @@ import collections
 import dataclasses
 import functools
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,7 @@ from jax.sharding import PartitionSpec
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
+from sowtel.intermediates import nothing_captured
 from sowtel.primitive import (
     CONTEXT,
     Context,
@@ -895,6 +897,8 @@ def save_intermediates(
         )
     check_tag(tag)
     cache: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
+    # The message of a trace that captured nothing, warned about once by the first call.
+    empty: list[str] = []
 
     def build(treedef: Any, static: dict[int, Any], n_leaves: int) -> Callable[..., Any]:
         def merged(dyn: list[Any]) -> tuple[Any, Any]:
@@ -908,7 +912,11 @@ def save_intermediates(
             with CONTEXT(Context(stream=ctx.stream, capture=tag)):
                 jaxpr, consts, out_tree = trace_flat(lambda *d: merged(list(d)), dyn)
             outs, caps = eval_capture(jaxpr, consts, list(dyn), tag)
-            return jax.tree_util.tree_unflatten(out_tree, outs), _assemble(caps, duplicates)
+            captured = _assemble(caps, duplicates)
+            if not captured and not empty:
+                empty.append(nothing_captured(fn, tag, lambda: trace_flat(
+                    lambda *d: merged(list(d)), dyn)))
+            return jax.tree_util.tree_unflatten(out_tree, outs), captured
 
         return jax.jit(run)
 
@@ -924,6 +932,10 @@ def save_intermediates(
             cache[key] = runner
             while len(cache) > 64:
                 cache.popitem(last=False)
-        return runner(*dyn)  # type: ignore[no-any-return]
+        result = runner(*dyn)
+        if empty and empty[0]:
+            warnings.warn(empty[0], stacklevel=2)
+            empty[0] = ""
+        return result  # type: ignore[no-any-return]
 
     return wrapped

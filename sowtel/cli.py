@@ -1,4 +1,4 @@
-"""The ``sowtel`` command: ``demo``, ``dashboard``, ``inspect``, ``diff``.
+"""The ``sowtel`` command: ``demo``, ``dashboard``, ``dashboards``, ``inspect``, ``diff``.
 
 Each subcommand lives in the module that owns its subject; this file only routes to it.
 
@@ -6,6 +6,7 @@ Example:
     $ sowtel --version
     $ sowtel demo --steps 200
     $ sowtel dashboard --logdir runs
+    $ sowtel dashboards --path
     $ sowtel inspect dump.safetensors
     $ sowtel diff a.safetensors b.safetensors --rtol 1e-5
 """
@@ -21,6 +22,7 @@ import sys
 _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sowtel.demo", "train a small model with sows, streaming to TensorBoard under runs/"),
     "dashboard": ("sowtel.dashboard", "start TensorBoard on 127.0.0.1 with sowtel's layout"),
+    "dashboards": ("sowtel.dashboard", "where the Grafana dashboards are installed (--path)"),
     "inspect": ("sowtel.postmortem", "table of a dump's sites, modes, shapes and stats"),
     "diff": ("sowtel.postmortem", "per-entry differences of two dumps (exit 1 beyond tolerance)"),
 }

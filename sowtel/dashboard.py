@@ -25,7 +25,8 @@ import threading
 from typing import Any
 
 __all__ = ["DEFAULT_PORT", "SAMPLES_PER_PLUGIN", "configure_dashboard", "run_dashboard",
-           "pick_port", "dashboard_command"]
+           "pick_port", "dashboard_command", "dashboards_path", "configure_dashboards",
+           "run_dashboards"]
 
 #: The port TensorBoard usually listens on; taken when free.
 DEFAULT_PORT = 6006
@@ -199,3 +200,63 @@ def _launch(logdir: str, host: str, port: int) -> str:
     # TensorBoard names the machine in its URL; show the address actually bound.
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}/" if host not in ("0.0.0.0", "::") else url
+
+
+# -- sowtel dashboards: where the ready-made Grafana dashboards are installed -----------------
+
+def dashboards_path() -> str:
+    """The folder of the dashboards installed with sowtel: ``grafana/*.json`` and a README.
+
+    They ship inside the package (``sowtel.dashboards``), so a ``pip install sowtel`` has them
+    as a clone does.
+
+    Example:
+        >>> sorted(os.listdir(os.path.join(dashboards_path(), "grafana")))
+        ['sowtel-metrics.json', 'sowtel-traces.json']
+    """
+    try:
+        import sowtel.dashboards as shipped
+    except ImportError as e:
+        raise FileNotFoundError(f"sowtel's dashboards are not installed with this sowtel ({e}): "
+                                "reinstall it (pip install --force-reinstall sowtel)") from e
+    return os.path.dirname(os.path.abspath(shipped.__file__ or ""))
+
+
+def configure_dashboards(parser: argparse.ArgumentParser) -> None:
+    """Adds the ``sowtel dashboards`` options to ``parser``.
+
+    Example:
+        >>> p = argparse.ArgumentParser()
+        >>> configure_dashboards(p)
+        >>> p.parse_args(["--path"]).path
+        True
+    """
+    parser.add_argument("--path", action="store_true",
+                        help="print only the folder (for scripts: cp -r \"$(sowtel dashboards "
+                             "--path)/grafana\" ...)")
+
+
+def run_dashboards(args: argparse.Namespace) -> int:
+    """Prints where the dashboards are (with ``--path``, the folder alone); exit status 0.
+
+    Example:
+        >>> run_dashboards(argparse.Namespace(path=True))  # doctest: +ELLIPSIS
+        /.../dashboards
+        0
+    """
+    try:
+        path = dashboards_path()
+    except FileNotFoundError as e:
+        print(f"sowtel dashboards: error: {e}", file=sys.stderr)
+        return 2
+    if args.path:
+        print(path)
+        return 0
+    print(f"sowtel's dashboards are in {path}")
+    for folder, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            if name.endswith((".json", ".md")):
+                print(f"  {os.path.relpath(os.path.join(folder, name), path)}")
+    print("Import the Grafana JSON files (Dashboards > New > Import), or provision the "
+          "grafana folder; README.md says how.")
+    return 0

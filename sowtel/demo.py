@@ -5,9 +5,11 @@ targets): an input layer, a stack of residual blocks run by ``jax.lax.scan`` and
 head. Its sites show what sowtel streams:
 
 - ``embed/h``: the first layer's activations (``stats``: primal and cotangent curves);
-- ``blocks/h``: the activations inside the scan, one series per block (``blocks/h[0]``, ...);
+- ``blocks/h``: the activations inside the scan: one depth tensor a step for the *SOWTEL* tab's
+  layers x steps heatmap, and the headline curve ``blocks/h/{mode}/l2`` (their l2 norm over
+  the 4 blocks); ``depth="scalars"`` would give a series per block instead;
 - ``head/out``: the predictions, with ``summary="histogram"`` (buckets computed on device);
-- ``loss``: the loss itself.
+- ``loss``: the loss itself (one curve, its value).
 
 Training uses ``jax.value_and_grad``, so every site also streams its cotangent (the gradient of
 the loss with respect to that intermediate) from the backward pass. The step is compiled with
@@ -15,7 +17,7 @@ the loss with respect to that intermediate) from the backward pass. The step is 
 ``sowtel.at_step`` around the call stamps records with the training step.
 
 Example:
-    $ sowtel demo                       # about a minute on 2 CPU cores
+    $ sowtel demo                       # 10-16 s of training on 2 CPU cores
     $ sowtel dashboard --logdir runs    # the command the demo prints
 """
 
@@ -30,7 +32,7 @@ from typing import Any
 
 __all__ = ["DEFAULT_STEPS", "configure_demo", "run_demo", "train"]
 
-#: Training steps of ``sowtel demo`` without ``--steps``: under a minute on 2 CPU cores.
+#: Training steps of ``sowtel demo`` without ``--steps``: 10-16 s of training on 2 CPU cores.
 DEFAULT_STEPS = 3000
 
 _IN, _WIDTH, _BLOCKS, _BATCH = 16, 128, 4, 256
@@ -80,7 +82,7 @@ def configure_demo(parser: argparse.ArgumentParser) -> None:
         10
     """
     parser.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
-                        help=f"training steps (default: {DEFAULT_STEPS}, about a minute)")
+                        help=f"training steps (default: {DEFAULT_STEPS}, 10-16 s of training)")
     parser.add_argument("--logdir", default=None,
                         help="where the exporter writes (default: runs/demo-<date-time>)")
     parser.add_argument("--exporter", default="tensorboard",
@@ -126,8 +128,8 @@ def run_demo(args: argparse.Namespace) -> int:
           + _describe(result["sowtel"]))
     if writes_logdir and args.exporter == "tensorboard":
         print(f"Open the dashboard:  {dashboard}")
-        print("Then the SOWTEL tab (#sowtel at the end of its address): every layer of the "
-              "scanned blocks over the steps, and the run's health.")
+        print("Then the SOWTEL tab (#sowtel at the end of its address): every site at a "
+              "glance, every layer of the scanned blocks over the steps, and the run's health.")
     elif writes_logdir:
         print(f"Output in {logdir}")
     return 0

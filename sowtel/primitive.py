@@ -167,6 +167,9 @@ def current_context() -> Context | None:
 # Validation.
 
 _NAME_CHARS = re.compile(r"^[A-Za-z0-9_\-./]+$")
+# Said after every refused name, so each message also says what is allowed.
+_NAME_RULE = ("a name is segments of letters, digits and _ - . joined by '/', such as "
+              "'block0/attn' (no empty, '.' or '..' segment, no leading '/')")
 
 
 def check_name(name: Any) -> str:
@@ -182,12 +185,14 @@ def check_name(name: Any) -> str:
             "and _ - . / ('/' makes hierarchy, as in 'block0/attn')"
         )
     if name.startswith("/"):
-        raise ValueError(f"sow name {name!r} starts with '/': names are relative, as 'block0/attn'")
+        raise ValueError(f"sow name {name!r} starts with '/': {_NAME_RULE}")
     for segment in name.split("/"):
         if segment == "":
-            raise ValueError(f"sow name {name!r} has an empty segment ('//' or a trailing '/')")
+            raise ValueError(f"sow name {name!r} has an empty segment ('//' or a trailing '/'): "
+                             f"{_NAME_RULE}")
         if segment in (".", ".."):
-            raise ValueError(f"sow name {name!r} has a {segment!r} segment, which is not allowed")
+            raise ValueError(f"sow name {name!r} has a {segment!r} segment, which is not allowed "
+                             f"(names are never paths): {_NAME_RULE}")
     return name
 
 
@@ -198,8 +203,11 @@ def check_tag(tag: Any) -> str:
 
 
 def check_positive_int(value: Any, what: str) -> int:
+    """``value`` as an int if it is one above 0; ``what`` is ``"<function> <argument>"``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
+        func, _, arg = what.rpartition(" ")
+        raise ValueError(f"{func}({arg}={value!r}): {arg} must be a positive int, such as 1 "
+                         "or 10")
     return int(value)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,19 @@ HEALTH_KEYS: tuple[str, ...] = ("size", "nan", "posinf", "neginf")
 SUMMARIES: tuple[str, ...] = ("full", "histogram", "stats", "health", "shape")
 #: Derivative modes a site can report.
 BASE_MODES: tuple[str, ...] = ("primal", "tangent", "cotangent")
+
+
+def mode_order(mode: str) -> tuple[int, int, str]:
+    """The order modes are shown in: primal, tangent, cotangent, then compositions.
+
+    Example:
+        >>> sorted(["cotangent.tangent", "cotangent", "primal", "tangent"], key=mode_order)
+        ['primal', 'tangent', 'cotangent', 'cotangent.tangent']
+    """
+    base = BASE_MODES.index(mode) if mode in BASE_MODES else len(BASE_MODES)
+    return (mode.count("."), base, mode)
+
+
 #: ``Record.summary`` and ``Record.tag`` of a host-side scalar from :func:`sowtel.log`; its
 #: number is ``stats["value"]``, its mode ``"primal"`` and its shape ``()``.
 SCALAR_SUMMARY = "scalar"
@@ -125,6 +138,21 @@ class Record:
 DEFAULT_STATS: tuple[str, ...] = ("mean", "std", "min", "max", "l2")
 #: Counts written by default only from the first step one of them is non-zero.
 COUNT_STATS: tuple[str, ...] = ("nan", "posinf", "neginf")
+#: Statistics an exporter derives from a record's own: ``max_abs`` = max(|min|, |max|), the
+#: largest magnitude of the finite elements.
+DERIVED_STATS: tuple[str, ...] = ("max_abs",)
+
+
+def with_derived(stats: dict[str, float]) -> dict[str, float]:
+    """``stats`` with :data:`DERIVED_STATS` added where the statistics they come from exist.
+
+    Example:
+        >>> with_derived({"min": -3.0, "max": 2.0})["max_abs"]
+        3.0
+    """
+    if "min" not in stats or "max" not in stats or "max_abs" in stats:
+        return stats
+    return {**stats, "max_abs": float(np.fmax(abs(stats["min"]), abs(stats["max"])))}
 
 
 def index_text(index: int | tuple[int, ...] | None, brackets: str = "[]", sep: str = ",") -> str:
@@ -163,11 +191,11 @@ def check_stats(stats: Any) -> tuple[str, ...] | None:
         return None if stats == "all" else DEFAULT_STATS
     items = [stats] if isinstance(stats, str) else stats
     if (not isinstance(items, (list, tuple)) or not items
-            or not all(isinstance(k, str) and k in STAT_KEYS for k in items)):
+            or not all(isinstance(k, str) and k in STAT_KEYS + DERIVED_STATS for k in items)):
         raise ValueError(
             f"stats={stats!r} is not a choice of statistics: use 'default' "
             f"({', '.join(DEFAULT_STATS)}, and the non-finite counts once non-zero), 'all', or "
-            f"a list of some of {', '.join(STAT_KEYS)}"
+            f"a list of some of {', '.join(STAT_KEYS + DERIVED_STATS)}"
         )
     return tuple(dict.fromkeys(items))
 
@@ -187,9 +215,13 @@ class StatChoice:
         ['mean', 'nan']
     """
 
-    def __init__(self, stats: str | Sequence[str] = "default") -> None:
+    def __init__(self, stats: str | Sequence[str] = "default", *,
+                 by_mode: Callable[[str], Sequence[str]] | None = None) -> None:
         self.stats = check_stats(stats)
         self._counts_once_nonzero = stats == "default"
+        # An exporter's own defaults for each mode (the TensorBoard exporter's), else
+        # DEFAULT_STATS for every mode.
+        self._by_mode = by_mode if stats == "default" else None
         #: The series whose counts are written (from their first non-zero count on).
         self.counting: set[tuple[str, str, Any]] = set()
 
@@ -199,7 +231,8 @@ class StatChoice:
         value is one number, so by default only its ``mean`` (its value) is written."""
         if self.stats is None:
             return list(stats)
-        chosen = [k for k in self.stats if k in stats]
+        wanted = self.stats if self._by_mode is None else self._by_mode(key[1])
+        chosen = [k for k in wanted if k in stats]
         if self._counts_once_nonzero and single and "mean" in stats:
             # A sown scalar is its own mean, min and max: one chart of its value.
             chosen = ["mean"]

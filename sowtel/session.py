@@ -369,10 +369,13 @@ class Session:
             self.guard.observe(batch)
         if self.first_nonfinite is not None:
             return
-        found = first_nonfinite(batch)
+        found = first_nonfinite(batch, with_index=True)
         if found is not None:
-            self.first_nonfinite = found
-            logger.warning("sowtel: first non-finite value at step %s in %s (%s)", *found)
+            step, name, mode, index = found
+            self.first_nonfinite = (step, name, mode)
+            # The index is the layer (scan iteration) or shard the dashboard shows.
+            logger.warning("sowtel: first non-finite value at step %s in %s (%s%s)", step, name,
+                           mode, "" if index is None else f", index {index}")
 
     def _callback_records(self, items: list[Any]) -> list[Record]:
         """Records of host callbacks, in the order they were received: the callbacks of one

@@ -625,18 +625,20 @@ def compiled_columns(sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step
                                        process_index=process_index, lowest=lowest)
 
 
-def first_nonfinite(batch: RecordBatch) -> tuple[int, str, str] | None:
-    """``(step, name, mode)`` of the first record of ``batch`` holding a NaN or infinity.
+def first_nonfinite(batch: RecordBatch, *, with_index: bool = False) -> tuple[Any, ...] | None:
+    """``(step, name, mode)`` of the first record of ``batch`` holding a NaN or infinity, and
+    its ``index`` (scan iteration or shard, else None) fourth with ``with_index=True``.
 
     THE place a non-finite record is detected: counts of ``nan``/``posinf``/``neginf`` in its
     stats, or, for a full value without them, its elements.
 
     Example:
       >>> from sowtel.records import Record
-      >>> r = Record(name="g", mode="cotangent", tag="t", step=4, index=None, wall_time=0.0,
+      >>> r = Record(name="g", mode="cotangent", tag="t", step=4, index=2, wall_time=0.0,
       ...            summary="health", shape=(), dtype="float32", stats={"nan": 1.0})
-      >>> first_nonfinite(RecordBatch([(r,)]))
-      (4, 'g', 'cotangent')
+      >>> first_nonfinite(RecordBatch([(r,)])), first_nonfinite(RecordBatch([(r,)]),
+      ...                                                         with_index=True)
+      ((4, 'g', 'cotangent'), (4, 'g', 'cotangent', 2))
     """
     for part in batch.parts:
         if isinstance(part, SiteColumns):
@@ -646,11 +648,13 @@ def first_nonfinite(batch: RecordBatch) -> tuple[int, str, str] | None:
             bad = part.stats[:, :, list(cols)].sum(axis=2) > 0
             if bad.any():
                 p, leaf = np.argwhere(bad)[0]
-                return (part.step, part.names[leaf], part.mode)
+                found: tuple[Any, ...] = (part.step, part.names[leaf], part.mode)
+                return (*found, part.index[p]) if with_index else found
             continue
         for r in part:
             if _is_nonfinite(r):
-                return (r.step, r.name, r.mode)
+                return (r.step, r.name, r.mode, r.index) if with_index else (
+                    r.step, r.name, r.mode)
     return None
 
 

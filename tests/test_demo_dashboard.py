@@ -34,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
 SOW_TAG = re.compile(r"^(embed/h|blocks/h|head/out|loss)/(primal|cotangent)/[a-z_0-9]+$")
-# The demo's curves: two layers' 5 statistics in two modes, the loss's value, and the scanned
-# blocks' headline l2 norm in two modes (their per-layer picture is the sowtel plugin's tensor).
-DEMO_SCALARS = 2 * 2 * 5 + 1 + 2
+# The demo's curves: two layers' 3 statistics in two modes (a value's mean, std and max |x|, a
+# gradient's l2, std and max |x|), the loss's value, and the scanned blocks' headline l2 norm
+# in two modes (their per-layer picture is the sowtel plugin's tensor).
+DEMO_SCALARS = 2 * 2 * 3 + 1 + 2
 ARTIFACTS = REPO / "artifacts"
 
 
@@ -350,11 +351,11 @@ def test_custom_scalars_page_in_headless_chromium_has_one_chart_per_site_and_mod
     want = {  # the demo's sites: a scan (4 iterations), two layers, the loss
         ("multi-line-chart-card", "primal (activation): l2 norm", "blocks/h"),
         ("multi-line-chart-card", "cotangent (gradient): l2 norm", "blocks/h"),
-        ("margin-chart-card", "primal (activation): mean, band min to max", "embed/h"),
+        ("multi-line-chart-card", "primal (activation): std", "embed/h"),
         ("multi-line-chart-card", "cotangent (gradient): l2 norm", "embed/h"),
-        ("margin-chart-card", "primal (activation): mean, band min to max", "head/out"),
+        ("multi-line-chart-card", "primal (activation): std", "head/out"),
         ("multi-line-chart-card", "cotangent (gradient): l2 norm", "head/out"),
-        ("multi-line-chart-card", "primal (activation): mean", "loss"),
+        ("multi-line-chart-card", "value", "loss"),
     }
     browser = None
     try:
@@ -375,6 +376,10 @@ def test_custom_scalars_page_in_headless_chromium_has_one_chart_per_site_and_mod
     (ARTIFACTS / "tensorboard-custom-scalars.png").write_bytes(shot)
     got = collections.Counter(tuple(c) for c in cards)
     assert set(got) == want and all(n == 1 for n in got.values()), sorted(got)
+    # Categories in program order, each site's modes in one order: primal, then cotangent.
+    assert list(dict.fromkeys(c[2] for c in cards)) == ["embed/h", "blocks/h", "head/out",
+                                                        "loss"]
+    assert [c[1].split(" ")[0] for c in cards if c[2] == "embed/h"] == ["primal", "cotangent"]
     assert shot[:8] == b"\x89PNG\r\n\x1a\n"
     from PIL import Image
 

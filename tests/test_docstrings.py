@@ -12,7 +12,10 @@ MODULES = [
     "sowtel.records", "sowtel.dispatcher", "sowtel.dumps", "sowtel.postmortem",
     "sowtel.exporters", "sowtel.exporters.memory", "sowtel.exporters.console",
     "sowtel.exporters.jsonl", "sowtel._jax_compat", "sowtel.jit", "sowtel.build",
-    "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite",
+    "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite", "sowtel.to_records",
+    "sowtel.tensorboard_plugin", "sowtel.tensorboard_plugin._run", "sowtel.exporters.tensorboard",
+    "sowtel.exporters._tensorboard_layout", "sowtel.dashboard", "sowtel.dashboards",
+    "sowtel.intermediates",
 ]
 
 

@@ -659,11 +659,11 @@ def test_export_reaches_tensorboard_and_opentelemetry(tmp_path):
     acc.Reload()
     for step in steps:
         want = numpy_stats(np.asarray(inters[step]["hidden"]["cotangent"]))
-        got = {e.step: e.value for e in acc.Scalars("hidden/cotangent/mean")}
-        assert got[step] == pytest.approx(want["mean"], rel=1e-5)
-        got_l2 = {e.step: e.value for e in acc.Scalars("head/logits/primal/l2")}
-        want_l2 = numpy_stats(np.asarray(inters[step]["head"]["primal"]["logits"]))["l2"]
-        assert got_l2[step] == pytest.approx(want_l2, rel=1e-5)
+        got = {e.step: e.value for e in acc.Scalars("hidden/cotangent/l2")}
+        assert got[step] == pytest.approx(want["l2"], rel=1e-5)
+        got_std = {e.step: e.value for e in acc.Scalars("head/logits/primal/std")}
+        want_std = numpy_stats(np.asarray(inters[step]["head"]["primal"]["logits"]))["std"]
+        assert got_std[step] == pytest.approx(want_std, rel=1e-5)
     by_step = {s.attributes["sowtel.step"]: s for s in spans.get_finished_spans()
                if s.name == "sowtel.step"}
     assert sorted(by_step) == list(steps)

@@ -113,6 +113,27 @@ def test_first_nonfinite_is_kept_as_an_alert() -> None:
     assert (second.stats["nan"], second.stats["neginf"]) == (1.0, 1.0)
 
 
+@pytest.mark.parametrize("transport", ["sowtel.jit", "jax.jit"])
+def test_the_first_nonfinite_log_line_names_the_layer(transport: str, caplog) -> None:
+    # The dashboard's health panel shows the layer; the log line says it too.
+    def f(x):
+        def body(c, i):
+            sowtel.sow(jnp.where(i == 2, jnp.nan, c), "blocks/h")
+            return c + 1.0, None
+        return jax.lax.scan(body, x, jnp.arange(4))[0].sum()
+
+    step = (sowtel.jit if transport == "sowtel.jit" else jax.jit)(f)
+    with caplog.at_level("WARNING", logger="sowtel"):
+        with sowtel.enable(exporter="memory"):
+            with sowtel.at_step(3):
+                step(jnp.ones(2))
+            sowtel.flush()
+            alert = sowtel.status()["first_nonfinite"]
+    assert tuple(alert) == (3, "blocks/h", "primal")
+    assert [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()] == [
+        "sowtel: first non-finite value at step 3 in blocks/h (primal, index 2)"]
+
+
 def test_at_step_and_every_on_device() -> None:
     @jax.jit
     def train_step(x, step):
@@ -237,9 +258,9 @@ def test_exporter_without_methods_is_rejected() -> None:
     ("options", "message"),
     [
         (dict(summary="mean"), "enable summary='mean' is not a summary"),
-        (dict(every=0), "enable every must be a positive int, got 0"),
-        (dict(every=2.5), "enable every must be a positive int, got 2.5"),
-        (dict(queue_size=-1), "enable queue_size must be a positive int, got -1"),
+        (dict(every=0), "enable(every=0): every must be a positive int, such as 1 or 10"),
+        (dict(every=2.5), "enable(every=2.5): every must be a positive int"),
+        (dict(queue_size=-1), "enable(queue_size=-1): queue_size must be a positive int"),
         (dict(on_full="wait"), "on_full='wait' is not a policy: use 'drop' or 'block'"),
         (dict(modes=("primal", "hessian")), "'hessian' is not a mode"),
         (dict(tags=()), "enable tags=() must be a non-empty list"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -98,10 +99,50 @@ def test_bad_tag_summary_every() -> None:
         sow(X, "h", tag=5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sow summary='mean' is not a summary"):
         sow(X, "h", summary="mean")
-    with pytest.raises(ValueError, match="sow every must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=re.escape("sow(every=0): every must be a positive int")):
         sow(X, "h", every=0)
-    with pytest.raises(ValueError, match="sow every must be a positive int, got True"):
+    with pytest.raises(ValueError, match=re.escape("sow(every=True): every must be a positive")):
         sow(X, "h", every=True)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["../x", "/abs", "a//b", "a/./b"])
+def test_a_refused_name_is_told_what_is_allowed(name: str) -> None:
+    with pytest.raises(ValueError) as e:
+        sow(X, name)
+    assert str(e.value).endswith(
+        "a name is segments of letters, digits and _ - . joined by '/', such as 'block0/attn' "
+        "(no empty, '.' or '..' segment, no leading '/')"), str(e.value)
+
+
+def test_save_intermediates_that_captures_nothing_warns_once_naming_the_tags() -> None:
+    def tagged(x):
+        return jnp.sum(sow(x, "a", tag="debug") * sow(x, "b", tag="probe"))
+
+    wrapped = sowtel.save_intermediates(jax.grad(tagged))
+    with pytest.warns(UserWarning) as caught:
+        _, inter = wrapped(X)
+        wrapped(X)  # the same trace, and another shape: warned about once
+        wrapped(jnp.ones(5))
+    assert inter == {}
+    assert [str(w.message) for w in caught] == [
+        "save_intermediates(tag='intermediates') captured nothing: tagged sows only with the "
+        "tag(s) ['debug', 'probe']; pass tag='debug', or sow with tag='intermediates'"]
+    assert caught[0].filename == __file__  # the caller's line, not JAX's
+    with pytest.warns(UserWarning, match="captured nothing: <lambda> sows no value; tag the "
+                                         "values to capture with sowtel.sow"):
+        sowtel.save_intermediates(lambda x: x * 2)(X)
+    # JAX's caches compare contexts too: a capture of this tag earlier in the process must not
+    # make a function without sows look as if it sowed with it.
+    key = jax.random.key(0)
+    draw = lambda k: jax.random.truncated_normal(k, -1.0, 1.0, (3,)).sum()  # noqa: E731
+    sowtel.save_intermediates(lambda k: sow(draw(k), "s"))(key)
+    with pytest.warns(UserWarning, match="captured nothing: <lambda> sows no value"):
+        sowtel.save_intermediates(draw)(key)
+    # The right tag captures, silently.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, inter = sowtel.save_intermediates(tagged, tag="probe")(X)
+    assert list(inter) == ["b"]
 
 
 def test_non_array_leaf_names_its_path() -> None:

@@ -21,7 +21,7 @@ from sowtel.exporters import resolve
 from sowtel.exporters.tensorboard import (
     ALERT_TAG,
     COUNT_STATS,
-    DEFAULT_STATS,
+    DEFAULT_STATS_BY_MODE,
     LAYOUT_TAG,
     TensorBoardExporter,
 )
@@ -166,14 +166,13 @@ def test_custom_scalars_layout_has_one_readable_chart_per_site_and_mode(tmp_path
     categories = read_layout(acc)
     assert list(categories) == ["a/b", "c"]
     assert list(categories["a/b"]) == [
-        "primal (activation): mean, band min to max", "cotangent (gradient): l2 norm",
-        "NaN and infinities"]
-    # c's tangent has scan iterations: one headline curve, the l2 norm over all of them.
-    assert list(categories["c"]) == ["primal (activation): mean, band min to max",
-                                     "cotangent (gradient): l2 norm", "tangent: l2 norm"]
-    band = categories["a/b"]["primal (activation): mean, band min to max"].margin.series
-    assert [(s.value, s.lower, s.upper) for s in band] == [
-        ("a/b/primal/mean", "a/b/primal/min", "a/b/primal/max")]
+        "primal (activation): std", "cotangent (gradient): l2 norm", "NaN and infinities"]
+    # c's tangent has scan iterations: one headline curve, the l2 norm over all of them. Modes
+    # come in one order everywhere: primal, tangent, cotangent.
+    assert list(categories["c"]) == ["primal (activation): std", "tangent: l2 norm",
+                                     "cotangent (gradient): l2 norm"]
+    assert matching(categories["a/b"]["primal (activation): std"], acc.Tags()["scalars"]) == [
+        "a/b/primal/std"]
     scalars = acc.Tags()["scalars"]
     assert matching(categories["c"]["cotangent (gradient): l2 norm"], scalars) == [
         "c/cotangent/l2"]
@@ -183,8 +182,7 @@ def test_custom_scalars_layout_has_one_readable_chart_per_site_and_mode(tmp_path
     assert matching(categories["a/b"]["NaN and infinities"], scalars) == [
         "a/b/cotangent/nan", "a/b/cotangent/neginf", "a/b/cotangent/posinf"]
     every_chart = [t for charts in categories.values() for ch in charts.values()
-                   for t in (matching(ch, scalars) if ch.HasField("multiline") else
-                             [ch.margin.series[0].value])]
+                   for t in matching(ch, scalars)]
     assert not [t for t in every_chart if t.endswith(("/size", "/zeros", "/mean_abs"))]
     # A version of the layout per batch that changed it, all at step 0; TensorBoard's
     # custom-scalars plugin shows the last one (the one checked above).
@@ -202,9 +200,10 @@ def test_default_statistics_and_counts_only_from_their_first_non_zero_step(tmp_p
     exporter.close()
     acc = load(tmp_path)
     scalars = set(acc.Tags()["scalars"])
-    assert {t for t in scalars if t.startswith("g/")} == {f"g/primal/{k}" for k in DEFAULT_STATS}
+    assert {t for t in scalars if t.startswith("g/")} == {
+        f"g/primal/{k}" for k in DEFAULT_STATS_BY_MODE["primal"]}
     assert {t for t in scalars if t.startswith("h/")} == {
-        f"h/primal/{k}" for k in (*DEFAULT_STATS, *COUNT_STATS)}
+        f"h/primal/{k}" for k in (*DEFAULT_STATS_BY_MODE["primal"], *COUNT_STATS)}
     # From step 2 on, zero again at step 3: the curve shows the return to zero.
     assert [(e.step, e.value) for e in acc.Scalars("h/primal/posinf")] == [(2, 1.0), (3, 0.0)]
     assert [e.step for e in acc.Scalars("h/primal/mean")] == [0, 1, 2, 3]
@@ -212,6 +211,60 @@ def test_default_statistics_and_counts_only_from_their_first_non_zero_step(tmp_p
     assert {t for t in scalars if t.startswith("health/")} == {
         f"health/primal/{k}" for k in COUNT_STATS}
     assert [e.value for e in acc.Scalars("health/primal/posinf")] == [0, 0, 1, 0]
+
+
+def test_default_statistics_are_chosen_per_mode_and_equal_numpy(tmp_path):
+    # A value: mean, std, max|x|; a derivative: l2, std, max|x|; one number: that number.
+    # Nothing that is flat for most sites: a cotangent's mean, a zero-mean tanh's min and max.
+    rng = np.random.default_rng(5)
+    x = np.tanh(rng.normal(size=(4, 8)))
+    g = rng.normal(scale=1e-6, size=(4, 8))
+    g[0, 0] = -3e-5  # the largest magnitude is negative
+    exporter = TensorBoardExporter(logdir=tmp_path)
+    exporter.write([record("h", 0, x=x), record("h", 0, mode="cotangent", x=g),
+                    record("h", 0, mode="tangent", summary="full", x=g),
+                    record("loss", 0, x=np.float32(0.25))])
+    exporter.close()
+    acc = load(tmp_path)
+    got = {t: acc.Scalars(t)[0].value for t in acc.Tags()["scalars"]}
+    assert got == pytest.approx({
+        "h/primal/mean": x.mean(), "h/primal/std": x.std(), "h/primal/max_abs": abs(x).max(),
+        "h/cotangent/l2": np.linalg.norm(g), "h/cotangent/std": g.std(),
+        "h/cotangent/max_abs": 3e-5, "h/tangent/l2": np.linalg.norm(g),
+        "h/tangent/std": g.std(), "h/tangent/max_abs": 3e-5, "loss/primal/mean": 0.25},
+        rel=1e-5)
+    # A sown scalar loss is titled by what it is: its value.
+    assert read_layout(acc)["loss"].keys() == {"value"}
+
+
+def test_custom_scalars_categories_come_in_program_order_from_a_jit_step(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    import sowtel
+
+    def loss(p, x):
+        h = sowtel.sow(jnp.tanh(x @ p["w"]), "zz/embed")
+
+        def block(h, w):
+            return sowtel.sow(h + jnp.tanh(h @ w), "mid/blocks"), None
+
+        h, _ = jax.lax.scan(block, h, p["blocks"])
+        out = sowtel.sow(h.sum(axis=1), "aa/head", summary="histogram")
+        return sowtel.sow(jnp.mean(out ** 2), "b/loss")
+
+    params = {"w": jnp.ones((3, 4)) / 4, "blocks": jnp.ones((2, 4, 4)) / 8}
+    step = sowtel.jit(jax.grad(loss))
+    with sowtel.enable(exporter="tensorboard", logdir=tmp_path):
+        for i in range(2):
+            with sowtel.at_step(i):
+                step(params, jnp.ones((5, 3)))
+    categories = read_layout(load(tmp_path))
+    # The order of the sows, not of the names, whatever path each site's records took.
+    assert list(categories) == ["zz/embed", "mid/blocks", "aa/head", "b/loss"]
+    assert list(categories["b/loss"]) == ["value"]
+    assert list(categories["mid/blocks"]) == ["primal (activation): l2 norm",
+                                              "cotangent (gradient): l2 norm"]
 
 
 def test_statistics_are_selectable(tmp_path):
@@ -562,7 +615,7 @@ def test_layout_has_no_count_chart_until_a_count_is_non_zero_even_with_all_stati
     exporter.write([record("h", 0, x=np.ones(3)), record("g", 0, summary="health", x=np.ones(3))])
     exporter.close()
     categories = read_layout(load(tmp_path))
-    assert list(categories["h"]) == ["primal (activation): mean, band min to max"]
+    assert list(categories["h"]) == ["primal (activation): std"]
     assert list(categories["g"]) == ["NaN and infinities"]  # all that a health summary has
 
 

@@ -32,7 +32,7 @@ from test_demo_dashboard import (
 )
 
 from sowtel.exporters.tensorboard import TensorBoardExporter
-from sowtel.records import Record
+from sowtel.records import STAT_KEYS, Record
 from sowtel.summaries import host_summary
 from sowtel.tensorboard_plugin import PLUGIN_NAME, family_of, parse_content
 
@@ -110,7 +110,7 @@ def route(base: str, name: str, **query: str) -> dict:
 def numpy_stat(x: np.ndarray, stat: str) -> float:
     fin = np.asarray(x, np.float64)[np.isfinite(x)]
     return {"std": fin.std(), "l2": np.linalg.norm(fin), "mean": fin.mean(),
-            "max": fin.max()}[stat]
+            "max": fin.max(), "max_abs": abs(fin).max()}[stat]
 
 
 def test_the_plugin_is_registered_for_tensorboard_through_its_entry_point():
@@ -127,10 +127,11 @@ def test_compact_depth_tensors_are_small_and_read_back_by_tensorboards_loader(tm
     compact = ea.EventAccumulator(str(tmp_path / "compact"), size_guidance={"tensors": 0})
     compact.Reload()
     scalars = compact.Tags()["scalars"]
-    # No per-layer tags but the one record that came after a later step of its site: a
-    # headline l2 per mode, and the numbered repeats as plain sites.
-    assert sorted(t for t in scalars if "[" in t) == [
-        f"blocks/h[4]/primal/{k}" for k in ("l2", "max", "mean", "min", "std")]
+    # No per-layer tags but the one record that came after a later step of its site (every
+    # statistic, as the depth view reads them all): a headline l2 per mode, and the numbered
+    # repeats as plain sites.
+    assert sorted(t for t in scalars if "[" in t) == sorted(
+        f"blocks/h[4]/primal/{k}" for k in (*STAT_KEYS, "max_abs") if k != "size")
     assert {"blocks/h/primal/l2", "blocks/h/cotangent/l2", "inner/primal/l2"} <= set(scalars)
     # A step cut over batches is written again whole: the last point of a step is its norm.
     last = {e.step: e.value for e in compact.Scalars("blocks/h/cotangent/l2")}
@@ -141,7 +142,7 @@ def test_compact_depth_tensors_are_small_and_read_back_by_tensorboards_loader(tm
         assert last[step] == pytest.approx(np.linalg.norm(whole[np.isfinite(whole)]), rel=1e-5)
     per_layer = ea.EventAccumulator(str(tmp_path / "scalars"))
     per_layer.Reload()
-    assert len([t for t in per_layer.Tags()["scalars"] if t.startswith("blocks/h[")]) >= 2 * 5 * 5
+    assert len([t for t in per_layer.Tags()["scalars"] if t.startswith("blocks/h[")]) >= 2 * 5 * 3
     size = lambda run: sum(f.stat().st_size for f in (tmp_path / run).iterdir())  # noqa: E731
     assert size("compact") < size("scalars")
     # The depth tensor's metadata names its rows and its site's place in the program.
@@ -185,11 +186,11 @@ def test_depth_route_equals_numpy_statistics_of_the_same_arrays(served, run):
         if mode == "cotangent":
             # The planted NaN: counted at its step and layer.
             assert data["nonfinite"][STEPS.index(2)][3] == 1
-    nested = route(base, "depth", run=run, site="inner", mode="primal", stat="max")
+    nested = route(base, "depth", run=run, site="inner", mode="primal", stat="max_abs")
     assert nested["index"] == [[i, j] for i in range(2) for j in range(3)]
     for i, step in enumerate(STEPS):
         for j, (a, b) in enumerate((a, b) for a in range(2) for b in range(3)):
-            want = numpy_stat(arrays["inner"][("primal", step, (a, b))], "max")
+            want = numpy_stat(arrays["inner"][("primal", step, (a, b))], "max_abs")
             assert nested["values"][i][j] == pytest.approx(want, rel=1e-6)
     family = route(base, "depth", run=run, site="layer*/out", mode="primal", stat="std")
     assert family["index"] == [0, 1, 2, 3]
@@ -218,7 +219,8 @@ def test_sites_health_and_errors(served):
         assert [(s["site"], s["mode"], s["first_step"], s["steps"]) for s in health["sites"]] == [
             ("blocks/h", "cotangent", 2, 1)]
     for query, words in (({"run": "compact", "site": "nope", "mode": "primal", "stat": "std"},
-                          "site='nope' has no depth data in run 'compact': pick one of"),
+                          "site='nope' is not a site inside a scan or repeated by number in "
+                          "run 'compact': pick one of ['layer*/out', 'inner', 'blocks/h']"),
                          ({"run": "compact", "site": "blocks/h", "mode": "tangent",
                            "stat": "std"}, "mode='tangent' is not recorded for site"),
                          ({"run": "compact", "site": "blocks/h", "mode": "primal"},
@@ -279,16 +281,18 @@ def test_plugin_page_in_headless_chromium_shows_the_depth_view(served, tmp_path)
                      "return f && f.contentDocument; })()")
         ready = (f"(() => {{ const d = {frame_doc}; if (!d || !d.body || "
                  "d.body.getAttribute('data-ready') !== '1') return null; "
-                 "return {sites: [...d.querySelectorAll('.site-name')].map(e => e.textContent),"
+                 "return {sites: [...d.querySelectorAll('#overview-table tbody tr')].map("
+                 "  tr => tr.dataset.site + ' ' + tr.dataset.mode),"
                  " health: d.querySelector('#health').textContent,"
                  " canvas: d.querySelectorAll('canvas.heatmap').length,"
-                 " lines: d.querySelectorAll('svg.lines path').length}; })()")
+                 " lines: d.querySelectorAll('svg.lines path.layer').length}; })()")
         shown = wait_for("the depth view", lambda: browser.evaluate(ready), 90, served["proc"])
         first_paint = time.monotonic() - started
         shot = browser.screenshot()
     finally:
         browser.close()
-    assert shown["sites"] == ["layer*/out", "inner", "blocks/h"]  # program order
+    assert shown["sites"] == ["layer*/out primal", "inner primal", "blocks/h primal",
+                              "blocks/h cotangent"]  # program order
     assert "First non-finite value: site blocks/h, gradient (cotangent), step 2, index 3" in (
         shown["health"])
     # It opens on the site that went non-finite: a heatmap, and one line per layer.

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import re
@@ -52,6 +53,22 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+
+from sowtel.records import COUNT_STATS
+from sowtel.tensorboard_plugin._run import (
+    MAX_CELLS,
+    BadRequest,
+    DepthCache,
+    RunIndex,
+    SiteInfo,
+    auto_stat,
+    check_bound,
+    family_of,
+    index_value,
+    json_grid,
+    nonfinite_rows,
+    thin,
+)
 
 __all__ = ["PLUGIN_NAME", "DEPTH_SUFFIX", "NONFINITE_TAG", "NONFINITE_CONTENT", "SowtelPlugin",
            "depth_content", "parse_content", "family_of"]
@@ -70,21 +87,22 @@ NONFINITE_TAG = "sowtel/nonfinite"
 NONFINITE_CONTENT = b'{"version": 1, "kind": "nonfinite"}'
 
 _STATIC = os.path.join(os.path.dirname(__file__), "static")
-_COUNT_STATS = ("nan", "posinf", "neginf")
-# A scalar tag of one scan position: {name}[i]/{mode}/{stat} or {name}[i,j]/{mode}/{stat}.
-_INDEXED_TAG = re.compile(r"^(?P<name>[^\[\]]+)\[(?P<index>[0-9]+(?:,[0-9]+)*)\]"
-                          r"/(?P<mode>[^/]+)/(?P<stat>[a-z_0-9]+)$")
-# A plain scalar tag {name}/{mode}/{stat}, mode being primal/tangent/cotangent or a composition.
-_PLAIN_TAG = re.compile(r"^(?P<name>[^\[\]]+)/(?P<mode>(?:primal|tangent|cotangent)"
-                        r"(?:\.(?:tangent|cotangent))*)/(?P<stat>[a-z_0-9]+)$")
-# The one number in a path segment that makes a family of repeats: block12/attn, attn_3.
-_NUMBERED = re.compile(r"(?<![0-9])([0-9]+)(?![0-9])")
-# The tag of the exporter's custom-scalars layout (its categories are sites, in program order).
-_LAYOUT_TAG = "custom_scalars__config__"
+# The page's files, served as they are (plain ES modules, no build step).
+_STATIC_FILES = {"index.js": "text/javascript", "charts.js": "text/javascript"}
+_STAT_NAME = re.compile(r"^[a-z_0-9]{1,32}$")
 # TensorBoard's text plugin stores the exporter's alert under this tag.
 _ALERT_TAG = "sowtel/alerts/text_summary"
 _ALERT_TEXT = re.compile(r"step (?P<step>-?[0-9]+), site `(?P<site>[^`]+)` \((?P<mode>[^,)]+)"
                          r"(?:, index (?P<index>[^)]+))?\)")
+# Bounds of one answer: steps of a series, positions of a depth table, overview rows and the
+# steps and positions of each row's small chart (defaults, and the most a query may ask).
+_STEPS, _MOST_STEPS = 1000, 5000
+_POSITIONS, _MOST_POSITIONS = 256, 4096
+_ROWS, _MOST_ROWS = 200, 1000
+_SPARK_STEPS, _SPARK_POSITIONS = 60, 32
+# Sites and modes the health answer lists at most (a crafted file may name millions).
+_MOST_HEALTH = 1000
+logger = logging.getLogger("sowtel")
 
 
 def depth_content(stats: Iterable[str], index_rank: int, order: int | None = None) -> bytes:
@@ -122,88 +140,15 @@ def parse_content(content: bytes) -> dict[str, Any]:
             or not isinstance(meta.get("stats"), list)
             or not isinstance(meta.get("index_rank"), int)
             or not isinstance(meta.get("order", 0), int)):
-        raise ValueError(f"sowtel depth metadata {meta!r} is not version {CONTENT_VERSION}")
+        raise ValueError(f"sowtel depth metadata {meta!r:.200} is not version {CONTENT_VERSION}")
+    # A crafted file may hold anything: the rows must be names, the index rows 1 to 8.
+    stats = meta["stats"]
+    if (not all(isinstance(k, str) and _STAT_NAME.match(k) for k in stats)
+            or len(set(stats)) != len(stats) or isinstance(meta["index_rank"], bool)
+            or not 1 <= meta["index_rank"] <= 8):
+        raise ValueError(f"sowtel depth metadata {meta!r:.200} names no valid rows: stats must "
+                         "be distinct statistic names, index_rank 1 to 8")
     return meta
-
-
-def family_of(name: str) -> tuple[str, int] | None:
-    """A site of numbered repeats as ``(family, number)``, else None.
-
-    The family replaces the last number in the name by ``*``, so ``block0/attn`` ...
-    ``block47/attn`` form one family with 48 positions.
-
-    Example:
-        >>> family_of("block12/attn")
-        ('block*/attn', 12)
-        >>> family_of("encoder/layer_3/mlp")
-        ('encoder/layer_*/mlp', 3)
-        >>> family_of("loss") is None
-        True
-    """
-    matches = list(_NUMBERED.finditer(name))
-    if not matches:
-        return None
-    m = matches[-1]
-    return name[:m.start()] + "*" + name[m.end():], int(m.group(1))
-
-
-def _index_value(parts: tuple[int, ...]) -> int | list[int]:
-    return parts[0] if len(parts) == 1 else list(parts)
-
-
-def _finite_or_none(x: float) -> float | None:
-    return float(x) if math.isfinite(x) else None
-
-
-class _Series:
-    """One (site, mode)'s statistics, a row of positions per step: what the routes are made of."""
-
-    def __init__(self) -> None:
-        # stat -> [(step, positions, values)], values[j] at positions[j]
-        self.rows: dict[str, list[tuple[int, list[tuple[int, ...]], np.ndarray]]] = {}
-
-    def put(self, stat: str, step: int, positions: list[tuple[int, ...]],
-            values: np.ndarray) -> None:
-        self.rows.setdefault(stat, []).append((int(step), positions, np.asarray(values)))
-
-    def _grid(self, stat: str, steps: list[int], positions: list[tuple[int, ...]]) -> np.ndarray:
-        # ``stat`` at each (step, position), NaN where not recorded; a later row of the same
-        # step (the exporter writes a step again when more of its positions arrive) wins.
-        row = {s: i for i, s in enumerate(steps)}
-        col = {p: j for j, p in enumerate(positions)}
-        grid = np.full((len(steps), len(positions)), np.nan)
-        for step, pos, vals in self.rows.get(stat, []):
-            if step in row:
-                grid[row[step], [col[p] for p in pos]] = vals
-        return grid
-
-    def table(self, stat: str) -> dict[str, Any]:
-        rows = self.rows.get(stat, [])
-        steps = sorted({r[0] for r in rows})
-        positions = sorted({p for r in rows for p in r[1]})
-        values = self._grid(stat, steps, positions)
-        counts = [self._grid(k, steps, positions) for k in _COUNT_STATS]
-        known = np.logical_or.reduce([~np.isnan(c) for c in counts])
-        total = np.where(known, np.nansum(counts, axis=0), np.nan)
-        return {"steps": steps, "index": [_index_value(p) for p in positions],
-                "values": _json_grid(values), "nonfinite": _json_grid(total)}
-
-    def nonfinite_cells(self) -> Iterable[tuple[int, tuple[int, ...]]]:
-        """(step, position) of every cell with a non-zero NaN or infinity count."""
-        for k in _COUNT_STATS:
-            for step, pos, vals in self.rows.get(k, []):
-                for j in np.flatnonzero(np.asarray(vals) > 0):
-                    yield step, pos[j]
-
-
-def _json_grid(grid: np.ndarray) -> list[list[float | None]]:
-    # JSON has no NaN or infinity: such cells are null.
-    cells: list[list[float | None]] = grid.astype(object).tolist()
-    for row, finite in zip(cells, np.isfinite(grid).tolist(), strict=True):
-        for j, ok in enumerate(finite):
-            if not ok:
-                row[j] = None
-    return cells
 
 
 class SowtelPlugin:
@@ -223,26 +168,30 @@ class SowtelPlugin:
 
     def __init__(self, context: Any) -> None:
         self._provider = context.data_provider
+        self._cache = DepthCache()
 
     # -- TensorBoard's plugin interface ----------------------------------------------------------
 
     def get_plugin_apps(self) -> dict[str, Callable[..., Any]]:
-        return {
-            "/index.js": self._static("index.js", "text/javascript"),
+        apps = {f"/{name}": self._static(name, mime) for name, mime in _STATIC_FILES.items()}
+        apps.update({
             "/runs": self._json(lambda ctx, eid, args: {"runs": self._runs(ctx, eid)}),
             "/sites": self._json(lambda ctx, eid, args: {
-                "sites": self._sites(ctx, eid, _arg(args, "run"))}),
+                "sites": [s.describe() for s in self._index(ctx, eid, args).ordered()]}),
             "/depth": self._json(self._depth_route),
+            "/series": self._json(self._series_route),
+            "/overview": self._json(self._overview_route),
             "/health": self._json(lambda ctx, eid, args: self._health(
-                ctx, eid, _arg(args, "run"))),
-        }
+                self._index(ctx, eid, args))),
+        })
+        return apps
 
     def is_active(self) -> bool:
         # TensorBoard asks this only when no tensor of plugin "sowtel" is loaded: a run may
-        # still hold per-position scalars (the exporter's per-scalar layout).
+        # still hold sites' scalars (a run without scans, or the per-scalar layout).
         try:
             return bool(self._runs(None, ""))
-        except Exception:  # a provider that cannot answer yet: the tab stays hidden
+        except Exception:  # noqa: BLE001 - a provider that cannot answer yet: the tab hides
             return False
 
     def data_plugin_names(self) -> tuple[str, ...]:
@@ -278,9 +227,15 @@ class SowtelPlugin:
             eid = plugin_util.experiment_id(request.environ)
             try:
                 body = fn(ctx, eid, request.args)
-            except ValueError as e:
+            except BadRequest as e:  # only messages written for users: never Python's own
                 return http_util.Respond(request, {"error": str(e)}, "application/json",
                                          code=400)
+            except Exception:  # noqa: BLE001 - a defect here: logged, and said plainly
+                logger.exception("sowtel plugin: %s failed", request.path)
+                return http_util.Respond(
+                    request, {"error": f"the sowtel plugin failed to answer {request.path} "
+                                       "(a defect: TensorBoard's log has the details)"},
+                    "application/json", code=500)
             return http_util.Respond(request, body, "application/json")
 
         return serve
@@ -292,268 +247,288 @@ class SowtelPlugin:
                                                plugin_name=PLUGIN_NAME))
         for run, tags in self._provider.list_scalars(ctx, experiment_id=eid,
                                                      plugin_name="scalars").items():
-            if any(_INDEXED_TAG.match(t) or _PLAIN_TAG.match(t) for t in tags):
+            if any(_SITE_TAG.match(t) for t in tags):
                 runs.add(run)
         return sorted(runs)
 
-    def _tensor_tags(self, ctx: Any, eid: str, run: str) -> dict[str, Any]:
-        from tensorboard.data import provider
-
-        found = self._provider.list_tensors(ctx, experiment_id=eid, plugin_name=PLUGIN_NAME,
-                                            run_tag_filter=provider.RunTagFilter(runs=[run]))
-        return dict(found.get(run, {}))
-
-    def _scalar_tags(self, ctx: Any, eid: str, run: str) -> dict[str, Any]:
-        from tensorboard.data import provider
-
-        found = self._provider.list_scalars(ctx, experiment_id=eid, plugin_name="scalars",
-                                            run_tag_filter=provider.RunTagFilter(runs=[run]))
-        return dict(found.get(run, {}))
-
-    def _sites(self, ctx: Any, eid: str, run: str) -> list[dict[str, Any]]:
-        sites: dict[str, dict[str, Any]] = {}
-
-        def add(site: str, kind: str, mode: str, stats: Iterable[str], position: Any,
-                member: str, order: int | None = None) -> None:
-            entry = sites.setdefault(site, {"site": site, "kind": kind, "modes": set(),
-                                            "stats": set(), "positions": set(),
-                                            "members": set(), "order": None})
-            entry["modes"].add(mode)
-            entry["stats"].update(stats)
-            entry["members"].add(member)
-            if position is not None:
-                entry["positions"].add(position)
-            if order is not None and (entry["order"] is None or order < entry["order"]):
-                entry["order"] = order
-
-        for tag, series in self._tensor_tags(ctx, eid, run).items():
-            if tag == NONFINITE_TAG or not tag.endswith(DEPTH_SUFFIX):
-                continue
-            name, mode = tag[:-len(DEPTH_SUFFIX)].rsplit("/", 1)
-            meta = parse_content(series.plugin_content)
-            add(name, "scan", mode, meta["stats"], None, name, meta.get("order"))
-        for tag in self._scalar_tags(ctx, eid, run):
-            m = _INDEXED_TAG.match(tag)
-            if m:
-                add(m["name"], "scan", m["mode"], [m["stat"]], m["index"], m["name"])
-                continue
-            m = _PLAIN_TAG.match(tag)
-            if m and (fam := family_of(m["name"])):
-                add(fam[0], "repeat", m["mode"], [m["stat"]], fam[1], m["name"])
-        ranks = self._program_ranks(ctx, eid, run)
-        # A family needs at least two members to be a depth axis.
-        out = []
-        for entry in sites.values():
-            if entry["kind"] == "repeat" and len(entry["positions"]) < 2:
-                continue
-            known = [ranks[m] for m in entry["members"] if m in ranks]
-            rank = min(known) if known else None
-            out.append(((rank is None, rank or 0, entry["order"] is None, entry["order"] or 0,
-                         entry["site"]),
-                        {"site": entry["site"], "kind": entry["kind"],
-                         "modes": sorted(entry["modes"], key=_mode_order),
-                         "stats": sorted(entry["stats"] - {"size"}),
-                         "positions": len(entry["positions"]) or None}))
-        # Program order: the exporter's custom-scalars layout lists every site in it (the
-        # members of a family by their own names), and a depth tensor's metadata carries its
-        # site's order; a file with neither lists its sites by name.
-        return [e for _, e in sorted(out, key=lambda pair: pair[0])]
-
-    def _program_ranks(self, ctx: Any, eid: str, run: str) -> dict[str, int]:
-        """Each site's place in the run's custom-scalars layout (the exporter writes its
-        categories in program order); empty where the run has none."""
-        from tensorboard.data import provider
-
-        try:
-            data = self._provider.read_tensors(
-                ctx, experiment_id=eid, plugin_name="custom_scalars", downsample=1,
-                run_tag_filter=provider.RunTagFilter(runs=[run], tags=[_LAYOUT_TAG]))
-            points = data.get(run, {}).get(_LAYOUT_TAG, [])
-            if not points:
-                return {}
-            from tensorboard.plugins.custom_scalar import layout_pb2
-
-            raw = np.asarray(points[-1].numpy).reshape(-1)[0]
-            layout = layout_pb2.Layout.FromString(raw if isinstance(raw, bytes)
-                                                  else str(raw).encode())
-        except Exception:  # no layout loaded, or one that does not parse: order by metadata
-            return {}
-        return {c.title: i for i, c in enumerate(layout.category)}
-
-    def _series(self, ctx: Any, eid: str, run: str, site: str, mode: str,
-                stats: Iterable[str]) -> _Series:
-        from tensorboard.data import provider
-
-        wanted = set(stats)
-        series = _Series()
-        tag = f"{site}/{mode}{DEPTH_SUFFIX}"
-        tensors = self._tensor_tags(ctx, eid, run)
-        if tag in tensors:
-            meta = parse_content(tensors[tag].plugin_content)
-            rank, names = meta["index_rank"], meta["stats"]
-            rows = {k: rank + i for i, k in enumerate(names) if k in wanted}
-            data = self._provider.read_tensors(
-                ctx, experiment_id=eid, plugin_name=PLUGIN_NAME, downsample=10**9,
-                run_tag_filter=provider.RunTagFilter(runs=[run], tags=[tag]))
-            for datum in data.get(run, {}).get(tag, []):
-                arr = np.asarray(datum.numpy, dtype=np.float64)
-                if arr.ndim != 2 or arr.shape[0] != rank + len(names):
-                    continue
-                positions = [tuple(p) for p in arr[:rank].T.astype(int).tolist()]
-                for k, r in rows.items():
-                    series.put(k, datum.step, positions, arr[r])
-        # Per-position scalars: {site}[i]/{mode}/{stat} (the exporter's other layout, and the
-        # records that came after a later step of their site), or the members of a family.
-        fam = site if "*" in site else None
-        tags: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for t in self._scalar_tags(ctx, eid, run):
-            if fam is None:
-                m = _INDEXED_TAG.match(t)
-                if m and m["name"] == site and m["mode"] == mode and m["stat"] in wanted:
-                    tags[t] = (m["stat"], tuple(int(i) for i in m["index"].split(",")))
-            else:
-                m = _PLAIN_TAG.match(t)
-                if m and m["mode"] == mode and m["stat"] in wanted:
-                    f = family_of(m["name"])
-                    if f is not None and f[0] == fam:
-                        tags[t] = (m["stat"], (f[1],))
-        for t, points in self._read_scalars(ctx, eid, run, tags).items():
-            stat, position = tags[t]
-            for p in points:
-                series.put(stat, p.step, [position], np.array([p.value]))
-        return series
-
-    def _read_scalars(self, ctx: Any, eid: str, run: str, tags: Iterable[str]) -> dict[str, Any]:
-        """Every point of ``tags`` in ``run``: ``{tag: [ScalarDatum, ...]}``."""
-        from tensorboard.data import provider
-
-        tags = list(tags)
-        if not tags:
-            return {}
-        data = self._provider.read_scalars(
-            ctx, experiment_id=eid, plugin_name="scalars", downsample=10**9,
-            run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags))
-        return dict(data.get(run, {}))
+    def _index(self, ctx: Any, eid: str, args: Any) -> RunIndex:
+        run = _arg(args, "run")
+        if run not in self._runs(ctx, eid):
+            raise BadRequest(f"run={run!r} holds no sowtel data: pick one of "
+                             f"{self._runs(ctx, eid)[:50]} (GET /data/plugin/sowtel/runs)")
+        return RunIndex(self._provider, ctx, eid, run, PLUGIN_NAME, parse_content,
+                        DEPTH_SUFFIX, NONFINITE_TAG, self._cache)
 
     def _depth_route(self, ctx: Any, eid: str, args: Any) -> dict[str, Any]:
-        run, site, mode, stat = (_arg(args, k) for k in ("run", "site", "mode", "stat"))
-        series = self._series(ctx, eid, run, site, mode, (stat, *_COUNT_STATS))
-        if stat not in series.rows:
-            known = {s["site"]: s for s in self._sites(ctx, eid, run)}
-            if site not in known:
-                raise ValueError(
-                    f"site={site!r} has no depth data in run {run!r}: pick one of "
-                    f"{sorted(known) or 'none (the run holds no scanned or repeated site)'}")
-            entry = known[site]
-            if mode not in entry["modes"]:
-                raise ValueError(f"mode={mode!r} is not recorded for site {site!r}: pick one of "
-                                 f"{entry['modes']}")
-            raise ValueError(f"stat={stat!r} is not recorded for site {site!r}: pick one of "
-                             f"{entry['stats']}")
-        return series.table(stat)
+        site, mode, stat = (_arg(args, k) for k in ("site", "mode", "stat"))
+        max_steps = check_bound(args, "max_steps", _STEPS, _MOST_STEPS)
+        offset = check_bound(args, "offset", 0, 2**31, least=0)
+        limit = check_bound(args, "limit", _POSITIONS, _MOST_POSITIONS)
+        if max_steps * limit > MAX_CELLS:
+            raise BadRequest(f"max_steps={max_steps} x limit={limit} is more than {MAX_CELLS:,} "
+                             "cells: ask for fewer steps or positions")
+        index = self._index(ctx, eid, args)
+        info = index.find(site, mode, stat, ("scan", "repeat"))
+        return _depth_table(index, info, mode, stat, max_steps, offset, limit)
 
-    def _health(self, ctx: Any, eid: str, run: str) -> dict[str, Any]:
-        first: dict[str, Any] | None = None
-        alert = self._alert(ctx, eid, run)
-        if alert is not None:
-            first = alert
+    def _series_route(self, ctx: Any, eid: str, args: Any) -> dict[str, Any]:
+        site, mode, stat = (_arg(args, k) for k in ("site", "mode", "stat"))
+        max_steps = check_bound(args, "max_steps", _STEPS, _MOST_STEPS)
+        index = self._index(ctx, eid, args)
+        info = index.find(site, mode, stat, ("plain", "logged"))
+        prefix = info.site if info.kind == "logged" else f"{info.site}/{mode}/{stat}"
+        # Every point TensorBoard kept (its scalar reservoir bounds them, 1,000 by default),
+        # thinned evenly here: the first step stays, where a random sample may drop it.
+        data = index.read_scalars([prefix], 10**9).get(prefix, [])
+        counts: dict[int, float] = {}
+        if info.kind == "plain":
+            tags = [f"{info.site}/{mode}/{k}" for k in COUNT_STATS]
+            for points in index.read_scalars(tags, 10**9).values():
+                for p in points:
+                    counts[int(p.step)] = counts.get(int(p.step), 0.0) + float(p.value)
+        by_step = {int(p.step): float(p.value) for p in data}
+        steps = thin(sorted(by_step), max_steps)
+        return {"steps": steps, "values": json_grid(np.array([by_step[s] for s in steps])),
+                "nonfinite": [counts.get(s) for s in steps],
+                "downsampled": len(data) > max_steps}
+
+    def _overview_route(self, ctx: Any, eid: str, args: Any) -> dict[str, Any]:
+        """Every site and mode in program order, each with the last value of a statistic and a
+        small chart of it (a line; a layers x steps picture for a scanned or repeated site)."""
+        asked = args.get("stat") or None
+        points = check_bound(args, "points", _SPARK_STEPS, 500, least=2)
+        offset = check_bound(args, "offset", 0, 2**31, least=0)
+        limit = check_bound(args, "limit", _ROWS, _MOST_ROWS)
+        index = self._index(ctx, eid, args)
+        rows = [(info, mode) for info in index.ordered() for mode in info.modes]
+        health = self._health(index)
         bad: dict[tuple[str, str], dict[str, Any]] = {}
-        from tensorboard.data import provider
+        for e in health["sites"]:
+            fam = family_of(e["site"])
+            key = e["site"] if e["site"] in index.sites or fam is None else fam[0]
+            bad.setdefault((key, e["mode"]), e)
+        out = []
+        for info, mode in rows[offset:offset + limit]:
+            stats = info.stats[mode]
+            stat = asked if asked in stats else auto_stat(mode, stats)
+            row: dict[str, Any] = {
+                "site": info.site, "kind": info.kind, "mode": mode, "stat": stat,
+                "positions": len(info.positions) or len(info.members) or None,
+                "last": None, "spark": None, "nonfinite": None}
+            entry = bad.get((info.site, mode))
+            if entry is not None:
+                row["nonfinite"] = {"first_step": entry["first_step"], "steps": entry["steps"],
+                                    "first_index": entry["first_index"]}
+            if stat is not None:
+                try:
+                    _spark(index, info, mode, stat, points, row)
+                except BadRequest as e:  # one site a file got wrong: said on its row
+                    row["error"] = str(e)
+            out.append(row)
+        return {"rows": out, "total": len(rows), "offset": offset, "limit": limit,
+                "skipped": [{"tag": t, "why": w} for t, w in index.skipped[:20]]}
 
-        if self._tensor_tags(ctx, eid, run):
+    def _health(self, index: RunIndex) -> dict[str, Any]:
+        first = self._alert(index)
+        bad: dict[tuple[str, str], dict[str, Any]] = {}
+        if index.has_tensors:
             # A run with sowtel tensors comes from an exporter that lists every record with a
             # NaN or infinity, step by step, under NONFINITE_TAG (absent: there was none).
-            data = self._provider.read_tensors(
-                ctx, experiment_id=eid, plugin_name=PLUGIN_NAME, downsample=10**9,
-                run_tag_filter=provider.RunTagFilter(runs=[run], tags=[NONFINITE_TAG]))
-            for datum in data.get(run, {}).get(NONFINITE_TAG, []):
-                raw = np.asarray(datum.numpy).reshape(-1)[0]
-                for name, mode, index, _ in json.loads(
-                        raw.decode() if isinstance(raw, bytes) else str(raw)):
-                    _mark(bad, name, mode, datum.step,
-                          index if index is None or len(index) > 1 else index[0])
-            return self._health_answer(first, bad)
-        for site in self._sites(ctx, eid, run):
-            for mode in site["modes"]:
-                series = self._series(ctx, eid, run, site["site"], mode, _COUNT_STATS)
-                _collect_nonfinite(series, site["site"], mode, bad)
-        # Sites outside scans: their counts are plain scalars.
-        count_tags = {}
-        for t in self._scalar_tags(ctx, eid, run):
-            m = _PLAIN_TAG.match(t)
-            if m and m["stat"] in _COUNT_STATS:
-                count_tags[t] = (m["name"], m["mode"])
-        for t, points in self._read_scalars(ctx, eid, run, count_tags).items():
-            name, mode = count_tags[t]
-            for p in points:
+            if index.has_nonfinite:
+                for datum in index.read_tensors(NONFINITE_TAG, 10**9):
+                    raw = np.asarray(datum.numpy).reshape(-1)
+                    for name, mode, position, _ in nonfinite_rows(raw[0] if raw.size else b""):
+                        _mark(bad, name, mode, int(datum.step), position)
+            return _health_answer(first, bad)
+        # Otherwise the counts, written as scalars once non-zero: {site}/{mode}/{count} and
+        # {site}[i]/{mode}/{count}.
+        tags: dict[str, tuple[str, str, Any]] = {}
+        for t in index.scalar_tags:
+            m = _COUNT_TAG.match(t)
+            if m:
+                position = m["index"] and index_value(tuple(int(i) for i in
+                                                            m["index"].split(",")))
+                tags[t] = (m["name"], m["mode"], position)
+        for t, data in index.read_scalars(tags, 10**9).items():
+            name, mode, position = tags[t]
+            for p in data:
                 if p.value > 0:
-                    _mark(bad, name, mode, p.step, None)
-        return self._health_answer(first, bad)
+                    _mark(bad, name, mode, int(p.step), position)
+        return _health_answer(first, bad)
 
-    @staticmethod
-    def _health_answer(first: dict[str, Any] | None,
-                       bad: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
-        sites = sorted(bad.values(), key=lambda e: (e["first_step"], e["site"], e["mode"]))
-        for e in sites:
-            e["steps"] = len(e.pop("_steps"))
-        if first is None and sites:
-            e = sites[0]
-            first = {"site": e["site"], "mode": e["mode"], "step": e["first_step"],
-                     "index": e["first_index"], "text": None}
-        return {"first": first, "sites": sites}
-
-    def _alert(self, ctx: Any, eid: str, run: str) -> dict[str, Any] | None:
-        from tensorboard.data import provider
-
+    def _alert(self, index: RunIndex) -> dict[str, Any] | None:
         try:
-            data = self._provider.read_tensors(
-                ctx, experiment_id=eid, plugin_name="text", downsample=1,
-                run_tag_filter=provider.RunTagFilter(runs=[run], tags=[_ALERT_TAG]))
-        except Exception:  # the text plugin's data may be absent: no alert then
+            points = index.read_tensors(_ALERT_TAG, 1, plugin="text")
+        except Exception:  # noqa: BLE001 - the text plugin's data may be absent: no alert then
             return None
-        points = data.get(run, {}).get(_ALERT_TAG, [])
         if not points:
             return None
         raw = np.asarray(points[0].numpy).reshape(-1)
-        text = raw[0].decode() if isinstance(raw[0], bytes) else str(raw[0])
+        if not raw.size:
+            return None
+        text = raw[0].decode(errors="replace") if isinstance(raw[0], bytes) else str(raw[0])
         m = _ALERT_TEXT.search(text)
         if m is None:
             return {"site": None, "mode": None, "step": None, "index": None, "text": text}
-        index: Any = m["index"]
-        if index is not None:
-            nums = [int(v) for v in re.findall(r"-?[0-9]+", index)]
-            index = nums[0] if len(nums) == 1 else nums
-        return {"site": m["site"], "mode": m["mode"], "step": int(m["step"]), "index": index,
-                "text": text}
+        position: Any = m["index"]
+        if position is not None:
+            nums = [int(v) for v in re.findall(r"-?[0-9]+", position)]
+            position = nums[0] if len(nums) == 1 else (nums or None)
+        return {"site": m["site"], "mode": m["mode"], "step": int(m["step"]),
+                "index": position, "text": text}
+
+
+# Tags of a site's statistic (what makes a run one of sowtel's), and of its counts.
+_SITE_TAG = re.compile(r"^[^\[\]]+(\[[0-9,]+\])?/(primal|tangent|cotangent)(\.[a-z]+)*/[a-z_0-9]+$")
+_COUNT_TAG = re.compile(r"^(?P<name>[^\[\]]+)(\[(?P<index>[0-9]+(?:,[0-9]+)*)\])?"
+                        r"/(?P<mode>(?:primal|tangent|cotangent)(?:\.(?:tangent|cotangent))*)"
+                        r"/(?:nan|posinf|neginf)$")
+
+
+def _depth_table(index: RunIndex, info: SiteInfo, mode: str, stat: str, max_steps: int,
+                 offset: int, limit: int) -> dict[str, Any]:
+    """The depth route's answer: ``stat`` at each (step, position) of a page of positions."""
+    grid = _depth_grid(index, info, mode, stat, max_steps, offset, limit)
+    return {"steps": grid["steps"], "index": [index_value(p) for p in grid["page"]],
+            "values": json_grid(grid["values"], 7), "nonfinite": json_grid(grid["counts"]),
+            "positions": grid["positions"], "offset": offset, "limit": limit,
+            "downsampled": grid["downsampled"]}
+
+
+def _depth_grid(index: RunIndex, info: SiteInfo, mode: str, stat: str, max_steps: int,
+                offset: int, limit: int, spread: int | None = None) -> dict[str, Any]:
+    """``stat`` and the non-finite counts at each (step, position) of a page of positions (or,
+    with ``spread``, of that many positions spread evenly over all of them), as arrays; the
+    steps evenly thinned to ``max_steps``, the first and last kept.
+
+    Positions are numbered as one integer each (row-major over the index rows), so a page and
+    a grid are a few numpy calls whatever the depth; only the page's scalars are read (a
+    family of 5,000 members reads ``limit`` of them)."""
+    blocks = index.depth_arrays(info, mode)
+    rank = blocks[0].index.shape[1] if blocks else 1
+    scalars: dict[str, tuple[int, ...]]
+    if info.kind == "repeat":
+        scalars = {name: (number,) for number, name in info.members.items()}
+    else:
+        scalars = {f"{info.site}[{','.join(map(str, p))}]": p for p in info.positions}
+        if not blocks and scalars:
+            rank = len(next(iter(scalars.values())))
+        scalars = {k: p for k, p in scalars.items() if len(p) == rank}
+    tops = [b.index.max(axis=(0, 2)) for b in blocks] + [np.array(p) for p in scalars.values()]
+    dims = tuple(int(d) + 1 for d in np.max(tops, axis=0)) if tops else (1,) * rank
+    if math.prod(dims) >= 2 ** 62:
+        raise BadRequest(f"site {info.site!r} has positions too large to number "
+                         f"({dims}): its event file is not one the exporter writes")
+    # Each column's position as one number, -1 where the column holds none.
+    ids = [np.where(b.ok, np.ravel_multi_index(tuple(np.moveaxis(b.index, 1, 0)), dims), -1)
+           for b in blocks]
+    known_parts = [i[i >= 0] for i in ids]
+    if scalars:
+        known_parts.append(np.ravel_multi_index(tuple(np.array(list(scalars.values())).T),
+                                                dims))
+    known = np.unique(np.concatenate(known_parts)) if known_parts else np.zeros(0, np.int64)
+    if spread is None:
+        page_ids = known[offset:offset + limit]
+    else:
+        page_ids = known[np.unique(np.round(np.linspace(
+            0, len(known) - 1, min(spread, len(known)))).astype(int))]
+    page = [tuple(int(v) for v in p) for p in zip(*np.unravel_index(page_ids, dims),
+                                                   strict=True)] if len(page_ids) else []
+    points = index.scalar_points({k: p for k, p in scalars.items() if p in set(page)}, mode,
+                                 stat, max_steps + 1)
+    all_steps = np.unique(np.concatenate([b.steps for b in blocks] + [np.array(
+        points.steps(), np.int64)])).tolist()
+    steps = thin(all_steps, max_steps)
+    row_of = {step: i for i, step in enumerate(steps)}
+    chosen = np.array(steps, np.int64)
+    values = np.full((len(steps), len(page)), np.nan)
+    counts = np.full((len(steps), len(page)), np.nan)
+    for b, lin in zip(blocks, ids, strict=True):
+        if not len(page_ids) or not len(chosen):
+            continue
+        at_row = np.minimum(np.searchsorted(chosen, b.steps), len(chosen) - 1)
+        rows = np.where(chosen[at_row] == b.steps, at_row, -1)
+        if not (rows >= 0).any():
+            continue
+        cols = np.minimum(np.searchsorted(page_ids, lin), len(page_ids) - 1)
+        keep = (page_ids[cols] == lin) & (lin >= 0) & (rows[:, None] >= 0)
+        at = (np.broadcast_to(rows[:, None], keep.shape)[keep], cols[keep])
+        values[at] = b.stat(stat)[keep]
+        counts[at] = b.counts()[keep]
+    col_of = {p: j for j, p in enumerate(page)}
+    for step, cells in points.cells.items():
+        i = row_of.get(step)
+        for p, (v, c) in cells.items() if i is not None else ():
+            values[i, col_of[p]], counts[i, col_of[p]] = v, c
+    return {"steps": steps, "page": page, "values": values, "counts": counts,
+            "positions": int(len(known)), "downsampled": len(all_steps) > max_steps}
+
+
+def _spark(index: RunIndex, info: SiteInfo, mode: str, stat: str, points: int,
+           row: dict[str, Any]) -> None:
+    """Fills an overview row's ``last`` value and ``spark`` chart."""
+    if info.kind in ("plain", "logged"):
+        tag = info.site if info.kind == "logged" else f"{info.site}/{mode}/{stat}"
+        data = index.read_scalars([tag], 10**9).get(tag, [])
+        if data:
+            by_step = {int(p.step): float(p.value) for p in data}
+            steps = thin(sorted(by_step), points)
+            values = np.array([by_step[s] for s in steps])
+            row["spark"] = {"steps": steps, "values": json_grid(values, 4)}
+            row["last"] = {"step": steps[-1], "value": json_grid(values[-1:])[0]}
+        return
+    # A scan's tensors hold every layer: all of them give the last value. A family's members
+    # are a read each: a few, spread over the family, give the picture.
+    grid = _depth_grid(index, info, mode, stat, points, 0, _MOST_POSITIONS,
+                       spread=_SPARK_POSITIONS if info.kind == "repeat" else None)
+    row["positions"] = grid["positions"]
+    values = grid["values"]
+    if not grid["steps"] or not values.size:
+        return
+    last = values[-1]
+    finite = last[np.isfinite(last)]
+    row["last"] = {"step": grid["steps"][-1],
+                   "min": float(finite.min()) if finite.size else None,
+                   "max": float(finite.max()) if finite.size else None,
+                   "positions": int(finite.size)}
+    cols = np.unique(np.round(np.linspace(0, values.shape[1] - 1,
+                                          min(_SPARK_POSITIONS, values.shape[1]))).astype(int))
+    row["spark"] = {"steps": grid["steps"], "index": [index_value(grid["page"][j]) for j in cols],
+                    "values": json_grid(values[:, cols], 4)}
 
 
 def _mark(bad: dict[tuple[str, str], dict[str, Any]], site: str, mode: str, step: int,
-          index: Any) -> None:
-    e = bad.setdefault((site, mode), {"site": site, "mode": mode, "first_step": step,
-                                      "first_index": index, "_steps": set()})
+          position: Any) -> None:
+    e = bad.get((site, mode))
+    if e is None:
+        if len(bad) >= _MOST_HEALTH:
+            return
+        e = bad[(site, mode)] = {"site": site, "mode": mode, "first_step": step,
+                                 "first_index": position, "_steps": set()}
     e["_steps"].add(step)
     if step < e["first_step"]:
-        e["first_step"], e["first_index"] = step, index
+        e["first_step"], e["first_index"] = step, position
 
 
-def _collect_nonfinite(series: _Series, site: str, mode: str,
-                       bad: dict[tuple[str, str], dict[str, Any]]) -> None:
-    for step, position in series.nonfinite_cells():
-        _mark(bad, site, mode, step, _index_value(position))
-
-
-def _mode_order(mode: str) -> tuple[int, int, str]:
-    return (mode.count("."), {"primal": 0, "tangent": 1, "cotangent": 2}.get(mode, 3), mode)
+def _health_answer(first: dict[str, Any] | None,
+                   bad: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    sites = sorted(bad.values(), key=lambda e: (e["first_step"], e["site"], e["mode"]))
+    for e in sites:
+        e["steps"] = len(e.pop("_steps"))
+    if first is None and sites:
+        e = sites[0]
+        first = {"site": e["site"], "mode": e["mode"], "step": e["first_step"],
+                 "index": e["first_index"], "text": None}
+    return {"first": first, "sites": sites}
 
 
 def _arg(args: Any, key: str) -> str:
     value = args.get(key)
     if not value:
-        raise ValueError(f"the query parameter {key}= is missing: pass run=, site=, mode= and "
-                         "stat= (see GET /data/plugin/sowtel/sites?run=RUN for the choices)"
-                         if key != "run" else
-                         "the query parameter run= is missing: GET /data/plugin/sowtel/runs "
-                         "lists the runs")
+        raise BadRequest(
+            f"the query parameter {key}= is missing: pass run=, site=, mode= and stat= (see "
+            "GET /data/plugin/sowtel/sites?run=RUN for the choices)" if key != "run" else
+            "the query parameter run= is missing: GET /data/plugin/sowtel/runs lists the runs")
     return str(value)
 
 

@@ -1,235 +1,262 @@
-// sowtel's TensorBoard plugin page: training health across depth and steps.
+// sowtel's TensorBoard page: every site of a run at a glance, then the depth picture of a
+// scanned or numbered site and the per-step chart of every other one.
 // Plain ES module, no build step and no network beyond this TensorBoard's own routes.
+//
+// The view (run, compared run, site, mode, statistic, smoothing, layer) lives in TensorBoard's
+// address after `#sowtel`, as `#sowtel&run=...&site=...`, so a view can be shared or reloaded.
 
-const LOG_STATS = new Set(["l2", "std", "mean_abs", "max_abs"]);
-const WORDS = { primal: "activation", cotangent: "gradient", tangent: "tangent" };
+import {
+  el, fmt, label, lineChart, heatmap, sparkline, miniHeatmap, xAxis, chooseScale,
+  lineColour, RUN_COLOURS, MAGENTA, LEFT,
+} from "./charts.js";
 
-function el(tag, attrs = {}, ...children) {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) {
-    if (k === "style") node.style.cssText = v;
-    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-    else node.setAttribute(k, v);
-  }
-  for (const c of children) node.append(c);
-  return node;
-}
+const WORDS = { primal: "activation", cotangent: "gradient" };
+const STATE_KEYS = ["run", "cmp", "site", "mode", "stat", "smooth", "layer"];
+// Cards of plain sites drawn at most (each one request); the overview lists every site.
+const MOST_CARDS = 60;
 
 async function getJSON(path) {
   const response = await fetch(path);
-  const body = await response.json();
+  let body;
+  try {
+    body = await response.json();
+  } catch (e) {
+    throw new Error(`${path.split("?")[0]}: ${response.status} ${response.statusText}`);
+  }
   if (!response.ok) throw new Error(body.error || response.statusText);
   return body;
 }
 
-function modeLabel(mode) {
+function single(site, mode) {
+  const stats = (site && site.stats_by_mode && site.stats_by_mode[mode]) || [];
+  return stats.length === 1 && stats[0] === "mean";
+}
+
+// A mode with the word ML engineers use for it; a site that is one number (a loss) has a
+// value, not an activation.
+function modeLabel(mode, site) {
+  if (mode === "value") return "logged";
+  if (mode === "primal" && single(site, mode)) return "value";
   return WORDS[mode] ? `${WORDS[mode]} (${mode})` : mode;
 }
 
-function fmtScale(x, logScale) {
-  const v = logScale ? Math.pow(10, x) : x;
-  return Math.abs(v) >= 1e4 || (Math.abs(v) < 1e-3 && v !== 0) ? v.toExponential(1)
-    : v.toPrecision(2);
+function statLabel(site, mode, stat) {
+  const stats = (site && site.stats_by_mode && site.stats_by_mode[mode]) || [];
+  if (stat === "value" || (stat === "mean" && stats.length === 1)) return "value";
+  return stat === "max_abs" ? "max |x|" : stat === "l2" ? "l2 norm" : stat;
 }
 
-function indexLabel(index) {
-  return Array.isArray(index) ? `[${index.join(",")}]` : String(index);
+// The statistic shown for a site when the page asks for `wanted` ("auto": a value's spread,
+// a derivative's norm, a number itself), as the server's overview chooses it.
+function statFor(site, mode, wanted) {
+  const stats = (site.stats_by_mode && site.stats_by_mode[mode]) || site.stats;
+  if (wanted && wanted !== "auto" && stats.includes(wanted)) return wanted;
+  const prefs = mode === "value" ? ["value"] : mode === "primal" ? ["std", "mean"]
+    : ["l2", "std", "mean"];
+  const plain = stats.filter((k) => !["nan", "posinf", "neginf", "size"].includes(k));
+  return prefs.find((k) => plain.includes(k)) || plain.sort()[0] || null;
 }
 
-// A perceptual ramp from dark blue to yellow (sampled by hand from a viridis-like curve).
-const RAMP = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
-function colour(t) {
-  if (!(t >= 0)) t = 0;
-  if (t > 1) t = 1;
-  const x = t * (RAMP.length - 1);
-  const i = Math.min(Math.floor(x), RAMP.length - 2);
-  const f = x - i;
-  const c = RAMP[i].map((a, k) => Math.round(a + (RAMP[i + 1][k] - a) * f));
-  return `rgb(${c[0]},${c[1]},${c[2]})`;
-}
+// -- the view in the address ------------------------------------------------------------------
 
-function lineColour(j, n) {
-  // Hues spread around the circle, alternating lightness so neighbouring layers differ.
-  const hue = Math.round((360 * j) / Math.max(n, 1));
-  return `hsl(${hue}, 75%, ${j % 2 ? 35 : 50}%)`;
-}
-
-function scaleOf(values, logScale) {
-  let lo = Infinity, hi = -Infinity;
-  for (const row of values) for (const v of row) {
-    if (v === null || (logScale && !(v > 0))) continue;
-    const x = logScale ? Math.log10(v) : v;
-    if (x < lo) lo = x;
-    if (x > hi) hi = x;
+function hashHost() {
+  try {
+    return window.parent && window.parent !== window ? window.parent : window;
+  } catch (e) {
+    return window;
   }
-  if (lo === Infinity) { lo = 0; hi = 1; }
-  if (hi === lo) hi = lo + 1;
-  const map = (v) => {
-    if (v === null || (logScale && !(v > 0))) return null;
-    return ((logScale ? Math.log10(v) : v) - lo) / (hi - lo);
-  };
-  return { lo, hi, map, logScale };
 }
 
-function drawHeatmap(box, data, stat, tooltip) {
-  const { steps, index, values, nonfinite } = data;
-  const logScale = LOG_STATS.has(stat);
-  const scale = scaleOf(values, logScale);
-  const width = 1000;
-  const rowH = Math.max(4, Math.min(18, Math.floor(420 / Math.max(index.length, 1))));
-  const left = 56, top = 8, plotW = width - left - 110, plotH = rowH * index.length;
-  const canvas = el("canvas", { width: String(width), height: String(plotH + top + 36),
-                                class: "heatmap" });
-  const ctx = canvas.getContext("2d");
-  const cellW = plotW / Math.max(steps.length, 1);
-  for (let i = 0; i < steps.length; i++) {
-    for (let j = 0; j < index.length; j++) {
-      const bad = nonfinite && nonfinite[i] && nonfinite[i][j] > 0;
-      const t = scale.map(values[i][j]);
-      ctx.fillStyle = bad ? "#e0006c" : t === null ? "#d8d8d8" : colour(t);
-      // Whole pixels: fractional cells would leave hairline gaps between them.
-      const x0 = Math.floor(left + i * cellW), x1 = Math.floor(left + (i + 1) * cellW);
-      ctx.fillRect(x0, top + j * rowH, Math.max(1, x1 - x0), rowH);
+function readState() {
+  const state = {};
+  let hash = "";
+  try {
+    hash = hashHost().location.hash;
+  } catch (e) {
+    hash = window.location.hash;
+  }
+  for (const part of hash.replace(/^#/, "").split("&")) {
+    const eq = part.indexOf("=");
+    if (eq < 0) continue;
+    const key = decodeURIComponent(part.slice(0, eq));
+    if (STATE_KEYS.includes(key)) state[key] = decodeURIComponent(part.slice(eq + 1));
+  }
+  return state;
+}
+
+function writeState(state) {
+  const host = hashHost();
+  let parts;
+  try {
+    parts = host.location.hash.replace(/^#/, "").split("&").filter((p) => p &&
+      !STATE_KEYS.includes(decodeURIComponent(p.split("=")[0])));
+  } catch (e) {
+    return;
+  }
+  if (!parts.length) parts = ["sowtel"];
+  for (const key of STATE_KEYS) {
+    const v = state[key];
+    if (v !== null && v !== undefined && v !== "") {
+      parts.push(`${encodeURIComponent(key)}=${encodeURIComponent(v)}`);
     }
   }
-  ctx.fillStyle = "#333";
-  ctx.font = "11px sans-serif";
-  ctx.textAlign = "right";
-  const every = Math.ceil(12 / rowH);
-  for (let j = 0; j < index.length; j += every) {
-    ctx.fillText(indexLabel(index[j]), left - 4, top + j * rowH + rowH / 2 + 4);
+  try {
+    host.history.replaceState(host.history.state, "", `#${parts.join("&")}`);
+  } catch (e) {
+    // A page that does not let the frame change its address keeps working without it.
   }
-  ctx.textAlign = "center";
-  const stepEvery = Math.ceil(steps.length / 8);
-  for (let i = 0; i < steps.length; i += stepEvery) {
-    ctx.fillText(String(steps[i]), left + (i + 0.5) * cellW, top + plotH + 14);
-  }
-  ctx.fillText("training step", left + plotW / 2, top + plotH + 30);
-  ctx.save();
-  ctx.translate(12, top + plotH / 2);
-  ctx.rotate(-Math.PI / 2);
-  ctx.fillText("layer", 0, 0);
-  ctx.restore();
-  // Colour bar: orders of magnitude when the scale is logarithmic.
-  const barX = left + plotW + 24;
-  for (let y = 0; y < plotH; y++) {
-    ctx.fillStyle = colour(1 - y / Math.max(plotH - 1, 1));
-    ctx.fillRect(barX, top + y, 14, 1);
-  }
-  ctx.fillStyle = "#333";
-  ctx.textAlign = "left";
-  ctx.fillText(fmtScale(scale.hi, logScale), barX + 18, top + 10);
-  ctx.fillText(fmtScale(scale.lo, logScale), barX + 18, top + plotH);
-  if (logScale) ctx.fillText("log scale", barX + 18, top + plotH / 2);
-  canvas.addEventListener("mousemove", (ev) => {
-    const r = canvas.getBoundingClientRect();
-    const i = Math.floor((ev.clientX - r.left - left) / cellW);
-    const j = Math.floor((ev.clientY - r.top - top) / rowH);
-    if (i < 0 || j < 0 || i >= steps.length || j >= index.length) {
-      tooltip.style.display = "none";
-      return;
-    }
-    const v = values[i][j];
-    const bad = nonfinite && nonfinite[i] && nonfinite[i][j] > 0
-      ? `, ${nonfinite[i][j]} non-finite` : "";
-    tooltip.textContent = `step ${steps[i]}, layer ${indexLabel(index[j])}: ${stat} = ` +
-      `${v === null ? "n/a" : v.toPrecision(4)}${bad}`;
-    tooltip.style.display = "block";
-    tooltip.style.left = `${ev.pageX + 12}px`;
-    tooltip.style.top = `${ev.pageY + 12}px`;
-  });
-  canvas.addEventListener("mouseleave", () => { tooltip.style.display = "none"; });
-  box.append(canvas);
 }
 
-function drawLines(box, data, stat) {
-  const { steps, index, values } = data;
-  const logScale = LOG_STATS.has(stat);
-  const scale = scaleOf(values, logScale);
-  const W = 760, H = 300, left = 60, right = 12, top = 10, bottom = 30;
-  const ns = "http://www.w3.org/2000/svg";
-  const svg = document.createElementNS(ns, "svg");
-  svg.setAttribute("width", String(W));
-  svg.setAttribute("height", String(H));
-  svg.setAttribute("class", "lines");
-  const x = (i) => left + ((W - left - right) * i) / Math.max(steps.length - 1, 1);
-  const y = (t) => top + (H - top - bottom) * (1 - t);
-  const legend = el("div", { class: "legend" });
-  for (let j = 0; j < index.length; j++) {
-    let d = "";
-    for (let i = 0; i < steps.length; i++) {
-      const t = scale.map(values[i][j]);
-      if (t === null) continue;
-      d += `${d ? "L" : "M"}${x(i).toFixed(1)},${y(t).toFixed(1)}`;
-    }
-    const path = document.createElementNS(ns, "path");
-    path.setAttribute("d", d);
-    path.setAttribute("fill", "none");
-    path.setAttribute("stroke", lineColour(j, index.length));
-    path.setAttribute("stroke-width", "1.5");
-    const title = document.createElementNS(ns, "title");
-    title.textContent = `layer ${indexLabel(index[j])}`;
-    path.append(title);
-    svg.append(path);
-    legend.append(el("span", { class: "key", style: `color:${lineColour(j, index.length)}` },
-                     `■ ${indexLabel(index[j])} `));
-  }
-  const axis = (text, tx, ty, anchor = "start") => {
-    const t = document.createElementNS(ns, "text");
-    t.setAttribute("x", String(tx));
-    t.setAttribute("y", String(ty));
-    t.setAttribute("font-size", "11");
-    t.setAttribute("text-anchor", anchor);
-    t.textContent = text;
-    svg.append(t);
-  };
-  axis(fmtScale(scale.hi, logScale), 4, top + 10);
-  axis(fmtScale(scale.lo, logScale), 4, H - bottom);
-  if (steps.length) {
-    axis(String(steps[0]), left, H - 10);
-    axis(String(steps[steps.length - 1]), W - right, H - 10, "end");
-  }
-  box.append(svg, legend);
-}
+// -- panels -----------------------------------------------------------------------------------
 
-function healthPanel(health) {
+function healthPanel(health, runName) {
   const panel = el("div", { class: "health", id: "health" });
   if (!health.first) {
     panel.classList.add("ok");
-    panel.append("No NaN or infinity recorded in this run.");
+    panel.append(`No NaN or infinity recorded in run ${runName}.`);
     return panel;
   }
   const f = health.first;
   const where = f.site
     ? `site ${f.site}, ${modeLabel(f.mode)}, step ${f.step}` +
-      (f.index !== null && f.index !== undefined ? `, index ${indexLabel(f.index)}` : "")
+      (f.index !== null && f.index !== undefined ? `, index ${label(f.index)}` : "")
     : f.text;
   panel.append(el("div", { class: "first" }, `First non-finite value: ${where}`));
   const list = el("ul");
-  for (const s of health.sites) {
+  for (const s of health.sites.slice(0, 20)) {
     list.append(el("li", {}, `${s.site}, ${modeLabel(s.mode)}: from step ${s.first_step}, ` +
                                `${s.steps} step(s)`));
   }
+  if (health.sites.length > 20) list.append(el("li", {}, `and ${health.sites.length - 20} more`));
   panel.append(list);
   return panel;
 }
 
+function lastText(row) {
+  if (!row || !row.last) return "n/a";
+  const l = row.last;
+  if ("value" in l) return fmt(l.value, 4);
+  if (l.min === null) return "n/a";
+  return l.min === l.max ? fmt(l.min, 4) : `${fmt(l.min)} … ${fmt(l.max)}`;
+}
+
+function overviewTable(rows, other, sites, state, onPick) {
+  const cmp = !!other;
+  const table = el("table", { class: "overview", id: "overview-table" });
+  table.append(el("thead", {}, el("tr", {},
+    el("th", {}, "site"), el("th", {}, "mode"), el("th", {}, "statistic"),
+    el("th", {}, cmp ? `last: ${state.run}` : "last value"),
+    ...(cmp ? [el("th", {}, `last: ${state.cmp}`)] : []),
+    el("th", {}, "over the steps"), el("th", {}, "non-finite"))));
+  const body = el("tbody");
+  const byKey = new Map((other || []).map((r) => [`${r.site}\u0000${r.mode}`, r]));
+  for (const row of rows) {
+    const site = sites.get(row.site);
+    const twin = byKey.get(`${row.site}\u0000${row.mode}`);
+    const depth = row.kind === "scan" || row.kind === "repeat";
+    let chart;
+    if (depth && row.spark && row.spark.index) {
+      chart = miniHeatmap(row.spark);
+    } else {
+      const series = [];
+      if (row.spark) series.push({ ...row.spark, colour: RUN_COLOURS[0] });
+      if (twin && twin.spark && !twin.spark.index) {
+        series.push({ ...twin.spark, colour: RUN_COLOURS[1], dash: "3,2" });
+      }
+      chart = sparkline(series);
+    }
+    const bad = row.nonfinite;
+    const tr = el("tr", {
+      "data-site": row.site, "data-mode": row.mode, "data-kind": row.kind,
+      class: [bad ? "bad" : "", state.site === row.site && state.mode === row.mode
+        ? "selected" : ""].join(" ").trim(),
+      onclick: () => onPick(row),
+    },
+    el("td", { class: "site-name" }, row.site,
+       depth && row.positions ? el("span", { class: "dim" },
+                                   ` ${row.positions} ${row.kind === "scan" ? "layers" : "repeats"}`)
+         : null),
+    el("td", {}, modeLabel(row.mode, site)),
+    el("td", {}, row.stat ? statLabel(site, row.mode, row.stat) : "n/a"),
+    el("td", { class: "num" }, lastText(row)),
+    ...(cmp ? [el("td", { class: "num" }, twin ? lastText(twin) : "not in this run")] : []),
+    el("td", {}, chart),
+    el("td", { class: bad ? "nonfinite" : "dim" },
+       bad ? `from step ${bad.first_step}` + (bad.first_index !== null &&
+               bad.first_index !== undefined ? ` (index ${label(bad.first_index)})` : "") +
+             `, ${bad.steps} step(s)` : "none"));
+    body.append(tr);
+  }
+  table.append(body);
+  return table;
+}
+
+function legend(index, highlight, onPick, colours) {
+  const box = el("div", { class: "legend", id: "legend" });
+  box.append(el("span", { class: "legend-title" }, "layer:"));
+  index.forEach((ix, j) => {
+    const on = highlight === null || highlight === j;
+    box.append(el("span", {
+      class: `key${highlight === j ? " picked" : ""}`, "data-layer": String(j),
+      style: `opacity:${on ? 1 : 0.45}`, onclick: () => onPick(j),
+      title: `highlight layer ${label(ix)}`,
+    }, el("i", { style: `background:${colours[j]}` }), label(ix)));
+  });
+  if (highlight !== null) {
+    box.append(el("span", { class: "key clear", onclick: () => onPick(null) }, "show all"));
+  }
+  return box;
+}
+
 const STYLE = `
-body { font-family: Roboto, sans-serif; margin: 16px; color: #212121; }
-h2 { font-size: 16px; margin: 18px 0 6px; }
+body { font-family: Roboto, sans-serif; margin: 16px 20px; color: #212121; font-size: 14px; }
+h1 { font-size: 20px; margin: 0 0 10px; font-weight: 500; }
+h2 { font-size: 16px; margin: 22px 0 8px; font-weight: 500; }
+.controls { display: flex; flex-wrap: wrap; gap: 8px 18px; align-items: center;
+            margin-bottom: 10px; font-size: 13px; }
+.controls select { font-size: 13px; padding: 2px; }
 .health { padding: 8px 12px; border-radius: 4px; background: #fde7ef; margin-bottom: 12px; }
 .health.ok { background: #e8f5e9; }
 .health .first { font-weight: 600; }
-.controls label { margin-right: 14px; font-size: 13px; }
-.sites { font-size: 13px; margin: 6px 0; }
-.sites span { margin-right: 10px; cursor: pointer; text-decoration: underline; }
+.health ul { margin: 4px 0 0; padding-left: 20px; }
+table.overview { border-collapse: collapse; font-size: 13px; }
+table.overview th { text-align: left; font-weight: 500; color: #555; padding: 4px 10px;
+                    border-bottom: 1px solid #ccc; }
+table.overview td { padding: 3px 10px; border-bottom: 1px solid #eee; vertical-align: middle; }
+table.overview tr { cursor: pointer; }
+table.overview tbody tr:hover { background: #f3f6fb; }
+table.overview tr.selected { background: #e3ecfa; }
+table.overview tr.bad td.site-name { color: ${MAGENTA}; font-weight: 600; }
+td.num { font-variant-numeric: tabular-nums; text-align: right; white-space: nowrap; }
+td.nonfinite { color: ${MAGENTA}; }
+.dim { color: #777; }
 .tooltip { position: absolute; display: none; background: #333; color: #fff; font-size: 12px;
-           padding: 3px 6px; border-radius: 3px; pointer-events: none; }
-.legend { font-size: 11px; max-width: 760px; }
-.key { white-space: nowrap; }
+           padding: 4px 7px; border-radius: 3px; pointer-events: none; z-index: 10; }
+.legend { font-size: 13px; margin: 6px 0 0 ${LEFT}px; display: flex; flex-wrap: wrap;
+          gap: 3px 12px; max-width: 1100px; }
+.legend .key { cursor: pointer; white-space: nowrap; user-select: none; }
+.legend .key i { display: inline-block; width: 12px; height: 12px; margin-right: 4px;
+                 vertical-align: -1px; border-radius: 2px; }
+.legend .key.picked { font-weight: 700; text-decoration: underline; }
+.legend .legend-title { color: #555; }
+.legend .clear { color: #1a73e8; }
+svg text.tick { font-size: 12px; fill: #444; }
+svg text.axis-label { font-size: 13px; fill: #222; }
+svg.chart { display: block; }
+svg.lines path.layer { cursor: pointer; }
+.cards { display: flex; flex-wrap: wrap; gap: 14px; }
+.card { border: 1px solid #e0e0e0; border-radius: 4px; padding: 8px 4px 4px; }
+.card.selected { border-color: #1a73e8; box-shadow: 0 0 0 2px #c6dafc; }
+.card .title { font-size: 14px; margin: 0 0 4px 10px; }
+.caption { font-size: 13px; color: #444; margin: 6px 0 2px ${LEFT}px; }
 .error { color: #b00020; }
-.note { font-size: 11px; color: #555; }
+.note { font-size: 12px; color: #555; margin: 4px 0 0 ${LEFT}px; }
+.runs-key { font-size: 12px; margin-left: 10px; }
+.runs-key b { display: inline-block; width: 18px; height: 0; border-top: 2px solid;
+              vertical-align: middle; margin: 0 4px 0 8px; }
 `;
+
+// -- the page ---------------------------------------------------------------------------------
 
 export async function render() {
   document.head.append(el("style", {}, STYLE));
@@ -248,92 +275,345 @@ export async function render() {
                 "\"tensorboard\") and this page fills in as steps are written.");
     return;
   }
-  const healthBox = el("div");
-  const runSel = el("select", { id: "run" });
-  const siteSel = el("select", { id: "site" });
-  const modeSel = el("select", { id: "mode" });
-  const statSel = el("select", { id: "stat" });
-  const siteList = el("div", { class: "sites", id: "site-list" });
-  const heat = el("div", { id: "heatmap" });
-  const lines = el("div", { id: "lines" });
-  const status = el("div", { id: "status" });
-  for (const r of runs) runSel.append(el("option", { value: r }, r));
-  root.append(
-    el("h1", { style: "font-size:18px" }, "Training health across depth"),
-    healthBox,
-    el("div", { class: "controls" },
-       el("label", {}, "run ", runSel), el("label", {}, "site ", siteSel),
-       el("label", {}, "mode ", modeSel), el("label", {}, "statistic ", statSel)),
-    siteList, status,
-    el("h2", {}, "Layers × steps"), heat,
-    el("div", { class: "note" }, "Grey: the layer did not run that step. " +
-       "Magenta: NaN or infinity in the layer's value."),
-    el("h2", {}, "One line per layer"), lines,
-  );
-  let sites = [];
+  const state = { stat: "auto", smooth: "0.6", layer: null, ...readState() };
+  if (!runs.includes(state.run)) state.run = runs[0];
+  if (state.cmp && (!runs.includes(state.cmp) || state.cmp === state.run)) state.cmp = null;
 
-  async function showDepth() {
-    heat.replaceChildren();
-    lines.replaceChildren();
-    const q = new URLSearchParams({ run: runSel.value, site: siteSel.value,
-                                    mode: modeSel.value, stat: statSel.value });
+  const runSel = el("select", { id: "run" }, ...runs.map((r) => el("option", { value: r }, r)));
+  const cmpSel = el("select", { id: "compare" }, el("option", { value: "" }, "none"),
+                    ...runs.map((r) => el("option", { value: r }, r)));
+  const statSel = el("select", { id: "stat" });
+  const smoothIn = el("input", { id: "smoothing", type: "range", min: "0", max: "0.99",
+                                 step: "0.01", style: "width:120px;vertical-align:middle" });
+  const smoothOut = el("span", { class: "dim" });
+  runSel.value = state.run;
+  cmpSel.value = state.cmp || "";
+  smoothIn.value = state.smooth;
+  smoothOut.textContent = Number(state.smooth).toFixed(2);
+  const healthBox = el("div");
+  const overviewBox = el("div", { id: "overview" });
+  const depthBox = el("div", { id: "depth" });
+  const cardsBox = el("div", { id: "cards" });
+  root.append(
+    el("h1", {}, "Training health: every sown site"),
+    el("div", { class: "controls" },
+       el("label", {}, "run ", runSel), el("label", {}, "compare with ", cmpSel),
+       el("label", {}, "statistic ", statSel),
+       el("label", {}, "smoothing ", smoothIn, " ", smoothOut)),
+    healthBox, overviewBox, depthBox, cardsBox);
+
+  let view = null;  // what the current run(s) hold: sites, rows, depth choices
+  let painted = false;  // the health panel and the depth picture drawn once
+  const width = () => Math.max(760, Math.min(1240, root.clientWidth || 1200));
+  const smoothing = () => Number(state.smooth) || 0;
+
+  function save() {
+    writeState({ ...state, stat: state.stat === "auto" ? null : state.stat,
+                 smooth: state.smooth === "0.6" ? null : state.smooth,
+                 layer: state.layer === null ? null : String(state.layer) });
+  }
+
+  // What the page needs before it draws anything: the run's sites and health (quick); the
+  // overview, the depth picture and the cards then load side by side.
+  async function load() {
+    const run = state.run, cmp = state.cmp;
+    const q = (r) => `run=${encodeURIComponent(r)}`;
+    const [sites, health, cmpSites] = await Promise.all([
+      getJSON(`sites?${q(run)}`), getJSON(`health?${q(run)}`),
+      cmp ? getJSON(`sites?${q(cmp)}`) : null,
+    ]);
+    view = {
+      sites: new Map(sites.sites.map((s) => [s.site, s])),
+      order: sites.sites, health, rows: null, total: 0,
+      cmpSites: cmpSites ? new Map(cmpSites.sites.map((s) => [s.site, s])) : null,
+      cmpRows: null,
+    };
+    const stats = new Set();
+    for (const s of sites.sites) for (const k of s.stats) stats.add(k);
+    for (const k of ["size", "value"]) stats.delete(k);
+    statSel.replaceChildren(
+      el("option", { value: "auto" }, "auto: std of values, l2 of gradients"),
+      ...[...stats].sort().map((k) => el("option", { value: k }, statLabel(null, "", k))));
+    statSel.value = stats.has(state.stat) ? state.stat : "auto";
+  }
+
+  async function loadOverview() {
+    const q = (r) => `run=${encodeURIComponent(r)}`;
+    const statQ = state.stat && state.stat !== "auto" ? `&stat=${encodeURIComponent(state.stat)}`
+      : "";
     try {
-      const data = await getJSON(`depth?${q}`);
-      status.textContent = `${data.index.length} layers × ${data.steps.length} steps`;
-      drawHeatmap(heat, data, statSel.value, tooltip);
-      drawLines(lines, data, statSel.value);
+      const [overview, other] = await Promise.all([
+        getJSON(`overview?${q(state.run)}${statQ}`),
+        state.cmp ? getJSON(`overview?${q(state.cmp)}${statQ}`) : null,
+      ]);
+      view.rows = overview.rows;
+      view.total = overview.total;
+      view.cmpRows = other ? other.rows : null;
+      drawOverview();
     } catch (e) {
-      status.replaceChildren(el("span", { class: "error" }, e.message));
+      overviewBox.replaceChildren(el("div", { class: "error" }, e.message));
     }
   }
 
-  function fillModes() {
-    const site = sites.find((s) => s.site === siteSel.value);
-    modeSel.replaceChildren(...site.modes.map((m) => el("option", { value: m }, modeLabel(m))));
-    fillStats();
+  function drawOverview() {
+    const shown = view.rows.length < view.total
+      ? ` (the first ${view.rows.length} of ${view.total} rows)` : "";
+    overviewBox.replaceChildren(
+      el("h2", {}, `Every site, in program order${shown}`),
+      overviewTable(view.rows, view.cmpRows, view.sites, state, pick));
   }
 
-  function fillStats() {
-    const site = sites.find((s) => s.site === siteSel.value);
-    const preferred = modeSel.value === "primal" ? "std" : "l2";
-    statSel.replaceChildren(...site.stats.map((k) => el("option", { value: k }, k)));
-    if (site.stats.includes(preferred)) statSel.value = preferred;
+  function pick(row) {
+    state.site = row.site;
+    state.mode = row.mode;
+    state.layer = null;
+    save();
+    for (const tr of overviewBox.querySelectorAll("tbody tr")) {
+      tr.classList.toggle("selected", tr.dataset.site === row.site &&
+                                      tr.dataset.mode === row.mode);
+    }
+    if (row.kind === "scan" || row.kind === "repeat") {
+      drawDepth().then(() => depthBox.scrollIntoView({ behavior: "smooth" }));
+    } else {
+      const card = cardsBox.querySelector(
+        `.card[data-site="${CSS.escape(row.site)}"][data-mode="${CSS.escape(row.mode)}"]`);
+      for (const c of cardsBox.querySelectorAll(".card")) c.classList.toggle("selected", c === card);
+      if (card) card.scrollIntoView({ behavior: "smooth", block: "center" });
+    }
   }
 
-  async function showRun() {
-    const run = runSel.value;
-    const [siteData, health] = await Promise.all([
-      getJSON(`sites?run=${encodeURIComponent(run)}`),
-      getJSON(`health?run=${encodeURIComponent(run)}`),
-    ]);
-    healthBox.replaceChildren(healthPanel(health));
-    sites = siteData.sites;
-    siteSel.replaceChildren(...sites.map((s) => el("option", { value: s.site }, s.site)));
-    siteList.replaceChildren(...sites.map((s) => el("span", {
-      class: "site-name",
-      onclick: () => { siteSel.value = s.site; fillModes(); showDepth(); },
-    }, s.site)));
-    if (!sites.length) {
-      status.textContent = "This run has no site inside a scan or repeated by number.";
+  // -- the depth section: one scanned or repeated site, layers x steps ------------------------
+
+  function depthChoice() {
+    const depthSites = view.order.filter((s) => s.kind === "scan" || s.kind === "repeat");
+    if (!depthSites.length) return null;
+    let site = depthSites.find((s) => s.site === state.site);
+    if (!site) {
+      const f = view.health.first;
+      site = (f && depthSites.find((s) => s.site === f.site)) || depthSites[0];
+    }
+    let mode = site.modes.includes(state.mode) ? state.mode : null;
+    if (!mode) {
+      const f = view.health.first;
+      mode = f && f.site === site.site && site.modes.includes(f.mode) ? f.mode : site.modes[0];
+    }
+    return { site, mode, depthSites };
+  }
+
+  async function drawDepth() {
+    const choice = depthChoice();
+    if (!choice) {
+      depthBox.replaceChildren();
       return;
     }
-    // Open on the first site that went non-finite, else the first site inside a scan.
-    const first = health.first && sites.find((s) => s.site === health.first.site);
-    const scan = sites.find((s) => s.kind === "scan");
-    siteSel.value = (first || scan || sites[0]).site;
-    fillModes();
-    if (first && first.modes.includes(health.first.mode)) {
-      modeSel.value = health.first.mode;
-      fillStats();
+    const { site, mode, depthSites } = choice;
+    const stat = statFor(site, mode, state.stat);
+    const siteSel = el("select", { id: "site" },
+                       ...depthSites.map((s) => el("option", { value: s.site }, s.site)));
+    siteSel.value = site.site;
+    const modeSel = el("select", { id: "mode" },
+                       ...site.modes.map((m) => el("option", { value: m }, modeLabel(m))));
+    modeSel.value = mode;
+    siteSel.addEventListener("change", () => {
+      state.site = siteSel.value; state.mode = null; state.layer = null; save(); drawDepth();
+    });
+    modeSel.addEventListener("change", () => {
+      state.mode = modeSel.value; state.layer = null; save(); drawDepth();
+    });
+    const status = el("div", { class: "note", id: "status" }, "loading…");
+    depthBox.replaceChildren(
+      el("h2", {}, "Layers × steps"),
+      el("div", { class: "controls" }, el("label", {}, "site ", siteSel),
+         el("label", {}, "mode ", modeSel),
+         el("span", { class: "dim" }, `statistic: ${statLabel(site, mode, stat)}`)),
+      status);
+    const q = (r) => new URLSearchParams({ run: r, site: site.site, mode, stat });
+    const cmpSite = view.cmpSites && view.cmpSites.get(site.site);
+    const cmpHas = cmpSite && cmpSite.modes.includes(mode) &&
+      (cmpSite.stats_by_mode[mode] || []).includes(stat);
+    let data, other = null;
+    try {
+      [data, other] = await Promise.all([getJSON(`depth?${q(state.run)}`),
+                                         cmpHas ? getJSON(`depth?${q(state.cmp)}`) : null]);
+    } catch (e) {
+      status.replaceChildren(el("span", { class: "error" }, e.message));
+      return;
     }
-    await showDepth();
+    const w = width();
+    const x = xAxis([...data.steps, ...(other ? other.steps : [])], w);
+    const scale = chooseScale([...data.values, ...(other ? other.values : [])], false, true);
+    const index = data.index;
+    let highlight = state.layer === null || state.layer === undefined ? null
+      : Number(state.layer);
+    if (!(highlight >= 0 && highlight < index.length)) highlight = null;
+    const word = site.kind === "repeat" ? "repeat" : "layer";
+    const colours = index.map((_, j) => lineColour(j, index.length));
+    const parts = [];
+    let linesChart = null;
+    const onHover = (step) => { if (linesChart) linesChart.guide(step); };
+    const setLayer = (j) => {
+      state.layer = j === null || j === highlight ? null : j;
+      save();
+      drawDepth();
+    };
+    const paging = data.positions > data.index.length
+      ? `; the first ${data.index.length} of ${data.positions} positions` : "";
+    status.textContent = `${data.index.length} ${word}s × ${data.steps.length} steps` +
+      (data.downsampled ? " (a sample of the steps)" : "") + paging +
+      (state.cmp && !cmpHas ? `; run ${state.cmp} has no ${site.site} (${mode}) ${stat}` : "");
+    const mapOf = (d, name) => heatmap(d, {
+      x, scale, stat: statLabel(site, mode, stat), label: word, tooltip, onHover,
+      onPick: setLayer, highlight,
+    }).canvas;
+    if (other) parts.push(el("div", { class: "caption" }, `run ${state.run}`));
+    parts.push(mapOf(data));
+    if (other) {
+      parts.push(el("div", { class: "caption" }, `run ${state.cmp}`), mapOf(other));
+    }
+    parts.push(el("div", { class: "note" }, "Grey: the " + word + " did not run that step. " +
+                  "Magenta: NaN or infinity in its value. " + (scale.clipped
+                  ? "Colours span the 5th to 95th percentile; values beyond take the end " +
+                    "colours. " : "") + "Click a row to highlight its " + word + " below."));
+    const series = [];
+    const add = (d, dash, run) => {
+      d.index.forEach((ix, j) => {
+        const jj = index.findIndex((v) => label(v) === label(ix));
+        const key = jj < 0 ? j : jj;
+        series.push({ key, label: `${run ? run + ", " : ""}${word} ${label(ix)}`,
+                      steps: d.steps, values: d.steps.map((_, i) => d.values[i][j]),
+                      bad: d.steps.map((_, i) => d.nonfinite[i][j]),
+                      colour: colours[key] || "#999", dash });
+      });
+    };
+    add(data, null, other ? state.run : "");
+    if (other) add(other, "5,3", state.cmp);
+    linesChart = lineChart(series, {
+      x, height: 300, yLabel: statLabel(site, mode, stat), smoothing: smoothing(),
+      highlight, tooltip, onPick: (key) => setLayer(Number(key)),
+    });
+    parts.push(el("h2", {}, `One line per ${word}`), linesChart.svg,
+               legend(index, highlight, setLayer, colours));
+    if (other) {
+      parts.push(el("div", { class: "note" }, `solid: run ${state.run}; dashed: run ` +
+                    `${state.cmp}`));
+    }
+    depthBox.append(...parts);
   }
 
-  runSel.addEventListener("change", showRun);
-  siteSel.addEventListener("change", () => { fillModes(); showDepth(); });
-  modeSel.addEventListener("change", () => { fillStats(); showDepth(); });
-  statSel.addEventListener("change", showDepth);
-  await showRun();
-  document.body.setAttribute("data-ready", "1");
-  performance.mark("sowtel-ready");  // the first-paint benchmark reads it
+  // -- the cards: every plain site's per-step chart -----------------------------------------
+
+  async function drawCards() {
+    const plain = [];
+    for (const s of view.order) {
+      if (s.kind !== "plain" && s.kind !== "logged") continue;
+      for (const m of s.modes) plain.push([s, m]);
+    }
+    if (!plain.length) {
+      cardsBox.replaceChildren();
+      return;
+    }
+    const w = width();
+    const cardW = w >= 1100 ? Math.floor((w - 40) / 2) : w - 20;
+    const grid = el("div", { class: "cards" });
+    const more = plain.length > MOST_CARDS
+      ? ` (the first ${MOST_CARDS} of ${plain.length})` : "";
+    cardsBox.replaceChildren(el("h2", {}, `Per-step charts${more}`), grid);
+    const jobs = [];
+    for (const [site, mode] of plain.slice(0, MOST_CARDS)) {
+      const stat = statFor(site, mode, state.stat);
+      const card = el("div", {
+        class: `card${state.site === site.site && state.mode === mode ? " selected" : ""}`,
+        "data-site": site.site, "data-mode": mode, style: `width:${cardW}px`,
+      }, el("div", { class: "title" }, el("b", {}, site.site),
+            mode === "value" ? " (logged)" : single(site, mode) ? " (value)"
+              : ` · ${modeLabel(mode)} · ${statLabel(site, mode, stat)}`));
+      grid.append(card);
+      jobs.push(async () => {
+        const q = (r) => new URLSearchParams({ run: r, site: site.site, mode, stat });
+        const twin = view.cmpSites && view.cmpSites.get(site.site);
+        const cmpHas = twin && twin.modes.includes(mode) &&
+          (twin.stats_by_mode[mode] || []).includes(stat);
+        try {
+          const [a, b] = await Promise.all([getJSON(`series?${q(state.run)}`),
+                                            cmpHas ? getJSON(`series?${q(state.cmp)}`) : null]);
+          const x = xAxis([...a.steps, ...(b ? b.steps : [])], cardW - 8, 24);
+          const series = [{ label: state.cmp ? state.run : "", steps: a.steps,
+                            values: a.values, bad: a.nonfinite, colour: RUN_COLOURS[0] }];
+          if (b) {
+            series.push({ label: state.cmp, steps: b.steps, values: b.values,
+                          bad: b.nonfinite, colour: RUN_COLOURS[1], dash: "5,3" });
+          }
+          const chart = lineChart(series, { x, height: 220, smoothing: smoothing(), tooltip,
+                                            yLabel: statLabel(site, mode, stat) });
+          card.append(chart.svg);
+          const bad = a.nonfinite.map((c, i) => (c > 0 ? a.steps[i] : null))
+            .filter((s) => s !== null);
+          if (bad.length) {
+            card.append(el("div", { class: "note nonfinite" },
+                           `NaN or infinity at ${bad.length} step(s), from step ${bad[0]}`));
+          }
+          if (state.cmp) {
+            card.append(el("div", { class: "runs-key" },
+                           el("b", { style: `border-color:${RUN_COLOURS[0]}` }), state.run,
+                           el("b", { style: `border-color:${RUN_COLOURS[1]};border-top-style:dashed` }),
+                           cmpHas ? state.cmp : `${state.cmp} (not recorded there)`));
+          }
+        } catch (e) {
+          card.append(el("div", { class: "error" }, e.message));
+        }
+      });
+    }
+    // A few requests at a time: TensorBoard serves them one by one anyway.
+    const queue = jobs.slice();
+    await Promise.all([0, 1, 2].map(async () => {
+      while (queue.length) await queue.shift()();
+    }));
+  }
+
+  async function showAll() {
+    document.body.removeAttribute("data-ready");
+    try {
+      await load();
+    } catch (e) {
+      overviewBox.replaceChildren(el("div", { class: "error" }, e.message));
+      return;
+    }
+    healthBox.replaceChildren(healthPanel(view.health, state.run));
+    // The depth picture first: TensorBoard answers one request at a time in effect (one
+    // Python process), and the overview reads every site. Then the rest, side by side.
+    overviewBox.replaceChildren(el("h2", {}, "Every site, in program order"),
+                                el("div", { class: "note", style: "margin-left:0" }, "loading…"));
+    await drawDepth();
+    if (!painted) {
+      painted = true;
+      performance.mark("sowtel-ready");  // the first-paint benchmark reads it
+    }
+    await Promise.all([loadOverview(), drawCards()]);
+    document.body.setAttribute("data-ready", "1");
+  }
+
+  runSel.addEventListener("change", () => {
+    state.run = runSel.value;
+    if (state.cmp === state.run) { state.cmp = null; cmpSel.value = ""; }
+    save();
+    showAll();
+  });
+  cmpSel.addEventListener("change", () => {
+    state.cmp = cmpSel.value && cmpSel.value !== state.run ? cmpSel.value : null;
+    cmpSel.value = state.cmp || "";
+    save();
+    showAll();
+  });
+  statSel.addEventListener("change", () => { state.stat = statSel.value; save(); showAll(); });
+  smoothIn.addEventListener("input", () => {
+    smoothOut.textContent = Number(smoothIn.value).toFixed(2);
+  });
+  smoothIn.addEventListener("change", () => {
+    state.smooth = smoothIn.value;
+    save();
+    drawDepth();
+    drawCards();
+  });
+  await showAll();
+  save();
 }
