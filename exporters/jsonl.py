@@ -4,7 +4,11 @@ Each line of ``<logdir>/<filename>`` is a JSON object with the fields of
 :class:`~sowtel.records.Record`: ``name``, ``mode``, ``tag``, ``step``, ``index`` (null, an
 integer, or a list for nested scans), ``wall_time``, ``summary``, ``shape`` (a list), ``dtype``,
 ``stats`` (an object), ``histogram`` (``{"edges": [...], "counts": [...]}`` or null),
-``process_index``, ``seq``, and ``value_file``.
+``process_index``, ``seq``, ``order``, ``scans`` (for a site inside a scan: a list of
+``[entry, reverse]``, outermost first; absent otherwise) and ``value_file``. ``order`` and
+``scans`` with ``index`` give the record's place in its step's execution order
+(:func:`sowtel.records.order_key`); files written before they existed read back with
+``order`` 0 and no ``scans``.
 
 Only plain JSON is written (every line parses with a strict JSON parser): the non-finite floats
 NaN, +inf and -inf are written as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``, which
@@ -147,8 +151,14 @@ def record_to_json(record: Record, value_file: str | None = None) -> dict[str, A
         },
         "process_index": int(record.process_index),
         "seq": int(record.seq),
+        "order": int(record.order),
+        **({"scans": _scans(record.scans)} if record.scans else {}),
         "value_file": value_file,
     }
+
+
+def _scans(scans: Any) -> list[list[Any]]:
+    return [[int(entry), bool(reverse)] for entry, reverse in scans]
 
 
 def _plain_rows(table: np.ndarray) -> list[Any]:
@@ -196,6 +206,9 @@ def columns_lines(columns: SiteColumns) -> str:
         })[1:-1] + ',"stats":'
         tail = f',"process_index":{int(columns.process_index)},"seq":'
         frames.append((head, middle, tail))
+    # The execution-order fields are the table's: written after seq, as record_to_json does.
+    ordered = f',"order":{int(columns.order)}' + (
+        f',"scans":{dumps(_scans(columns.scans))}' if columns.scans else "")
     out: list[str] = []
     if edges is None and keys:
         # No histogram: every record's statistics come from one encoding of the whole table,
@@ -211,7 +224,7 @@ def columns_lines(columns: SiteColumns) -> str:
         numbers = body.split(",") if body else []
         shape = "{" + ",".join(dumps(k).replace("%", "%%") + ":%s" for k in keys) + "}"
         lines = [f"{head.replace('%', '%%')}%s{middle.replace('%', '%%')}{shape}"
-                 f',"histogram":null{tail.replace("%", "%%")}%d,"value_file":null}}\n'
+                 f',"histogram":null{tail.replace("%", "%%")}%d{ordered},"value_file":null}}\n'
                  for head, middle, tail in frames]
         at = 0
         for index, seq in zip(columns.index, columns.seqs, strict=True):
@@ -229,7 +242,7 @@ def columns_lines(columns: SiteColumns) -> str:
                 {"edges": edges[p][leaf], "counts": counts[p][leaf]})
             row = dumps(dict(zip(keys, stats[p][leaf], strict=True)))
             out.append(f'{head}{plain_index}{middle}{row}'
-                       f',"histogram":{hist}{tail}{int(seq)},"value_file":null}}\n')
+                       f',"histogram":{hist}{tail}{int(seq)}{ordered},"value_file":null}}\n')
     return "".join(out)
 
 
@@ -601,6 +614,8 @@ def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> l
                     np.array([_unfloat(c) for c in hist["counts"]]),
                 ),
                 process_index=obj.get("process_index", 0), seq=obj.get("seq", 0),
+                order=obj.get("order", 0),
+                scans=tuple((int(e), bool(r)) for e, r in obj.get("scans", ())),
             ))
     return out
 

@@ -21,7 +21,10 @@ Each record becomes, in the run's event file:
   TensorBoard colours custom-scalars lines by run, so a chart holds one statistic (scan
   iterations of a site are its several lines);
 - the first record holding NaN or infinities, as a text summary ``sowtel/alerts/text_summary``
-  (TensorBoard's text plugin appends ``/text_summary`` to :data:`ALERT_TAG`).
+  (TensorBoard's text plugin appends ``/text_summary`` to :data:`ALERT_TAG`);
+- where each series ran within its step (:func:`sowtel.records.order_key`): for a depth
+  tensor in its metadata (``order``, ``scans``), for the other series in a string tensor
+  :data:`ORDER_TAG` at the step they first appear, JSON ``[[name, mode, order, scans], ...]``.
 
 A record with an ``index`` (scan iteration, shard, or a tuple of them for nested scans) gets its
 own series: the index is written in brackets after the site name, ``{name}[3]/{mode}/{stat}`` or
@@ -92,7 +95,7 @@ from sowtel.tensorboard_plugin import (
 from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFAULT_STATS",
-           "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS"]
+           "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS", "ORDER_TAG", "ORDER_CONTENT"]
 
 #: Tag of the text summary holding the first non-finite alert (TensorBoard's text plugin adds
 #: ``/text_summary``).
@@ -103,6 +106,12 @@ LAYOUT_TAG = "custom_scalars__config__"
 LOG_CATEGORY = "logged scalars"
 #: Layouts of scan-stacked sites (``depth=``): a tensor for the plugin, scalars, or both.
 DEPTH_LAYOUTS: tuple[str, ...] = ("tensor", "scalars", "both")
+#: A string tensor at the steps where series written as scalars first appear: JSON
+#: ``[[name, mode, order, scans], ...]``, their place in execution order (depth tensors carry
+#: theirs in their metadata).
+ORDER_TAG = "sowtel/order"
+#: The metadata content of :data:`ORDER_TAG` (the ``sowtel`` plugin's, which ignores it).
+ORDER_CONTENT = b'{"version": 1, "kind": "order"}'
 
 # Charts of the layout, in this order; any other statistic a record carries follows them.
 _CHART_ORDER = {k: i for i, k in enumerate(STAT_KEYS)}
@@ -355,6 +364,9 @@ class TensorBoardExporter:
         self._last_depth: dict[tuple[int, str, str],
                                tuple[int, list[tuple[Any, tuple[str, ...], np.ndarray]]]] = {}
         self._last_nonfinite: dict[int, tuple[int, list[list[Any]]]] = {}
+        # Series written as scalars whose order is written already, and those to write next.
+        self._ordered: set[tuple[int, str, str]] = set()
+        self._new_orders: dict[int, list[list[Any]]] = {}
         self._last_sync = time.monotonic()
         self._closed = False
         #: How often a deleted run folder was found and created again.
@@ -431,7 +443,7 @@ class TensorBoardExporter:
         try:
             if self._stacked(r):
                 keys = tuple(k for k in STAT_KEYS if k != "size" and k in r.stats)
-                state.depth_row(r.name, r.mode, r.order).add_block(
+                state.depth_row(r.name, r.mode, r.order, r.scans).add_block(
                     [_index_tuple(r.index)], keys,
                     np.array([[r.stats[k] for k in keys]], dtype=np.float64), lambda: [r])
                 count = int(_nonfinite(r.stats))
@@ -461,7 +473,7 @@ class TensorBoardExporter:
             positions = positions[:, None]
         for leaf, name in enumerate(table.names):
             rows = table.stats[:, leaf][:, kept]
-            state.depth_row(name, table.mode, table.order).add_block(
+            state.depth_row(name, table.mode, table.order, table.scans).add_block(
                 positions, kept_keys, rows, functools.partial(_table_records, table, name))
 
     def _step_values(self, process_index: int, step: int, state: _StepState,
@@ -471,6 +483,9 @@ class TensorBoardExporter:
         values = state.values
         if state.nonfinite:
             values.append(self._nonfinite_value(process_index, step, state.nonfinite))
+        new_orders = self._new_orders.pop(process_index, None)
+        if new_orders:
+            values.append(self._order_value(new_orders))
         for (name, mode), rows in state.depth.items():
             try:
                 self._depth_values(process_index, name, mode, step, rows, values, layout,
@@ -564,6 +579,8 @@ class TensorBoardExporter:
                                for head, c in zip(heads, cols, strict=True))
                 if written is None:
                     written = [keys[c] for c in cols]
+            if written:
+                self._note_order(table.process_index, name, table.mode, table.order, table.scans)
             site = layout.setdefault(name, _Site())
             chosen_stats = written or []
             counts_chart = (any(k in COUNT_STATS for k in chosen_stats)
@@ -599,6 +616,8 @@ class TensorBoardExporter:
                                single=math.prod(r.shape) == 1)
         for stat in written:
             values.append(Summary.Value(tag=f"{prefix}/{stat}", simple_value=float(stats[stat])))
+        if written:
+            self._note_order(r.process_index, r.name, r.mode, r.order, r.scans)
         if hist is not None:
             h = _histogram_value(prefix, stats, hist)
             if h is not None:
@@ -659,7 +678,8 @@ class TensorBoardExporter:
         table, stats, rank = _depth_table(blocks)
         tag = f"{series_tag(name, mode)}{DEPTH_SUFFIX}"
         values.append(Summary.Value(tag=tag, metadata=self._depth_metadata(tag, stats, rank,
-                                                                             rows.order),
+                                                                             rows.order,
+                                                                             rows.scans),
                                     tensor=_float_tensor(table)))
         written: frozenset[str] = frozenset()
         if "l2" in stats:
@@ -688,13 +708,31 @@ class TensorBoardExporter:
         return Summary.Value(tag=NONFINITE_TAG, tensor=tensor, metadata=_tensor_metadata(
             NONFINITE_CONTENT) if first else None)
 
-    def _depth_metadata(self, tag: str, stats: list[str], rank: int, order: int) -> Any:
+    def _depth_metadata(self, tag: str, stats: list[str], rank: int, order: int,
+                        scans: tuple[tuple[int, bool], ...] = ()) -> Any:
         # TensorBoard keeps a tag's first metadata: written once per tag and file. The order
         # lets the plugin list sites in program order.
         if tag in self._depth_tags:
             return None
         self._depth_tags.add(tag)
-        return _tensor_metadata(depth_content(stats, rank, order))
+        return _tensor_metadata(depth_content(stats, rank, order, scans))
+
+    def _note_order(self, process_index: int, name: str, mode: str, order: int,
+                    scans: tuple[tuple[int, bool], ...]) -> None:
+        """Keeps a series written as scalars for :data:`ORDER_TAG`, the first time it is met."""
+        key = (process_index, name, mode)
+        if key not in self._ordered:
+            self._ordered.add(key)
+            self._new_orders.setdefault(process_index, []).append(
+                [name, mode, int(order), [[int(e), bool(r)] for e, r in scans]])
+
+    def _order_value(self, rows: list[list[Any]]) -> Summary.Value:
+        first = ORDER_TAG not in self._depth_tags
+        self._depth_tags.add(ORDER_TAG)
+        tensor = TensorProto(dtype=DT_STRING, tensor_shape=TensorShapeProto(),
+                             string_val=[json.dumps(rows).encode()])
+        return Summary.Value(tag=ORDER_TAG, tensor=tensor,
+                             metadata=_tensor_metadata(ORDER_CONTENT) if first else None)
 
     def _chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
                 nonfinite: bool, single: bool = False) -> list[str]:
@@ -780,10 +818,11 @@ class _DepthRows:
     """One site and mode's rows of a depth tensor in one step, as they arrive: blocks of
     ``(positions, statistics' names, rows)``, a table's leaf or a single record each."""
 
-    __slots__ = ("order", "blocks", "late")
+    __slots__ = ("order", "scans", "blocks", "late")
 
-    def __init__(self, order: int) -> None:
+    def __init__(self, order: int, scans: tuple[tuple[int, bool], ...] = ()) -> None:
         self.order = order
+        self.scans = scans
         self.blocks: list[tuple[Any, tuple[str, ...], np.ndarray]] = []
         # How to get the records back, should the step come after a later one of the site.
         self.late: list[Callable[[], Sequence[Record]]] = []
@@ -839,10 +878,11 @@ class _StepState:
         self.nonfinite: list[list[Any]] = []  # [name, mode, index, count]
         self.wall_time = 0.0
 
-    def depth_row(self, name: str, mode: str, order: int) -> _DepthRows:
+    def depth_row(self, name: str, mode: str, order: int,
+                  scans: tuple[tuple[int, bool], ...] = ()) -> _DepthRows:
         rows = self.depth.get((name, mode))
         if rows is None:
-            rows = self.depth[(name, mode)] = _DepthRows(order)
+            rows = self.depth[(name, mode)] = _DepthRows(order, scans)
         return rows
 
 
