@@ -59,7 +59,7 @@ import os
 import re
 import stat
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,7 @@ try:  # a fast encoder when installed (a dependency of sowtel); the standard one
 except ImportError:  # pragma: no cover - orjson is a declared dependency
     _orjson = None
 
-__all__ = ["JsonlExporter", "read_records", "record_to_json"]
+__all__ = ["JsonlExporter", "read_records", "record_to_json", "iter_lines", "json_float"]
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 # Where the platform has them (POSIX): open without following a link, and open a folder only.
@@ -571,53 +571,92 @@ def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> l
     path = Path(path)
     base = path.parent.resolve()
     out: list[Record] = []
+    for number, raw in iter_lines(path, stacklevel=3):
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            raise bad_line(path, number, e) from None
+        value = None
+        if load_values and obj.get("value_file"):
+            file = (base / obj["value_file"]).resolve()
+            if base not in file.parents:
+                raise ValueError(
+                    f"{path}:{number}: value_file={obj['value_file']!r} points outside "
+                    f"{base}; refusing to read it"
+                )
+            value = _load_sidecar(file, f"{path}:{number}")
+            if obj.get("value_dtype") and obj["value_dtype"] != obj["dtype"]:
+                try:
+                    value = value.astype(np.dtype(obj["dtype"]))
+                except TypeError:
+                    pass  # the dtype's package is not imported; keep what was stored
+        index = obj["index"]
+        hist = obj.get("histogram")
+        out.append(Record(
+            name=obj["name"], mode=obj["mode"], tag=obj["tag"], step=obj["step"],
+            index=tuple(index) if isinstance(index, list) else index,
+            wall_time=_unfloat(obj["wall_time"]), summary=obj["summary"],
+            shape=tuple(obj["shape"]), dtype=obj["dtype"], value=value,
+            stats={k: _unfloat(v) for k, v in obj["stats"].items()},
+            histogram=None if hist is None else (
+                np.array([_unfloat(e) for e in hist["edges"]]),
+                np.array([_unfloat(c) for c in hist["counts"]]),
+            ),
+            process_index=obj.get("process_index", 0), seq=obj.get("seq", 0),
+            order=obj.get("order", 0),
+            scans=tuple((int(e), bool(r)) for e, r in obj.get("scans", ())),
+        ))
+    return out
+
+
+def iter_lines(path: str | os.PathLike[str], *,
+               stacklevel: int = 2) -> Iterator[tuple[int, bytes]]:
+    """The non-empty lines of a file :class:`JsonlExporter` wrote, with their line numbers, read
+    one at a time, as :func:`read_records` reads them: from a regular file only; a last line
+    cut short (no newline, not JSON: a write that did not finish) is left out with a warning
+    naming the file and the line.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
+        ...     _ = f.write(b'{"a": 1}\n\n{"a": 2}\n')
+        >>> [n for n, _ in iter_lines(f.name)]
+        [1, 3]
+    """
+    path = Path(path)
     with _open_regular(path, "a jsonl file") as f:
+        read = 0
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
-            try:
-                obj = json.loads(raw)
-            except ValueError as e:
-                if not raw.endswith(b"\n"):
+            if not raw.endswith(b"\n"):
+                try:
+                    json.loads(raw)
+                except ValueError:
                     warnings.warn(
                         f"{path}: line {number}, the last, is cut short (a write that did not "
-                        f"finish); read the {len(out)} records before it", stacklevel=2)
-                    break
-                where = (f" ({e.msg}, column {e.colno})"
-                         if isinstance(e, json.JSONDecodeError) else f" ({e})")
-                raise ValueError(f"{path}: line {number} is not a JSON object{where}: "
-                                 "this is not a file the jsonl exporter wrote whole") from None
-            value = None
-            if load_values and obj.get("value_file"):
-                file = (base / obj["value_file"]).resolve()
-                if base not in file.parents:
-                    raise ValueError(
-                        f"{path}:{number}: value_file={obj['value_file']!r} points outside "
-                        f"{base}; refusing to read it"
-                    )
-                value = _load_sidecar(file, f"{path}:{number}")
-                if obj.get("value_dtype") and obj["value_dtype"] != obj["dtype"]:
-                    try:
-                        value = value.astype(np.dtype(obj["dtype"]))
-                    except TypeError:
-                        pass  # the dtype's package is not imported; keep what was stored
-            index = obj["index"]
-            hist = obj.get("histogram")
-            out.append(Record(
-                name=obj["name"], mode=obj["mode"], tag=obj["tag"], step=obj["step"],
-                index=tuple(index) if isinstance(index, list) else index,
-                wall_time=_unfloat(obj["wall_time"]), summary=obj["summary"],
-                shape=tuple(obj["shape"]), dtype=obj["dtype"], value=value,
-                stats={k: _unfloat(v) for k, v in obj["stats"].items()},
-                histogram=None if hist is None else (
-                    np.array([_unfloat(e) for e in hist["edges"]]),
-                    np.array([_unfloat(c) for c in hist["counts"]]),
-                ),
-                process_index=obj.get("process_index", 0), seq=obj.get("seq", 0),
-                order=obj.get("order", 0),
-                scans=tuple((int(e), bool(r)) for e, r in obj.get("scans", ())),
-            ))
-    return out
+                        f"finish); read the {read} records before it", stacklevel=stacklevel)
+                    return
+            read += 1
+            yield number, raw
+
+
+def bad_line(path: str | os.PathLike[str], number: int, error: Exception) -> ValueError:
+    """The error for a line of a jsonl file that is not a record's JSON object."""
+    where = (f" ({error.msg}, column {error.colno})"
+             if isinstance(error, json.JSONDecodeError) else f" ({error})")
+    return ValueError(f"{path}: line {number} is not a JSON object{where}: this is not a file "
+                      "the jsonl exporter wrote whole")
+
+
+def json_float(x: Any) -> float:
+    """A number as the exporter writes it, NaN and infinities as strings, back to a float.
+
+    Example:
+        >>> json_float("-Infinity"), json_float(2)
+        (-inf, 2.0)
+    """
+    return _NONFINITE[x] if isinstance(x, str) else float(x)
 
 
 def _open_regular(path: Path, what: str) -> Any:
