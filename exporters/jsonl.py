@@ -75,7 +75,8 @@ try:  # a fast encoder when installed (a dependency of sowtel); the standard one
 except ImportError:  # pragma: no cover - orjson is a declared dependency
     _orjson = None
 
-__all__ = ["JsonlExporter", "read_records", "record_to_json", "iter_lines", "json_float"]
+__all__ = ["JsonlExporter", "read_records", "record_to_json", "iter_lines", "iter_line_blocks",
+           "json_float"]
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 # Where the platform has them (POSIX): open without following a link, and open a folder only.
@@ -612,33 +613,67 @@ def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> l
 def iter_lines(path: str | os.PathLike[str], *,
                stacklevel: int = 2) -> Iterator[tuple[int, bytes]]:
     """The non-empty lines of a file :class:`JsonlExporter` wrote, with their line numbers, read
-    one at a time, as :func:`read_records` reads them: from a regular file only; a last line
-    cut short (no newline, not JSON: a write that did not finish) is left out with a warning
-    naming the file and the line.
+    a block at a time, as :func:`read_records` reads them: from a regular file only; a last
+    line cut short (no newline, not JSON: a write that did not finish) is left out with a
+    warning naming the file and the line.
 
     Example:
         >>> import tempfile
         >>> with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
-        ...     _ = f.write(b'{"a": 1}\n\n{"a": 2}\n')
+        ...     _ = f.write(b'{"a": 1}\\n\\n{"a": 2}\\n')
         >>> [n for n, _ in iter_lines(f.name)]
         [1, 3]
     """
+    for first, lines in iter_line_blocks(path, stacklevel=stacklevel + 1):
+        for number, line in enumerate(lines, first):
+            if line.strip():
+                yield number, line
+
+
+def iter_line_blocks(path: str | os.PathLike[str], *, size: int = 1 << 22,
+                     stacklevel: int = 2) -> Iterator[tuple[int, list[bytes]]]:
+    """The lines of a file :class:`JsonlExporter` wrote, about ``size`` bytes of them at a time:
+    ``(number of the first, lines)``, each line without its newline (empty lines included, so
+    numbers count on). The rules of :func:`iter_lines`: a regular file only; a last line cut
+    short is left out with a warning.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
+        ...     _ = f.write(b'{"a": 1}\\n{"a": 2}\\n{"a"')
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     blocks = list(iter_line_blocks(f.name))
+        >>> blocks, "line 3, the last, is cut short" in str(caught[0].message)
+        ([(1, [b'{"a": 1}', b'{"a": 2}'])], True)
+    """
     path = Path(path)
+    number = 1
     with _open_regular(path, "a jsonl file") as f:
-        read = 0
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
+        rest = b""
+        while True:
+            data = f.read(size)
+            if not data:
+                break
+            data = rest + data
+            end = data.rfind(b"\n")
+            if end < 0:
+                rest = data
                 continue
-            if not raw.endswith(b"\n"):
-                try:
-                    json.loads(raw)
-                except ValueError:
-                    warnings.warn(
-                        f"{path}: line {number}, the last, is cut short (a write that did not "
-                        f"finish); read the {read} records before it", stacklevel=stacklevel)
-                    return
-            read += 1
-            yield number, raw
+            lines = data[:end].split(b"\n")
+            rest = data[end + 1:]
+            yield number, lines
+            number += len(lines)
+    if rest.strip():
+        try:
+            json.loads(rest)
+        except ValueError:
+            warnings.warn(
+                f"{path}: line {number}, the last, is cut short (a write that did not finish); "
+                f"read the {number - 1} lines before it", stacklevel=stacklevel)
+            return
+        yield number, [rest]
 
 
 def bad_line(path: str | os.PathLike[str], number: int, error: Exception) -> ValueError:
