@@ -317,7 +317,7 @@ class TensorBoardSource:
                     depth.add((name, mode))
                     dims = tuple(d.size for d in v.tensor.tensor_shape.dim)
                     content = bytes(v.tensor.tensor_content)
-                    part.blocks[(name, mode, DEPTH_SUFFIX)] = (
+                    part.blocks[(name, mode, DEPTH_SUFFIX, self._process_index)] = (
                         content, dims[-1] if dims else 0,
                         (name, mode, dims, content, shared.meta[tag]), self._depth)
         for key, stats in plain.items():
@@ -452,8 +452,10 @@ def open_run(path: str | os.PathLike[str], what: str) -> Run:
         return Run(p, "jsonl", processes)
     ours, foreign = _event_files(p)
     if ours:
+        m = _PROCESS_DIR.match(p.name)  # one process's run of a job of several
+        k = int(m.group(1)) if m else None
         shared = _Shared()
-        return Run(p, "tensorboard", {None: [TensorBoardSource(f, None, shared) for f in ours]})
+        return Run(p, "tensorboard", {k: [TensorBoardSource(f, k, shared) for f in ours]})
     runs: dict[int | None, list[Source]] = {}
     for child in sorted(c for c in p.iterdir() if c.is_dir()):
         m = _PROCESS_DIR.match(child.name)

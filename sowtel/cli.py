@@ -8,6 +8,7 @@ Example:
     $ sowtel dashboard --logdir runs
     $ sowtel inspect dump.safetensors
     $ sowtel diff a.safetensors b.safetensors --rtol 1e-5
+    $ sowtel diff runs/baseline runs/bf16
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sowtel.demo", "train a small model with sows, streaming to TensorBoard under runs/"),
     "dashboard": ("sowtel.dashboard", "start TensorBoard on 127.0.0.1 with sowtel's layout"),
     "inspect": ("sowtel.postmortem", "table of a dump's sites, modes, shapes and stats"),
-    "diff": ("sowtel.postmortem", "per-entry differences of two dumps (exit 1 beyond tolerance)"),
+    "diff": ("sowtel.compare", "the first divergence of two runs, or per-entry differences of "
+             "two dumps (exit 1 beyond tolerance)"),
 }
 
 

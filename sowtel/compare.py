@@ -65,6 +65,8 @@ __all__ = ["Divergence", "RunComparison", "Row", "compare_runs", "diff_runs",
 CONTEXT = 5
 #: Records shown before and after the first divergence in ``sowtel diff``'s table.
 BEFORE, AFTER = 3, 6
+_PROCESSES = {"one": "", "per process": ", compared process by process",
+              "merged": ", processes merged (they differ between the runs)"}
 # Which statistic to name when several differ equally: the order of STAT_KEYS, counts last.
 _STAT_RANK = {k: i for i, k in enumerate((*STAT_KEYS, NONFINITE, "value"))}
 
@@ -175,7 +177,7 @@ class RunComparison:
         """The text ``sowtel diff`` prints for runs."""
         kinds = self.kinds[0] if self.kinds[0] == self.kinds[1] else " vs ".join(self.kinds)
         lines = [f"sowtel diff A={self.a} B={self.b}  (rtol={self.rtol:g}, atol={self.atol:g}; "
-                 f"{kinds}{'' if self.processes == 'one' else ', processes ' + self.processes})"]
+                 f"{kinds}{_PROCESSES[self.processes]})"]
         d = self.divergence
         beyond = [f"{run} has steps the other lacks from step {k}, not compared"
                   for run, k in (("A", self.only_a), ("B", self.only_b)) if k is not None]
@@ -190,7 +192,7 @@ class RunComparison:
             where = "" if self.processes == "one" else f" in process {d.process_index}"
             lines.append(f"first divergence{where}: {d}")
         if self.rows:
-            stat = d.stat or "mean"
+            stat = d.stat or "mean"  # as rows() shows them
             lines.append("")
             lines.append(f"step {d.step} in execution order:")
             table = [["", "site", stat + " in A", stat + " in B", "rel. diff", ""]]
@@ -265,6 +267,10 @@ class _Tolerance:
     def __init__(self, rtol: float, atol: float, f32: bool) -> None:
         self.rtol, self.atol, self.f32 = rtol, atol, f32
 
+    def stored(self, x: float) -> float:
+        """``x`` as both runs hold it: float32 when one is a TensorBoard run and one is not."""
+        return float(np.float32(x)) if self.f32 else x
+
     def worst(self, sa: dict[str, float], sb: dict[str, float]
               ) -> tuple[str, float, float] | None:
         """The statistic, of those both records have, that differs most beyond tolerance."""
@@ -292,9 +298,10 @@ def _index_key(index: Index) -> tuple[int, ...]:
 class _Pair:
     """Two runs' streams of steps (one process of each, or all), compared step by step."""
 
-    def __init__(self, tol: _Tolerance, mixed: bool) -> None:
+    def __init__(self, tol: _Tolerance, mixed: bool, flat: bool) -> None:
         self.tol = tol
-        self.mixed = mixed
+        self.mixed = mixed  # kinds differ: what one run keeps and the other not is no divergence
+        self.flat = flat or mixed  # blocks differ between the runs: compare record by record
         self.seen_a: set[tuple[str, str]] = set()
         self.seen_b: set[tuple[str, str]] = set()
         self.only_a: dict[tuple[str, str], int] = {}
@@ -327,7 +334,7 @@ class _Pair:
         tol = self.tol
         found: list[tuple[tuple[Any, ...], Divergence]] = []
         pairs: list[tuple[dict[Key, Entry], dict[Key, Entry]]] = []
-        if self.mixed:
+        if self.flat:
             pairs.append((a.records(), b.records()))
             self.records = len(pairs[0][0])
         else:
@@ -376,7 +383,7 @@ class _Pair:
         """The step's records around ``first``, in execution order."""
         ra, rb = a.records(), b.records()
         listed: list[tuple[tuple[Any, ...], Row]] = []
-        stat = first.stat
+        stat = first.stat or "mean"
         for key in ra.keys() | rb.keys():
             x, y = ra.get(key), rb.get(key)
             entry = x if x is not None else y
@@ -388,8 +395,8 @@ class _Pair:
                 continue
             worst = self.tol.worst(x.stats, y.stats)
             shown = stat if stat in x.stats and stat in y.stats else None
-            va = x.stats[shown] if shown else None
-            vb = y.stats[shown] if shown else None
+            va = self.tol.stored(x.stats[shown]) if shown else None
+            vb = self.tol.stored(y.stats[shown]) if shown else None
             verdict = "same" if worst is None else "differs"
             if (key == (first.name, first.mode, first.index)
                     and entry.process_index == first.process_index):
@@ -520,7 +527,7 @@ def diff_runs(run_a: Any, run_b: Any, *, rtol: float = 1e-5,
     how, pairs = _pairs(ra, rb)
     outcomes = []
     for sources_a, sources_b in pairs:
-        pair = _Pair(_Tolerance(rtol, atol, mixed), mixed)
+        pair = _Pair(_Tolerance(rtol, atol, mixed), mixed, how == "merged")
         outcomes.append(_compare_streams(run_steps(sources_a), run_steps(sources_b), pair))
     if not any(o.pair.steps for o in outcomes) or not any(
             {n for n, _ in o.pair.seen_a} & {n for n, _ in o.pair.seen_b} for o in outcomes):
@@ -616,12 +623,8 @@ def _is_run(path: str) -> bool:
 
 
 def _holds_dumps(path: str) -> bool:
-    from sowtel.dumps import find_dumps
-
-    try:
-        return bool(find_dumps(path))
-    except (OSError, ValueError):
-        return True  # find_dumps' own error is the clearer one: diff_dumps raises it
+    """Whether the folder ``path`` holds files named as sowtel dumps (``step_<k>.*``)."""
+    return any(child.name.startswith("step_") for child in Path(path).iterdir())
 
 
 def run_diff(args: argparse.Namespace) -> int:
