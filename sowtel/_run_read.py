@@ -155,6 +155,25 @@ class JsonlSource:
         blocks: dict[Hashable, Block] = {}
         step_text = b""
         decode = self._decode
+        # The first stretch of each recent step, which gathers the step's records (run_steps
+        # merges later stretches into it): a step met again must bring records it lacks.
+        earlier: collections.OrderedDict[int, StepData] = collections.OrderedDict()
+        number = start = 0
+
+        def done(part: StepData) -> StepData:
+            first = earlier.get(part.step)
+            if first is None:
+                earlier[part.step] = part
+                if len(earlier) > 2 * WINDOW:
+                    earlier.popitem(last=False)
+            elif not first.blocks.keys().isdisjoint(part.blocks):
+                raise ValueError(
+                    f"{self.path}: step {part.step} comes again at line {start}, with records "
+                    "it already had: the file holds two runs one after the other (the jsonl "
+                    "exporter appends to a logdir used again); compare runs written to folders "
+                    "of their own")
+            return part
+
         for first, lines in iter_line_blocks(self.path, stacklevel=4):
             for number, line in enumerate(lines, first):
                 # A line as the exporter writes it: the key and step, wall_time, ..., the
@@ -174,8 +193,8 @@ class JsonlSource:
                         step = self._step(number, step_text)
                         if part is None or step != part.step:
                             if part is not None:
-                                yield part
-                            part = StepData(step)
+                                yield done(part)
+                            part, start = StepData(step), number
                             blocks = part.blocks
                     blocks[key] = (line[t + 9:h], 1, (number, line), decode)
                     continue
@@ -185,12 +204,12 @@ class JsonlSource:
                 step_text = b""
                 if part is None or step != part.step:
                     if part is not None:
-                        yield part
-                    part = StepData(step)
+                        yield done(part)
+                    part, start = StepData(step), number
                     blocks = part.blocks
                 blocks[key] = (None, 1, (number, line), decode)
         if part is not None:
-            yield part
+            yield done(part)
 
     def _step(self, number: int, text: bytes) -> int:
         try:

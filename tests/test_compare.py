@@ -223,3 +223,291 @@ def test_sowtel_diff_prints_the_divergence_and_exits_1(runs, capsys):
     assert report["divergence"]["name"] == "blocks/h" and report["divergence"]["index"] == 3
     # A looser tolerance than the nudge's effect: no divergence.
     assert cli(["diff", str(a), str(b), "--rtol", "0.5", "--atol", "1"]) == 0
+
+
+# -- the execution order the records carry ------------------------------------------------------
+
+
+def two_scans_and_a_nested_one(ws: Any, x: Any) -> Any:
+    """Two scans one after the other (same length, nothing sown between), then a scan whose body
+    holds another: the order of their sites can only come from knowing which scan each ran in."""
+    h, _ = jax.lax.scan(lambda h, w: (sowtel.sow(jnp.tanh(h @ w), "enc"), None), x, ws)
+    h, _ = jax.lax.scan(lambda h, w: (sowtel.sow(jnp.tanh(h @ w), "dec"), None), h, ws)
+
+    def outer(h: Any, w: Any) -> tuple[Any, None]:
+        h = sowtel.sow(h * 1.0, "o/pre")
+        h, _ = jax.lax.scan(lambda c, v: (sowtel.sow(c * v, "o/in"), None), h, jnp.ones(2))
+        return sowtel.sow(h @ w, "o/post"), None
+
+    h, _ = jax.lax.scan(outer, h, ws)
+    return jnp.sum(h ** 2)
+
+
+def _ran(n: int) -> list[tuple[str, str, Any]]:
+    """The order two_scans_and_a_nested_one's records ran in, under jax.grad, by hand."""
+    fwd = [("enc", "p", i) for i in range(n)] + [("dec", "p", i) for i in range(n)]
+    for i in range(n):
+        fwd += [("o/pre", "p", i), ("o/in", "p", (i, 0)), ("o/in", "p", (i, 1)),
+                ("o/post", "p", i)]
+    bwd = []
+    for i in reversed(range(n)):  # the backward pass: last iteration first, its body reversed
+        bwd += [("o/post", "c", i), ("o/in", "c", (i, 1)), ("o/in", "c", (i, 0)),
+                ("o/pre", "c", i)]
+    bwd += [("dec", "c", i) for i in reversed(range(n))]
+    bwd += [("enc", "c", i) for i in reversed(range(n))]
+    return fwd + bwd
+
+
+@pytest.mark.parametrize("transport", ["jit", "callback"])
+def test_records_sorted_by_order_key_are_in_execution_order(transport):
+    ws = jnp.stack([jnp.eye(3) * (1 + 0.1 * i) for i in range(2)])
+    x = jnp.ones((2, 3))
+    memory = MemoryExporter()
+    step = (sowtel.jit if transport == "jit" else jax.jit)(jax.grad(two_scans_and_a_nested_one))
+    with sowtel.enable(exporter=memory):
+        with contextlib.nullcontext() if transport == "jit" else sowtel.at_step(0):
+            step(ws, x)
+        assert sowtel.flush(timeout=60.0)
+    ran = sorted(memory.records, key=lambda r: r.order_key)
+    assert [(r.name, r.mode[0], r.index) for r in ran] == _ran(2)
+    # Each record's key comes from its site's order and scans, and its index.
+    for r in memory.records:
+        assert r.order_key == order_key(r.order, r.scans, r.index)
+    scans = {(r.name, r.mode[0]): r.scans for r in memory.records}
+    # A backward scan runs last-first; two scans one after the other have entries of their
+    # own; a nested scan's sites carry the outer scan's entry, then their own.
+    assert (scans[("enc", "p")][0][1], scans[("enc", "c")][0][1]) == (False, True)
+    assert scans[("enc", "p")][0][0] < scans[("dec", "p")][0][0] < scans[("o/pre", "p")][0][0]
+    assert scans[("o/in", "p")][0] == scans[("o/pre", "p")][0]
+    assert len(scans[("o/in", "p")]) == 2 and len(scans[("o/post", "p")]) == 1
+
+
+def test_the_exporters_write_the_order_key_and_read_it_back(tmp_path):
+    ws = jnp.stack([jnp.eye(3) * (1 + 0.1 * i) for i in range(2)])
+    x = jnp.ones((2, 3))
+    memory = MemoryExporter()
+    exporters = [memory, JsonlExporter(logdir=tmp_path / "jsonl"),
+                 TensorBoardExporter(logdir=str(tmp_path / "tb"))]
+    with sowtel.enable(exporter=exporters):
+        sowtel.jit(jax.grad(two_scans_and_a_nested_one))(ws, x)
+        assert sowtel.flush(timeout=60.0)
+    # jsonl: order and scans on every line, the columnar lines as record_to_json writes them.
+    lines = [json.loads(line) for line in
+             (tmp_path / "jsonl" / "records.jsonl").read_text().splitlines()]
+    assert lines == [record_to_json(r) for r in memory.records]
+    assert all("order" in line for line in lines)
+    assert {len(line.get("scans", [])) for line in lines} == {1, 2}
+    back = read_records(tmp_path / "jsonl" / "records.jsonl")
+    assert [r.order_key for r in back] == [r.order_key for r in memory.records]
+    # TensorBoard, read with its own loader: depth tensors carry order and scans in their
+    # metadata; nested scans (o/in) included.
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={ea.TENSORS: 0})
+    acc.Reload()
+    by_site = {(r.name, r.mode): (r.order, r.scans) for r in memory.records}
+    for tag in acc.Tags()["tensors"]:
+        if tag.endswith("/depth"):
+            name, mode = tag[:-len("/depth")].rsplit("/", 1)
+            meta = json.loads(acc.SummaryMetadata(tag).plugin_data.content)
+            order, scans = by_site[(name, mode)]
+            assert (meta["order"], meta["scans"]) == (order, [[e, r] for e, r in scans]), tag
+
+
+def test_tensorboard_writes_the_order_of_scalar_series_once(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    exporter = TensorBoardExporter(logdir=str(tmp_path))
+    for step in range(3):
+        exporter.write([Record(name=n, mode=m, tag="t", step=step, index=None, wall_time=0.0,
+                               summary="stats", shape=(2,), dtype="float32",
+                               stats={"mean": 1.0, "std": 0.5}, order=o)
+                        for n, m, o in (("h", "primal", 4), ("h", "cotangent", 9))
+                        if step or m == "primal"])
+    exporter.close()
+    acc = ea.EventAccumulator(str(tmp_path), size_guidance={ea.TENSORS: 0})
+    acc.Reload()
+    from tensorboard.util import tensor_util
+
+    rows = {e.step: json.loads(tensor_util.make_ndarray(e.tensor_proto).item())
+            for e in acc.Tensors(ORDER_TAG)}
+    # Each series at the step it first appears, with its order (and no scans).
+    assert rows == {0: [["h", "primal", 4, []]], 1: [["h", "cotangent", 9, []]]}
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def write_run(logdir: Path, steps: range, sites: dict[str, float], *, skip: Any = (),
+              change: Any = None) -> Path:
+    """A jsonl run of plain records: ``sites`` {name: mean}, in that order, at every step."""
+    exporter = JsonlExporter(logdir=logdir)
+    for step in steps:
+        exporter.write([
+            Record(name=name, mode="primal", tag="t", step=step, index=None, wall_time=0.0,
+                   summary="stats", shape=(4,), dtype="float32",
+                   stats={"mean": mean + (change[2] if change and change[:2] == (step, name)
+                                          else 0.0), "nan": 0.0},
+                   order=k)
+            for k, (name, mean) in enumerate(sites.items()) if (step, name) not in skip])
+    exporter.close()
+    return logdir
+
+
+def test_sites_in_one_run_only_are_reported_not_raised(tmp_path):
+    a = write_run(tmp_path / "a", range(4), {"x": 1.0, "y": 2.0})
+    b = write_run(tmp_path / "b", range(4), {"x": 1.0, "y": 2.0, "z": 3.0})
+    div = sowtel.compare_runs(a, b)
+    assert (div.stat, div.name, div.only_in_a, div.only_in_b) == (None, "z", (), ("z (primal)",))
+    assert "sites in one run only: z (primal)" in str(div)
+    # With a divergence in a site both have, that one is the answer, the others listed.
+    c = write_run(tmp_path / "c", range(4), {"x": 1.0, "y": 2.0, "z": 3.0},
+                  change=(2, "y", 0.5))
+    div = sowtel.compare_runs(a, c)
+    assert (div.step, div.name, div.stat, div.a, div.b) == (2, "y", "mean", 2.0, 2.5)
+    assert div.only_in_b == ("z (primal)",)
+
+
+def test_a_record_missing_at_one_step_is_a_divergence(tmp_path):
+    a = write_run(tmp_path / "a", range(5), {"x": 1.0, "y": 2.0})
+    b = write_run(tmp_path / "b", range(5), {"x": 1.0, "y": 2.0}, skip={(3, "x")})
+    div = sowtel.compare_runs(a, b)
+    assert (div.step, div.name, div.stat, div.absent) == (3, "x", None, "B")
+    assert "step 3, x (primal): in A only" in str(div)
+
+
+def test_runs_of_different_lengths_compare_up_to_the_last_common_step(tmp_path):
+    a = write_run(tmp_path / "a", range(10), {"x": 1.0})
+    b = write_run(tmp_path / "b", range(6), {"x": 1.0})
+    report = diff_runs(a, b)
+    assert (report.divergence, report.steps, report.only_a, report.only_b) == (None, 6, 6, None)
+    assert "A has steps the other lacks from step 6, not compared" in report.format()
+    c = write_run(tmp_path / "c", range(0, 10, 2), {"x": 1.0})  # every=2
+    report = diff_runs(a, c)
+    assert (report.divergence, report.steps, report.only_a) == (None, 5, 1)
+
+
+def test_bad_runs_get_clear_errors(tmp_path, capsys):
+    a = write_run(tmp_path / "a", range(3), {"x": 1.0})
+    with pytest.raises(FileNotFoundError, match=r"run_b .*nope' does not exist: give the folder"):
+        sowtel.compare_runs(a, tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"holds no run: no \.jsonl file and no TensorBoard"):
+        sowtel.compare_runs(a, tmp_path / "empty")
+    # Another tool's event files.
+    from tensorboardX import SummaryWriter
+
+    with SummaryWriter(logdir=str(tmp_path / "other")) as w:
+        w.add_scalar("loss", 1.0, 0)
+    with pytest.raises(ValueError, match=r"none written by sowtel .* another tool's run"):
+        sowtel.compare_runs(a, tmp_path / "other")
+    # Runs of different models.
+    b = write_run(tmp_path / "b", range(3), {"q": 1.0})
+    with pytest.raises(ValueError, match=r"no site in common \(A: x; B: q\): they are runs of "):
+        sowtel.compare_runs(a, b)
+    c = write_run(tmp_path / "c", range(5, 8), {"x": 1.0})
+    with pytest.raises(ValueError, match=r"have no step in common"):
+        sowtel.compare_runs(a, c)
+    for bad, error in ((-1.0, ValueError), (float("nan"), ValueError), ("1e-5", TypeError)):
+        with pytest.raises(error, match=r"rtol=.* must be a"):
+            sowtel.compare_runs(a, a, rtol=bad)
+    # The command: exit status 2, the message on stderr.
+    for other, message in ((tmp_path / "empty", "holds no run"),
+                           (tmp_path / "other", "another tool's run"),
+                           (tmp_path / "nope", "does not exist")):
+        assert cli(["diff", str(a), str(other)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_sowtel_diff_still_compares_dumps(tmp_path, capsys):
+    from sowtel.dumps import dump
+
+    x = dump({"h": {"primal": np.array([1.0, 2.0])}}, tmp_path / "x.safetensors")
+    y = dump({"h": {"primal": np.array([1.0, 2.5])}}, tmp_path / "y.safetensors")
+    assert cli(["diff", str(x), str(x)]) == 0
+    assert cli(["diff", str(x), str(y)]) == 1
+    assert "DIFFERENT: 1 of 1 arrays differ beyond tolerance" in capsys.readouterr().out
+    for k in (0, 1):
+        dump({"h": {"primal": np.ones(2)}}, tmp_path / "dumps", step=k)
+    assert cli(["diff", str(tmp_path / "dumps"), str(tmp_path / "dumps")]) == 0
+    a = write_run(tmp_path / "a", range(3), {"x": 1.0})
+    assert cli(["diff", str(a), str(tmp_path / "dumps")]) == 2
+    assert "A is a run and B holds dumps" in capsys.readouterr().err
+
+
+def test_files_cut_short_are_read_to_their_last_whole_record(tmp_path):
+    a = write_run(tmp_path / "a", range(6), {"x": 1.0, "y": 2.0})
+    b = write_run(tmp_path / "b", range(6), {"x": 1.0, "y": 2.0}, change=(5, "y", 1.0))
+    path = b / "records.jsonl"
+    path.write_bytes(path.read_bytes()[:-40])  # step 5's y, cut in the middle
+    with pytest.warns(UserWarning, match=r"records.jsonl: line 12, the last, is cut short"):
+        report = diff_runs(a, b)
+    # Step 5 holds x only in B: y is missing there, as a record B did not write.
+    assert (report.divergence.step, report.divergence.name, report.divergence.absent) == (
+        5, "y", "B")
+    # TensorBoard: a cut event.
+    for run in ("a", "b"):
+        exporter = TensorBoardExporter(logdir=str(tmp_path / f"tb{run}"))
+        for step in range(6):
+            exporter.write([Record(name="x", mode="primal", tag="t", step=step, index=None,
+                                   wall_time=0.0, summary="stats", shape=(4,),
+                                   dtype="float32", stats={"mean": 1.0}, order=0)])
+        exporter.close()
+    (event,) = (tmp_path / "tbb").glob("events.out.tfevents.*")
+    event.write_bytes(event.read_bytes()[:-10])
+    with pytest.warns(UserWarning, match=r"the last \d+ bytes are not a whole event"):
+        report = diff_runs(tmp_path / "tba", tmp_path / "tbb")
+    assert (report.divergence, report.steps, report.only_a) == (None, 5, 5)
+
+
+def test_event_records_are_those_tensorboards_loader_reads(runs, tmp_path):
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+
+    from sowtel._run_read import event_records
+
+    (path,) = (runs[("jit", "bias")] / "tb").glob("events.out.tfevents.*")
+    assert list(event_records(path)) == list(RawEventFileLoader(str(path)).Load())
+    cut = tmp_path / path.name
+    data = path.read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    with pytest.warns(UserWarning, match="not a whole event"):
+        ours = list(event_records(cut))
+    assert ours == list(RawEventFileLoader(str(cut)).Load()) and ours
+
+
+def test_records_of_a_step_may_trail_behind_later_steps(tmp_path):
+    a = write_run(tmp_path / "a", range(6), {"x": 1.0, "y": 2.0})
+    # B's file: step 2's y written after steps 3 and 4 (a straggling callback).
+    lines = (a / "records.jsonl").read_text().splitlines()
+    late = lines.pop(5)
+    lines.insert(8, late)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "records.jsonl").write_text("\n".join(lines) + "\n")
+    assert diff_runs(a, tmp_path / "b").divergence is None
+    # A file holding two runs one after the other (a logdir used twice) is refused, not mixed
+    # up, whether the first run is short or long.
+    long = write_run(tmp_path / "long", range(80), {"x": 1.0, "y": 2.0})
+    for steps, message in ((6, r"step 0 comes again at line 13, with records it already had"),
+                           (40, r"steps go back to 0 after step \d+, more than 8 steps")):
+        twice = write_run(tmp_path / f"twice{steps}", range(steps), {"x": 1.0, "y": 2.0})
+        write_run(twice, range(steps), {"x": 1.0, "y": 2.0})
+        with pytest.raises(ValueError, match=message + r".*holds two runs one after the other"):
+            sowtel.compare_runs(long, twice)
+
+
+def test_files_written_before_the_order_key_are_still_read(runs, tmp_path):
+    # Lines without order and scans (as written before they were): read back, and compared
+    # in the order they arrived.
+    for case in ("rerun", "weight"):
+        src = runs[("jit", case)] / "jsonl" / "records.jsonl"
+        old = [json.loads(line) for line in src.read_text().splitlines()]
+        for line in old:
+            line.pop("order")
+            line.pop("scans", None)
+        (tmp_path / case).mkdir()
+        (tmp_path / case / "records.jsonl").write_text(
+            "".join(json.dumps(line) + "\n" for line in old))
+    records = read_records(tmp_path / "weight" / "records.jsonl")
+    assert {(r.order, r.scans) for r in records} == {(0, ())}
+    div = sowtel.compare_runs(tmp_path / "rerun", tmp_path / "weight")
+    assert (div.step, div.mode) == (7, "primal")
