@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
