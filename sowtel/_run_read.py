@@ -41,7 +41,7 @@ import re
 import struct
 import sys
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -95,9 +95,9 @@ class StepData:
 
     def __init__(self, step: int) -> None:
         self.step = step
-        self.blocks: dict[Hashable, Block] = {}
+        self.blocks: dict[tuple[Any, ...], Block] = {}
         self.nonfinite: dict[Key, float] = {}
-        self.counted: list[Hashable] = []
+        self.counted: list[tuple[Any, ...]] = []
 
     def merge(self, other: StepData) -> None:
         self.blocks.update(other.blocks)  # a step written again: its latest version
@@ -152,7 +152,7 @@ class JsonlSource:
         """The file's records, one :class:`StepData` per stretch of lines of one step."""
         names: dict[tuple[bytes, bytes], Key] = {}
         part: StepData | None = None
-        blocks: dict[Hashable, Block] = {}
+        blocks: dict[tuple[Any, ...], Block] = {}
         step_text = b""
         decode = self._decode
         # The first stretch of each recent step, which gathers the step's records (run_steps
@@ -518,7 +518,7 @@ def run_steps(sources: Sequence[Source], window: int = WINDOW) -> Iterator[StepD
     """
     streams = [iter(s.chunks()) for s in sources]
     heads: list[StepData | None] = [next(it, None) for it in streams]
-    recent = [collections.deque(maxlen=window) for _ in sources]
+    recent: list[collections.deque[int]] = [collections.deque(maxlen=window) for _ in sources]
     pending: dict[int, StepData] = {}
     done = -math.inf
     while True:

@@ -131,7 +131,8 @@ class Divergence:
                 f"{_num(self.b)} in B (relative difference {self.rel:.3g})")
 
 
-class Row(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Row:
     """A record of the divergent step, as ``sowtel diff``'s table shows it."""
 
     name: str

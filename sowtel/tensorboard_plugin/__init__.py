@@ -110,9 +110,9 @@ def depth_content(stats: Iterable[str], index_rank: int, order: int | None = Non
                             "index_rank": int(index_rank)}
     if order is not None:
         meta["order"] = int(order)
-    scans = [[int(entry), bool(reverse)] for entry, reverse in scans]
-    if scans:
-        meta["scans"] = scans
+    listed = [[int(entry), bool(reverse)] for entry, reverse in scans]
+    if listed:
+        meta["scans"] = listed
     return json.dumps(meta).encode()
 
 
