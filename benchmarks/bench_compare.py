@@ -11,9 +11,10 @@ which departs from A at step 900 in one layer's ``std``. Then, timed side by sid
   (compared record by record, as their files group records differently; no target).
 
 Targets: <= 5 s per run from jsonl, <= 10 s per run from TensorBoard (seconds per run are the
-comparison's time halved). Memory: the comparison runs in a child process, whose peak resident
-memory beyond its imports is reported beside the size of the files it read. And TensorBoard's
-own ``RawEventFileLoader`` over one run's event file, for the record reader's choice.
+comparison's time halved). Memory: the comparison runs in a child process, whose peak of
+allocated memory (``tracemalloc``) is reported beside the size of the files it read. And
+TensorBoard's own ``RawEventFileLoader`` over one run's event file, for the record reader's
+choice.
 
 Usage::
 
@@ -94,20 +95,20 @@ def _size(path: Path) -> int:
 
 
 _CHILD = """
-import json, resource, sys, time
+import json, sys, time, tracemalloc
 import sowtel.compare
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tracemalloc.start()
 t0 = time.perf_counter()
 report = sowtel.compare.diff_runs(sys.argv[1], sys.argv[2])
 took = time.perf_counter() - t0
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"before": before * 1024, "after": after * 1024, "seconds": took,
-                  "steps": report.steps}))
+_, peak = tracemalloc.get_traced_memory()
+print(json.dumps({"peak": peak, "seconds": took, "steps": report.steps}))
 """
 
 
 def _child_memory(a: Path, b: Path) -> dict[str, Any]:
-    """The peak resident memory of a process comparing ``a`` and ``b``, beyond its imports."""
+    """The peak of the memory a process comparing ``a`` and ``b`` allocates (Python objects and
+    numpy arrays, as ``tracemalloc`` counts them), from the comparison's start."""
     done = subprocess.run([sys.executable, "-c", _CHILD, str(a), str(b)], capture_output=True,
                           text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -171,10 +172,9 @@ def compare_runs_table(quick: bool = False) -> Table:
         for kind in ("jsonl", "tb"):
             m = memory[kind]
             table.notes.append(
-                f"memory, {kind}: comparing two runs of {_size(a / kind) / mb:.0f} MB each, the "
-                f"comparing process's peak resident memory grew by "
-                f"{(m['after'] - m['before']) / mb:.0f} MB beyond its imports "
-                f"({m['after'] / mb:.0f} MB in all; {m['seconds']:.2f} s)")
+                f"memory, {kind}: comparing two runs of {_size(a / kind) / mb:.0f} MB each, at "
+                f"most {m['peak'] / mb:.1f} MB allocated at once (tracemalloc's peak, in a "
+                "process of its own)")
         table.notes.append(
             f"one run's event file ({_size(a / 'tb') / mb:.0f} MB, {count} events): "
             f"{fmt_time(ours)} with sowtel's reader (checksums by the crc32c package), "
