@@ -158,6 +158,9 @@ class RunComparison:
         the compared ones, else None.
       rows: the divergent step's records around the divergence, in execution order.
       processes: how processes were paired: ``"one"``, ``"per process"`` or ``"merged"``.
+      only_in_a, only_in_b: sites (``"name (mode)"``) found in one run only. Between a jsonl
+        and a TensorBoard run they are not a divergence: the TensorBoard exporter leaves some
+        out (a scalar site's cotangent, unless ``scalar_derivatives=True``).
     """
 
     a: str
@@ -173,6 +176,8 @@ class RunComparison:
     only_b: int | None = None
     rows: tuple[Row, ...] = ()
     processes: str = "one"
+    only_in_a: tuple[str, ...] = ()
+    only_in_b: tuple[str, ...] = ()
 
     def format(self) -> str:
         """The text ``sowtel diff`` prints for runs."""
@@ -186,6 +191,10 @@ class RunComparison:
             lines.append(f"no divergence in {self.steps} steps, {self.sites} sites "
                          f"({self.records} records a step)")
             lines += beyond
+            for run, sites in (("A", self.only_in_a), ("B", self.only_in_b)):
+                if sites:
+                    lines.append(f"sites only in {run} (not compared): {', '.join(sites[:8])}"
+                                 + (f" and {len(sites) - 8} more" if len(sites) > 8 else ""))
             return "\n".join(lines)
         if d.stat is None and d.absent is None:
             lines.append(f"no divergence in {self.steps} steps, {self.sites} sites, but:")
@@ -222,7 +231,8 @@ class RunComparison:
         return {"a": self.a, "b": self.b, "kinds": list(self.kinds), "rtol": self.rtol,
                 "atol": self.atol, "steps": self.steps, "sites": self.sites,
                 "records": self.records, "only_a": self.only_a, "only_b": self.only_b,
-                "processes": self.processes,
+                "processes": self.processes, "only_in_a": list(self.only_in_a),
+                "only_in_b": list(self.only_in_b),
                 "divergence": None if d is None else _divergence_json(d)}
 
 
@@ -390,18 +400,17 @@ class _Pair:
             entry = x if x is not None else y
             assert entry is not None
             sort = (entry.order, entry.process_index, key[:2], _index_key(key[2]))
+            is_first = (key == (first.name, first.mode, first.index)
+                        and entry.process_index == first.process_index)
             if x is None or y is None:
-                listed.append((sort, Row(*key, "only in A" if y is None else "only in B",
-                                         None, None, None)))
+                listed.append((sort, Row(*key, "first" if is_first else (
+                    "only in A" if y is None else "only in B"), None, None, None)))
                 continue
             worst = self.tol.worst(x.stats, y.stats)
             shown = stat if stat in x.stats and stat in y.stats else None
             va = self.tol.stored(x.stats[shown]) if shown else None
             vb = self.tol.stored(y.stats[shown]) if shown else None
-            verdict = "same" if worst is None else "differs"
-            if (key == (first.name, first.mode, first.index)
-                    and entry.process_index == first.process_index):
-                verdict = "first"
+            verdict = "first" if is_first else ("same" if worst is None else "differs")
             listed.append((sort, Row(*key, verdict, None if worst is None else worst[0],
                                      va, vb)))
         listed.sort(key=lambda r: r[0])
@@ -453,7 +462,7 @@ def _compare_streams(steps_a: Iterator[StepData], steps_b: Iterator[StepData],
         only_a = a.step
     if b is not None and only_b is None:
         only_b = b.step
-    if pair.only_a or pair.only_b:
+    if (pair.only_a or pair.only_b) and not pair.mixed:
         first_step = min((*pair.only_a.values(), *pair.only_b.values()))
         name, mode = min((*pair.only_a, *pair.only_b),
                          key=lambda s: (pair.only_a.get(s, pair.only_b.get(s)), s))
@@ -542,7 +551,9 @@ def diff_runs(run_a: Any, run_b: Any, *, rtol: float = 1e-5,
     return RunComparison(str(ra.path), str(rb.path), (ra.kind, rb.kind), rtol, atol,
                          best.divergence, steps, len(names),
                          sum(o.pair.records for o in outcomes), min(only_a, default=None),
-                         min(only_b, default=None), best.rows, how)
+                         min(only_b, default=None), best.rows, how,
+                         tuple(sorted({s for o in outcomes for s in _sites(o.pair.only_a)})),
+                         tuple(sorted({s for o in outcomes for s in _sites(o.pair.only_b)})))
 
 
 def _no_common_sites(ra: Run, rb: Run, outcomes: list[_Outcome]) -> None:

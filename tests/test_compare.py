@@ -509,3 +509,36 @@ def test_files_written_before_the_order_key_are_still_read(runs, tmp_path):
     assert {(r.order, r.scans) for r in records} == {(0, ())}
     div = sowtel.compare_runs(tmp_path / "rerun", tmp_path / "weight")
     assert (div.step, div.mode) == (7, "primal")
+
+
+def test_what_tensorboard_leaves_out_is_no_divergence_against_jsonl(tmp_path):
+    # A scalar site's cotangent (always 1.0 for a loss) goes to jsonl, not to TensorBoard.
+    jsonl, tb = JsonlExporter(logdir=tmp_path / "jsonl"), TensorBoardExporter(
+        logdir=str(tmp_path / "tb"))
+    for step in range(3):
+        records = [Record(name="loss", mode=mode, tag="t", step=step, index=None,
+                          wall_time=0.0, summary="stats", shape=(), dtype="float32",
+                          stats={"mean": 1.0 / (step + 1), "nan": 0.0}, order=k)
+                   for k, mode in enumerate(("primal", "cotangent"))]
+        jsonl.write(records)
+        tb.write(records)
+    jsonl.close()
+    tb.close()
+    report = diff_runs(tmp_path / "jsonl", tmp_path / "tb")
+    assert report.divergence is None and report.only_in_a == ("loss (cotangent)",)
+    assert report.format().splitlines()[-1] == (
+        "sites only in A (not compared): loss (cotangent)")
+    # Between two jsonl runs it is a site in one run only.
+    write_run(tmp_path / "plain", range(3), {"loss": 1.0})
+    div = sowtel.compare_runs(tmp_path / "plain", tmp_path / "jsonl", atol=10.0)
+    assert (div.stat, div.only_in_b) == (None, ("loss (cotangent)",))
+
+
+def test_the_table_marks_a_missing_first_record(tmp_path, capsys):
+    a = write_run(tmp_path / "a", range(5), {"x": 1.0, "y": 2.0, "z": 3.0})
+    b = write_run(tmp_path / "b", range(5), {"x": 1.0, "y": 2.0, "z": 3.0}, skip={(3, "y")})
+    assert cli(["diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: step 3, y (primal): in A only" in out
+    [row] = [line for line in out.splitlines() if line.lstrip().startswith(">>")]
+    assert row.split()[1] == "y" and row.endswith("<- first divergence")

@@ -12,7 +12,8 @@ MODULES = [
     "sowtel.records", "sowtel.dispatcher", "sowtel.dumps", "sowtel.postmortem",
     "sowtel.exporters", "sowtel.exporters.memory", "sowtel.exporters.console",
     "sowtel.exporters.jsonl", "sowtel._jax_compat", "sowtel.jit", "sowtel.build",
-    "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite",
+    "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite", "sowtel.compare",
+    "sowtel._run_read", "sowtel.to_records", "sowtel.tensorboard_plugin",
 ]
 
 
@@ -22,5 +23,5 @@ def test_docstring_examples(name: str) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} failing example(s) in {name}"
     if name in ("sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.jit",
-                "sowtel.build", "sowtel.locate"):
+                "sowtel.build", "sowtel.locate", "sowtel.compare", "sowtel._run_read"):
         assert result.attempted > 0
