@@ -22,9 +22,7 @@ Each record becomes, in the run's event file:
   iterations of a site are its several lines);
 - the first record holding NaN or infinities, as a text summary ``sowtel/alerts/text_summary``
   (TensorBoard's text plugin appends ``/text_summary`` to :data:`ALERT_TAG`);
-- where each series ran within its step (:func:`sowtel.records.order_key`): for a depth
-  tensor in its metadata (``order``, ``scans``), for the other series in a string tensor
-  :data:`ORDER_TAG` at the step they first appear, JSON ``[[name, mode, order, scans], ...]``.
+- where each series ran in its step: a depth tensor's metadata, else :data:`ORDER_TAG`.
 
 A record with an ``index`` (scan iteration, shard, or a tuple of them for nested scans) gets its
 own series: the index is written in brackets after the site name, ``{name}[3]/{mode}/{stat}`` or
@@ -75,6 +73,7 @@ from tensorboardX.record_writer import masked_crc32c
 from tensorboardX.summary import custom_scalars, histogram_raw, text
 
 from sowtel.exporters import check_logdir
+from sowtel.exporters._tensorboard_order import ORDER_TAG, SeriesOrders
 from sowtel.records import (
     COUNT_STATS,
     DEFAULT_STATS,
@@ -95,7 +94,7 @@ from sowtel.tensorboard_plugin import (
 from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFAULT_STATS",
-           "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS", "ORDER_TAG", "ORDER_CONTENT"]
+           "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS", "ORDER_TAG"]
 
 #: Tag of the text summary holding the first non-finite alert (TensorBoard's text plugin adds
 #: ``/text_summary``).
@@ -106,12 +105,6 @@ LAYOUT_TAG = "custom_scalars__config__"
 LOG_CATEGORY = "logged scalars"
 #: Layouts of scan-stacked sites (``depth=``): a tensor for the plugin, scalars, or both.
 DEPTH_LAYOUTS: tuple[str, ...] = ("tensor", "scalars", "both")
-#: A string tensor at the steps where series written as scalars first appear: JSON
-#: ``[[name, mode, order, scans], ...]``, their place in execution order (depth tensors carry
-#: theirs in their metadata).
-ORDER_TAG = "sowtel/order"
-#: The metadata content of :data:`ORDER_TAG` (the ``sowtel`` plugin's, which ignores it).
-ORDER_CONTENT = b'{"version": 1, "kind": "order"}'
 
 # Charts of the layout, in this order; any other statistic a record carries follows them.
 _CHART_ORDER = {k: i for i, k in enumerate(STAT_KEYS)}
@@ -364,9 +357,7 @@ class TensorBoardExporter:
         self._last_depth: dict[tuple[int, str, str],
                                tuple[int, list[tuple[Any, tuple[str, ...], np.ndarray]]]] = {}
         self._last_nonfinite: dict[int, tuple[int, list[list[Any]]]] = {}
-        # Series written as scalars whose order is written already, and those to write next.
-        self._ordered: set[tuple[int, str, str]] = set()
-        self._new_orders: dict[int, list[list[Any]]] = {}
+        self._orders = SeriesOrders(_tensor_metadata)  # where series of scalars ran
         self._last_sync = time.monotonic()
         self._closed = False
         #: How often a deleted run folder was found and created again.
@@ -483,9 +474,7 @@ class TensorBoardExporter:
         values = state.values
         if state.nonfinite:
             values.append(self._nonfinite_value(process_index, step, state.nonfinite))
-        new_orders = self._new_orders.pop(process_index, None)
-        if new_orders:
-            values.append(self._order_value(new_orders))
+        self._orders.add_to(values, process_index)
         for (name, mode), rows in state.depth.items():
             try:
                 self._depth_values(process_index, name, mode, step, rows, values, layout,
@@ -579,8 +568,8 @@ class TensorBoardExporter:
                                for head, c in zip(heads, cols, strict=True))
                 if written is None:
                     written = [keys[c] for c in cols]
-            if written:
-                self._note_order(table.process_index, name, table.mode, table.order, table.scans)
+            self._orders.note(written, table.process_index, name, table.mode, table.order,
+                              table.scans)
             site = layout.setdefault(name, _Site())
             chosen_stats = written or []
             counts_chart = (any(k in COUNT_STATS for k in chosen_stats)
@@ -616,8 +605,7 @@ class TensorBoardExporter:
                                single=math.prod(r.shape) == 1)
         for stat in written:
             values.append(Summary.Value(tag=f"{prefix}/{stat}", simple_value=float(stats[stat])))
-        if written:
-            self._note_order(r.process_index, r.name, r.mode, r.order, r.scans)
+        self._orders.note(written, r.process_index, r.name, r.mode, r.order, r.scans)
         if hist is not None:
             h = _histogram_value(prefix, stats, hist)
             if h is not None:
@@ -716,23 +704,6 @@ class TensorBoardExporter:
             return None
         self._depth_tags.add(tag)
         return _tensor_metadata(depth_content(stats, rank, order, scans))
-
-    def _note_order(self, process_index: int, name: str, mode: str, order: int,
-                    scans: tuple[tuple[int, bool], ...]) -> None:
-        """Keeps a series written as scalars for :data:`ORDER_TAG`, the first time it is met."""
-        key = (process_index, name, mode)
-        if key not in self._ordered:
-            self._ordered.add(key)
-            self._new_orders.setdefault(process_index, []).append(
-                [name, mode, int(order), [[int(e), bool(r)] for e, r in scans]])
-
-    def _order_value(self, rows: list[list[Any]]) -> Summary.Value:
-        first = ORDER_TAG not in self._depth_tags
-        self._depth_tags.add(ORDER_TAG)
-        tensor = TensorProto(dtype=DT_STRING, tensor_shape=TensorShapeProto(),
-                             string_val=[json.dumps(rows).encode()])
-        return Summary.Value(tag=ORDER_TAG, tensor=tensor,
-                             metadata=_tensor_metadata(ORDER_CONTENT) if first else None)
 
     def _chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
                 nonfinite: bool, single: bool = False) -> list[str]:

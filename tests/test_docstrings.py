@@ -14,6 +14,7 @@ MODULES = [
     "sowtel.exporters.jsonl", "sowtel._jax_compat", "sowtel.jit", "sowtel.build",
     "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite", "sowtel.compare",
     "sowtel._run_read", "sowtel.to_records", "sowtel.tensorboard_plugin",
+    "sowtel.exporters._tensorboard_order",
 ]
 
 
