@@ -4,7 +4,11 @@ Each line of ``<logdir>/<filename>`` is a JSON object with the fields of
 :class:`~sowtel.records.Record`: ``name``, ``mode``, ``tag``, ``step``, ``index`` (null, an
 integer, or a list for nested scans), ``wall_time``, ``summary``, ``shape`` (a list), ``dtype``,
 ``stats`` (an object), ``histogram`` (``{"edges": [...], "counts": [...]}`` or null),
-``process_index``, ``seq``, and ``value_file``.
+``process_index``, ``seq``, ``order``, ``scans`` (for a site inside a scan: a list of
+``[entry, reverse]``, outermost first; absent otherwise) and ``value_file``. ``order`` and
+``scans`` with ``index`` give the record's place in its step's execution order
+(:func:`sowtel.records.order_key`); files written before they existed read back with
+``order`` 0 and no ``scans``.
 
 Only plain JSON is written (every line parses with a strict JSON parser): the non-finite floats
 NaN, +inf and -inf are written as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``, which
@@ -55,7 +59,7 @@ import os
 import re
 import stat
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +75,8 @@ try:  # a fast encoder when installed (a dependency of sowtel); the standard one
 except ImportError:  # pragma: no cover - orjson is a declared dependency
     _orjson = None
 
-__all__ = ["JsonlExporter", "read_records", "record_to_json"]
+__all__ = ["JsonlExporter", "read_records", "record_to_json", "iter_lines", "iter_line_blocks",
+           "json_float"]
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 # Where the platform has them (POSIX): open without following a link, and open a folder only.
@@ -147,8 +152,14 @@ def record_to_json(record: Record, value_file: str | None = None) -> dict[str, A
         },
         "process_index": int(record.process_index),
         "seq": int(record.seq),
+        "order": int(record.order),
+        **({"scans": _scans(record.scans)} if record.scans else {}),
         "value_file": value_file,
     }
+
+
+def _scans(scans: Any) -> list[list[Any]]:
+    return [[int(entry), bool(reverse)] for entry, reverse in scans]
 
 
 def _plain_rows(table: np.ndarray) -> list[Any]:
@@ -196,6 +207,9 @@ def columns_lines(columns: SiteColumns) -> str:
         })[1:-1] + ',"stats":'
         tail = f',"process_index":{int(columns.process_index)},"seq":'
         frames.append((head, middle, tail))
+    # The execution-order fields are the table's: written after seq, as record_to_json does.
+    ordered = f',"order":{int(columns.order)}' + (
+        f',"scans":{dumps(_scans(columns.scans))}' if columns.scans else "")
     out: list[str] = []
     if edges is None and keys:
         # No histogram: every record's statistics come from one encoding of the whole table,
@@ -211,7 +225,7 @@ def columns_lines(columns: SiteColumns) -> str:
         numbers = body.split(",") if body else []
         shape = "{" + ",".join(dumps(k).replace("%", "%%") + ":%s" for k in keys) + "}"
         lines = [f"{head.replace('%', '%%')}%s{middle.replace('%', '%%')}{shape}"
-                 f',"histogram":null{tail.replace("%", "%%")}%d,"value_file":null}}\n'
+                 f',"histogram":null{tail.replace("%", "%%")}%d{ordered},"value_file":null}}\n'
                  for head, middle, tail in frames]
         at = 0
         for index, seq in zip(columns.index, columns.seqs, strict=True):
@@ -229,7 +243,7 @@ def columns_lines(columns: SiteColumns) -> str:
                 {"edges": edges[p][leaf], "counts": counts[p][leaf]})
             row = dumps(dict(zip(keys, stats[p][leaf], strict=True)))
             out.append(f'{head}{plain_index}{middle}{row}'
-                       f',"histogram":{hist}{tail}{int(seq)},"value_file":null}}\n')
+                       f',"histogram":{hist}{tail}{int(seq)}{ordered},"value_file":null}}\n')
     return "".join(out)
 
 
@@ -558,51 +572,126 @@ def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> l
     path = Path(path)
     base = path.parent.resolve()
     out: list[Record] = []
-    with _open_regular(path, "a jsonl file") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except ValueError as e:
-                if not raw.endswith(b"\n"):
-                    warnings.warn(
-                        f"{path}: line {number}, the last, is cut short (a write that did not "
-                        f"finish); read the {len(out)} records before it", stacklevel=2)
-                    break
-                where = (f" ({e.msg}, column {e.colno})"
-                         if isinstance(e, json.JSONDecodeError) else f" ({e})")
-                raise ValueError(f"{path}: line {number} is not a JSON object{where}: "
-                                 "this is not a file the jsonl exporter wrote whole") from None
-            value = None
-            if load_values and obj.get("value_file"):
-                file = (base / obj["value_file"]).resolve()
-                if base not in file.parents:
-                    raise ValueError(
-                        f"{path}:{number}: value_file={obj['value_file']!r} points outside "
-                        f"{base}; refusing to read it"
-                    )
-                value = _load_sidecar(file, f"{path}:{number}")
-                if obj.get("value_dtype") and obj["value_dtype"] != obj["dtype"]:
-                    try:
-                        value = value.astype(np.dtype(obj["dtype"]))
-                    except TypeError:
-                        pass  # the dtype's package is not imported; keep what was stored
-            index = obj["index"]
-            hist = obj.get("histogram")
-            out.append(Record(
-                name=obj["name"], mode=obj["mode"], tag=obj["tag"], step=obj["step"],
-                index=tuple(index) if isinstance(index, list) else index,
-                wall_time=_unfloat(obj["wall_time"]), summary=obj["summary"],
-                shape=tuple(obj["shape"]), dtype=obj["dtype"], value=value,
-                stats={k: _unfloat(v) for k, v in obj["stats"].items()},
-                histogram=None if hist is None else (
-                    np.array([_unfloat(e) for e in hist["edges"]]),
-                    np.array([_unfloat(c) for c in hist["counts"]]),
-                ),
-                process_index=obj.get("process_index", 0), seq=obj.get("seq", 0),
-            ))
+    for number, raw in iter_lines(path, stacklevel=3):
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            raise bad_line(path, number, e) from None
+        value = None
+        if load_values and obj.get("value_file"):
+            file = (base / obj["value_file"]).resolve()
+            if base not in file.parents:
+                raise ValueError(
+                    f"{path}:{number}: value_file={obj['value_file']!r} points outside "
+                    f"{base}; refusing to read it"
+                )
+            value = _load_sidecar(file, f"{path}:{number}")
+            if obj.get("value_dtype") and obj["value_dtype"] != obj["dtype"]:
+                try:
+                    value = value.astype(np.dtype(obj["dtype"]))
+                except TypeError:
+                    pass  # the dtype's package is not imported; keep what was stored
+        index = obj["index"]
+        hist = obj.get("histogram")
+        out.append(Record(
+            name=obj["name"], mode=obj["mode"], tag=obj["tag"], step=obj["step"],
+            index=tuple(index) if isinstance(index, list) else index,
+            wall_time=_unfloat(obj["wall_time"]), summary=obj["summary"],
+            shape=tuple(obj["shape"]), dtype=obj["dtype"], value=value,
+            stats={k: _unfloat(v) for k, v in obj["stats"].items()},
+            histogram=None if hist is None else (
+                np.array([_unfloat(e) for e in hist["edges"]]),
+                np.array([_unfloat(c) for c in hist["counts"]]),
+            ),
+            process_index=obj.get("process_index", 0), seq=obj.get("seq", 0),
+            order=obj.get("order", 0),
+            scans=tuple((int(e), bool(r)) for e, r in obj.get("scans", ())),
+        ))
     return out
+
+
+def iter_lines(path: str | os.PathLike[str], *,
+               stacklevel: int = 2) -> Iterator[tuple[int, bytes]]:
+    """The non-empty lines of a file :class:`JsonlExporter` wrote, with their line numbers, read
+    a block at a time, as :func:`read_records` reads them: from a regular file only; a last
+    line cut short (no newline, not JSON: a write that did not finish) is left out with a
+    warning naming the file and the line.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
+        ...     _ = f.write(b'{"a": 1}\\n\\n{"a": 2}\\n')
+        >>> [n for n, _ in iter_lines(f.name)]
+        [1, 3]
+    """
+    for first, lines in iter_line_blocks(path, stacklevel=stacklevel + 1):
+        for number, line in enumerate(lines, first):
+            if line.strip():
+                yield number, line
+
+
+def iter_line_blocks(path: str | os.PathLike[str], *, size: int = 1 << 22,
+                     stacklevel: int = 2) -> Iterator[tuple[int, list[bytes]]]:
+    """The lines of a file :class:`JsonlExporter` wrote, about ``size`` bytes of them at a time:
+    ``(number of the first, lines)``, each line without its newline (empty lines included, so
+    numbers count on). The rules of :func:`iter_lines`: a regular file only; a last line cut
+    short is left out with a warning.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
+        ...     _ = f.write(b'{"a": 1}\\n{"a": 2}\\n{"a"')
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     blocks = list(iter_line_blocks(f.name))
+        >>> blocks, "line 3, the last, is cut short" in str(caught[0].message)
+        ([(1, [b'{"a": 1}', b'{"a": 2}'])], True)
+    """
+    path = Path(path)
+    number = 1
+    with _open_regular(path, "a jsonl file") as f:
+        rest = b""
+        while True:
+            data = f.read(size)
+            if not data:
+                break
+            data = rest + data
+            end = data.rfind(b"\n")
+            if end < 0:
+                rest = data
+                continue
+            lines = data[:end].split(b"\n")
+            rest = data[end + 1:]
+            yield number, lines
+            number += len(lines)
+    if rest.strip():
+        try:
+            json.loads(rest)
+        except ValueError:
+            warnings.warn(
+                f"{path}: line {number}, the last, is cut short (a write that did not finish); "
+                f"read the {number - 1} lines before it", stacklevel=stacklevel)
+            return
+        yield number, [rest]
+
+
+def bad_line(path: str | os.PathLike[str], number: int, error: Exception) -> ValueError:
+    """The error for a line of a jsonl file that is not a record's JSON object."""
+    where = (f" ({error.msg}, column {error.colno})"
+             if isinstance(error, json.JSONDecodeError) else f" ({error})")
+    return ValueError(f"{path}: line {number} is not a JSON object{where}: this is not a file "
+                      "the jsonl exporter wrote whole")
+
+
+def json_float(x: Any) -> float:
+    """A number as the exporter writes it, NaN and infinities as strings, back to a float.
+
+    Example:
+        >>> json_float("-Infinity"), json_float(2)
+        (-inf, 2.0)
+    """
+    return _NONFINITE[x] if isinstance(x, str) else float(x)
 
 
 def _open_regular(path: Path, what: str) -> Any:

@@ -18,7 +18,8 @@ Each record becomes, in the run's event file:
 - a custom-scalars layout (the "Custom Scalars" tab, ``_tensorboard_layout``): the logged
   scalars first, then one category per site in program order, with one chart per mode;
 - the first record holding NaN or infinities, as a text summary ``sowtel/alerts/text_summary``
-  (TensorBoard's text plugin appends ``/text_summary`` to :data:`ALERT_TAG`).
+  (TensorBoard's text plugin appends ``/text_summary`` to :data:`ALERT_TAG`);
+- where each series ran in its step: a depth tensor's metadata, else :data:`ORDER_TAG`.
 
 A site inside a scan is one tensor a step for the ``sowtel`` plugin (``depth="tensor"``) or a
 series per iteration, ``{name}[3]/{mode}/{stat}`` (``depth="scalars"``); site names may not
@@ -75,6 +76,7 @@ from sowtel.exporters._tensorboard_layout import (
 )
 from sowtel.exporters._tensorboard_layout import Site as _Site
 from sowtel.exporters._tensorboard_layout import layout_summary as _layout_summary
+from sowtel.exporters._tensorboard_order import ORDER_TAG, SeriesOrders
 from sowtel.records import (
     COUNT_STATS,
     DEFAULT_STATS,
@@ -96,7 +98,7 @@ from sowtel.tensorboard_plugin import (
 from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFAULT_STATS",
-           "DEFAULT_STATS_BY_MODE", "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS"]
+           "DEFAULT_STATS_BY_MODE", "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS", "ORDER_TAG"]
 
 #: Tag of the text summary holding the first non-finite alert (TensorBoard's text plugin adds
 #: ``/text_summary``).
@@ -317,6 +319,7 @@ class TensorBoardExporter:
         self._last_depth: dict[tuple[int, str, str],
                                tuple[int, list[tuple[Any, tuple[str, ...], np.ndarray]]]] = {}
         self._last_nonfinite: dict[int, tuple[int, list[list[Any]]]] = {}
+        self._orders = SeriesOrders(_tensor_metadata)  # where series of scalars ran
         self._last_sync = time.monotonic()
         self._closed = False
         #: How often a deleted run folder was found and created again.
@@ -393,7 +396,7 @@ class TensorBoardExporter:
         try:
             if self._stacked(r):
                 keys = tuple(k for k in STAT_KEYS if k != "size" and k in r.stats)
-                state.depth_row(r.name, r.mode, r.order).add_block(
+                state.depth_row(r.name, r.mode, r.order, r.scans).add_block(
                     [_index_tuple(r.index)], keys,
                     np.array([[r.stats[k] for k in keys]], dtype=np.float64), lambda: [r])
                 count = int(_nonfinite(r.stats))
@@ -423,7 +426,7 @@ class TensorBoardExporter:
             positions = positions[:, None]
         for leaf, name in enumerate(table.names):
             rows = table.stats[:, leaf][:, kept]
-            state.depth_row(name, table.mode, table.order).add_block(
+            state.depth_row(name, table.mode, table.order, table.scans).add_block(
                 positions, kept_keys, rows, functools.partial(_table_records, table, name))
 
     def _step_values(self, process_index: int, step: int, state: _StepState,
@@ -433,6 +436,7 @@ class TensorBoardExporter:
         values = state.values
         if state.nonfinite:
             values.append(self._nonfinite_value(process_index, step, state.nonfinite))
+        self._orders.add_to(values, process_index)
         for (name, mode), rows in state.depth.items():
             try:
                 self._depth_values(process_index, name, mode, step, rows, values, layout,
@@ -530,6 +534,8 @@ class TensorBoardExporter:
                                for head, c in zip(heads, cols, strict=True))
                 if written is None:
                     written = [keys[c] for c in cols]
+            self._orders.note(written, table.process_index, name, table.mode, table.order,
+                              table.scans)
             site = layout.setdefault(name, _Site())
             chosen_stats = written or []
             counts_chart = (any(k in COUNT_STATS for k in chosen_stats)
@@ -567,6 +573,7 @@ class TensorBoardExporter:
             key, r.summary, stats, nonfinite, single=math.prod(r.shape) == 1)
         for stat in written:
             values.append(Summary.Value(tag=f"{prefix}/{stat}", simple_value=float(stats[stat])))
+        self._orders.note(written, r.process_index, r.name, r.mode, r.order, r.scans)
         if hist is not None:
             h = _histogram_value(prefix, stats, hist)
             if h is not None:
@@ -627,7 +634,8 @@ class TensorBoardExporter:
         table, stats, rank = _depth_table(blocks)
         tag = f"{series_tag(name, mode)}{DEPTH_SUFFIX}"
         values.append(Summary.Value(tag=tag, metadata=self._depth_metadata(tag, stats, rank,
-                                                                             rows.order),
+                                                                             rows.order,
+                                                                             rows.scans),
                                     tensor=_float_tensor(table)))
         written: frozenset[str] = frozenset()
         if "l2" in stats:
@@ -656,13 +664,14 @@ class TensorBoardExporter:
         return Summary.Value(tag=NONFINITE_TAG, tensor=tensor, metadata=_tensor_metadata(
             NONFINITE_CONTENT) if first else None)
 
-    def _depth_metadata(self, tag: str, stats: list[str], rank: int, order: int) -> Any:
+    def _depth_metadata(self, tag: str, stats: list[str], rank: int, order: int,
+                        scans: tuple[tuple[int, bool], ...] = ()) -> Any:
         # TensorBoard keeps a tag's first metadata: written once per tag and file. The order
         # lets the plugin list sites in program order.
         if tag in self._depth_tags:
             return None
         self._depth_tags.add(tag)
-        return _tensor_metadata(depth_content(stats, rank, order))
+        return _tensor_metadata(depth_content(stats, rank, order, scans))
 
     def _chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
                 nonfinite: bool, single: bool = False) -> list[str]:
@@ -748,10 +757,11 @@ class _DepthRows:
     """One site and mode's rows of a depth tensor in one step, as they arrive: blocks of
     ``(positions, statistics' names, rows)``, a table's leaf or a single record each."""
 
-    __slots__ = ("order", "blocks", "late")
+    __slots__ = ("order", "scans", "blocks", "late")
 
-    def __init__(self, order: int) -> None:
+    def __init__(self, order: int, scans: tuple[tuple[int, bool], ...] = ()) -> None:
         self.order = order
+        self.scans = scans
         self.blocks: list[tuple[Any, tuple[str, ...], np.ndarray]] = []
         # How to get the records back, should the step come after a later one of the site.
         self.late: list[Callable[[], Sequence[Record]]] = []
@@ -807,10 +817,11 @@ class _StepState:
         self.nonfinite: list[list[Any]] = []  # [name, mode, index, count]
         self.wall_time = 0.0
 
-    def depth_row(self, name: str, mode: str, order: int) -> _DepthRows:
+    def depth_row(self, name: str, mode: str, order: int,
+                  scans: tuple[tuple[int, bool], ...] = ()) -> _DepthRows:
         rows = self.depth.get((name, mode))
         if rows is None:
-            rows = self.depth[(name, mode)] = _DepthRows(order)
+            rows = self.depth[(name, mode)] = _DepthRows(order, scans)
         return rows
 
 

@@ -22,6 +22,7 @@ Example:
 """
 
 from sowtel.capture import Intermediates, save_intermediates
+from sowtel.compare import Divergence, compare_runs
 from sowtel.dumps import dump, load
 from sowtel.jit import jit
 from sowtel.locate import NonFiniteEvent, NonFiniteReport, locate_nonfinite
@@ -34,7 +35,8 @@ from sowtel.session import Session, disable, enable, export, flush, log, status
 __version__ = "0.1.0"
 
 __all__ = [
-    "Intermediates", "Record", "Session", "at_step", "disable", "dump", "enable", "export",
+    "Divergence", "Intermediates", "Record", "Session", "at_step", "compare_runs", "disable",
+    "dump", "enable", "export",
     "flush", "jit", "load", "locate_nonfinite", "log", "NonFiniteError", "NonFiniteEvent",
     "NonFiniteReport", "NonFiniteWarning",
     "save_intermediates", "scope", "sow", "status",

@@ -46,6 +46,8 @@ when that is gone.
 - ``wrap_cond_lowering`` / ``lowered_case_op`` / ``at_branch_end``: a lowering of ``cond``
   around JAX's own (``mlir._lowerings``, its ``branches`` parameter), and the
   ``stablehlo.case`` op it appended, to add operations at the end of a branch.
+- ``wrap_scan_lowering``: a lowering of ``scan`` around JAX's own (``mlir._lowerings``), to
+  know which scan a sow is lowered in.
 - ``effects_barrier``: ``jax.effects_barrier`` that returns, rather than raises, the error of an
   earlier failed computation (JAX re-raises it there: 0.12 once, 0.10 and 0.11 at every later
   barrier and at exit, as they keep the failed token).
@@ -97,7 +99,7 @@ __all__ = [
     "scan_split_counts", "traced_for", "wrap_cond_lowering", "lowered_case_op",
     "at_branch_end",
     "call_body", "construct", "eqn_context", "eqn_name", "eqn_params", "loop_parts",
-    "register_remat3_rule", "scan3_over", "sub_jaxprs", "SCAN3_REVERSES",
+    "register_remat3_rule", "scan3_over", "wrap_scan_lowering", "sub_jaxprs", "SCAN3_REVERSES",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2", "0.11.2", "0.12.0.1")
@@ -831,6 +833,19 @@ def wrap_cond_lowering(wrapper: Callable[..., Any]) -> None:
         return wrapper(lower, ctx, [as_jaxpr(b) for b in branches])
 
     mlir.register_lowering(_conditionals.cond_p, lowering, inline=entry.inline)
+
+
+def wrap_scan_lowering(wrapper: Callable[[Callable[[], Any]], Any]) -> None:
+    """Lowers ``lax.scan`` through ``wrapper(lower)``, around the rule JAX registered for every
+    platform (``mlir._lowerings``): ``lower()`` runs JAX's rule, which lowers the body within
+    that call."""
+    entry = mlir._lowerings[_loops.scan_p]
+    rule: Callable[..., Any] = entry.rule
+
+    def lowering(ctx: Any, *args: Any, **params: Any) -> Any:
+        return wrapper(functools.partial(rule, ctx, *args, **params))
+
+    mlir.register_lowering(_loops.scan_p, lowering, inline=entry.inline)
 
 
 def lowered_case_op(num_branches: int) -> Any:

@@ -53,7 +53,7 @@ def summary_records(site: StreamSite, arrays: Sequence[np.ndarray], *, step: int
             wall_time=wall_time, summary=site.summary, shape=site.shapes[k],
             dtype=site.dtypes[k], value=value, stats=decoded["stats"],
             histogram=decoded["histogram"], process_index=process_index, seq=seq,
-            order=site.order,
+            order=site.order, scans=site.scans,
         ))
     return out
 

@@ -65,8 +65,13 @@ from sowtel.primitive import (
     sow_p,
     taken_rows,
 )
+from sowtel.records import ScanEntries
 
 __all__ = ["Intermediates", "save_intermediates", "trace_flat"]
+
+#: The scans a summary pass is tracing on this thread (``sowtel.jit``'s sites take their
+#: entries from it, for records' execution order).
+TRACED_SCANS = ScanEntries()
 
 
 #: How a value was stacked: ``(("scan", length) | ("shard", count), ...)``, outermost first.
@@ -492,9 +497,9 @@ def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
         meta[:] = caps
         return outs[:n_carry], (outs[n_carry:], _flat(caps))
 
-    carry, (ys, flat) = jax.lax.scan(
-        body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
-    )
+    with TRACED_SCANS.entered():
+        carry, (ys, flat) = jax.lax.scan(body, list(init), list(xs), length=p["length"],
+                                         reverse=p["reverse"], unroll=p["unroll"])
     return [*carry, *ys], [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
 
 
@@ -514,8 +519,9 @@ def _scan3_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
         meta[:] = caps
         return outs, _flat(caps)
 
-    ys, flat = jc.scan3_over(body, xs, length=p["length"], reverse=p["reverse"],
-                             unroll=p["unroll"])
+    with TRACED_SCANS.entered():
+        ys, flat = jc.scan3_over(body, xs, length=p["length"], reverse=p["reverse"],
+                                 unroll=p["unroll"])
     return list(ys), [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
 
 

@@ -9,6 +9,7 @@ Example:
     $ sowtel dashboards --path
     $ sowtel inspect dump.safetensors
     $ sowtel diff a.safetensors b.safetensors --rtol 1e-5
+    $ sowtel diff runs/baseline runs/bf16
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "dashboard": ("sowtel.dashboard", "start TensorBoard on 127.0.0.1 with sowtel's layout"),
     "dashboards": ("sowtel.dashboard", "where the Grafana dashboards are installed (--path)"),
     "inspect": ("sowtel.postmortem", "table of a dump's sites, modes, shapes and stats"),
-    "diff": ("sowtel.postmortem", "per-entry differences of two dumps (exit 1 beyond tolerance)"),
+    "diff": ("sowtel.compare", "the first divergence of two runs, or per-entry differences of "
+             "two dumps (exit 1 beyond tolerance)"),
 }
 
 

@@ -500,11 +500,13 @@ class Jitted:
             elif histogram and summary == "stats":
                 summary = "histogram"  # a step of enable(histogram_every=...)
             site = params["site"]
+            order = next(_order)
             info = StreamSite(
                 name=site.name, mode=params["mode"], tag=site.tag, leaf_names=leaf_names(site),
                 shapes=tuple(tuple(v.shape) for v in leaves),
                 dtypes=tuple(str(v.dtype) for v in leaves), summary=summary, every=every,
-                bins=DEFAULT_BINS, loops=site.loops, extras=(), order=next(_order),
+                bins=DEFAULT_BINS, loops=site.loops, extras=(), order=order,
+                entries=capture.TRACED_SCANS.entries(order, len(site.loops or ())),
             )
             arrays = multihost.partial_summaries(leaves, summary, info.bins, gather)
             if arrays is not None:  # finished in logging_step, with every site's

@@ -47,7 +47,7 @@ import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
-from sowtel.records import SUMMARIES
+from sowtel.records import SUMMARIES, ScanEntries
 from sowtel.summaries import ARRAYS_PER_LEAF, DEFAULT_BINS, device_summary
 
 __all__ = ["sow", "sow_p", "at_step", "Context", "StreamConfig", "SiteStatic", "StreamSite"]
@@ -757,6 +757,17 @@ class StreamSite:
     # In a cond's branch: every occurrence is sent, the host applies ``every`` (a skipped
     # branch tells the host what it skipped, whatever the step).
     in_branch: bool = False
+    # Per enclosing scan (as ``loops``), the order at which it began: records' execution
+    # order interleaves the sites of one scan iteration by iteration (records.order_key).
+    entries: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def scans(self) -> tuple[tuple[int, bool], ...]:
+        """``Record.scans`` of the site's records: ``(entry, reverse)`` per enclosing scan (a
+        scan whose entry is unknown counts as entered at the site itself)."""
+        loops = self.loops or ()
+        entries = self.entries if len(self.entries) == len(loops) else (self.order,) * len(loops)
+        return tuple((e, bool(r)) for e, (_, r) in zip(entries, loops, strict=True))
 
     # Derived once per site, read on every callback.
     @functools.cached_property
@@ -809,6 +820,17 @@ def leaf_names(site: SiteStatic) -> tuple[str, ...]:
 
 
 _lowering_order = itertools.count()
+#: The scans being lowered on this thread: their entries in the lowering order (the order of
+#: the first site lowered inside each).
+LOWERED_SCANS = ScanEntries()
+
+
+def _scan_lowering(lower: Callable[[], Any]) -> Any:
+    with LOWERED_SCANS.entered():
+        return lower()
+
+
+jc.wrap_scan_lowering(_scan_lowering)
 
 sow_emit_p = jc.core.Primitive("sow_emit")
 sow_emit_p.multiple_results = True
@@ -994,11 +1016,13 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         return leaves
     leaf_avals, _ = _split(ctx.avals_in, site)
     sent = tuple(k for k in site.extras if k != "taken")  # the mask stays on the device
+    order = next(_lowering_order)
     info = StreamSite(
         name=site.name, mode=mode, tag=site.tag, leaf_names=leaf_names(site),
         shapes=tuple(tuple(a.shape) for a in leaf_avals),
         dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
-        bins=DEFAULT_BINS, loops=site.loops, extras=sent, order=next(_lowering_order),
+        bins=DEFAULT_BINS, loops=site.loops, extras=sent, order=order,
+        entries=LOWERED_SCANS.entries(order, len(site.loops or ())),
     )
     in_branch = bool(jc.branch_path(ctx))
     if in_branch:

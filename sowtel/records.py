@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,6 +73,85 @@ def record_index(axes: Sequence[tuple[str, int, int]]) -> Index:
     return parts[0] if len(parts) == 1 else tuple(parts)
 
 
+def order_key(order: int, scans: Sequence[Sequence[Any]], index: Index) -> tuple[int, ...]:
+    """THE execution-order rule: sorting a step's records by this key gives the order they ran.
+
+    The forward pass in program order, then the backward pass in the order it ran, and inside
+    a scan iteration after iteration: every site of the scan's body at one iteration before
+    any at the next. A record of a site outside any scan is ``(order,)``. Inside scans, each
+    scan (outermost first) adds its ``entry`` (the ``order`` at which it began, its first
+    site's) and the iteration's rank (the index, negated when the scan ran last-first), then
+    the site's ``order``. Shards run side by side and do not count: records of several shards
+    share a key. ``scans`` is :attr:`Record.scans`; the scan iterations are the last parts of
+    ``index`` (a shard comes first).
+
+    Example:
+      >>> scan = [(1, False)]                  # a scan whose first site has order 1
+      >>> keys = {"a[0]": order_key(1, scan, 0), "b[0]": order_key(2, scan, 0),
+      ...         "a[1]": order_key(1, scan, 1), "before": order_key(0, (), None),
+      ...         "after": order_key(3, (), None)}
+      >>> sorted(keys, key=keys.get)
+      ['before', 'a[0]', 'b[0]', 'a[1]', 'after']
+      >>> order_key(6, [(5, True)], 2) < order_key(5, [(5, True)], 1)   # backward: 2 runs first
+      True
+    """
+    if not scans:
+        return (int(order),)
+    parts = index if isinstance(index, tuple) else (() if index is None else (index,))
+    steps = parts[len(parts) - len(scans):] if len(parts) >= len(scans) else ()
+    key: list[int] = []
+    for k, (entry, reverse) in enumerate(scans):
+        i = int(steps[k]) if steps else 0
+        key += (int(entry), -i if reverse else i)
+    key.append(int(order))
+    return tuple(key)
+
+
+class ScanEntries(threading.local):
+    """The scans being traced or lowered on this thread, outermost first, for
+    :func:`order_key`: each scan's entry is the ``order`` of the first site met inside it, so
+    it falls between the orders of the sites before the scan and those in it.
+
+    Example:
+      >>> scans = ScanEntries()
+      >>> with scans.entered():
+      ...     first, second = scans.entries(4, 1), scans.entries(5, 1)
+      >>> first, second, scans.entries(6, 0)
+      ((4,), (4,), ())
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[list[int]] = []
+
+    def entered(self) -> _Entered:
+        """A context in which a scan's body is traced or lowered."""
+        return _Entered(self.stack)
+
+    def entries(self, order: int, depth: int) -> tuple[int, ...]:
+        """The entries of the ``depth`` innermost scans around a site of ``order`` (which
+        becomes the entry of those that had none yet); ``()`` if fewer are open."""
+        if depth <= 0 or depth > len(self.stack):
+            return ()
+        cells = self.stack[len(self.stack) - depth:]
+        for cell in cells:
+            if not cell:
+                cell.append(int(order))
+        return tuple(cell[0] for cell in cells)
+
+
+class _Entered:
+    __slots__ = ("stack",)
+
+    def __init__(self, stack: list[list[int]]) -> None:
+        self.stack = stack
+
+    def __enter__(self) -> None:
+        self.stack.append([])
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.pop()
+
+
 @dataclasses.dataclass(frozen=True)
 class Record:
     """One observation of one sow site, as handed to exporters.
@@ -95,7 +175,11 @@ class Record:
       seq: arrival order on the host (unique, increasing). Callbacks are unordered, so arrival
         order is not program order.
       order: the site's position in its compiled program (its backward-pass sites come after
-        its forward ones); sorting a step's records by ``(order, index)`` gives program order.
+        its forward ones).
+      scans: the scans the site ran in, outermost first, each ``(entry, reverse)``: the
+        ``order`` at which the scan began (its first site's) and whether its iterations ran
+        last-first (a backward pass). With ``order`` and ``index`` it gives
+        :attr:`order_key`.
 
     Example:
       >>> r = Record(name="h", mode="primal", tag="intermediates", step=0, index=None,
@@ -119,6 +203,12 @@ class Record:
     process_index: int = 0
     seq: int = 0
     order: int = 0
+    scans: tuple[tuple[int, bool], ...] = ()
+
+    @property
+    def order_key(self) -> tuple[int, ...]:
+        """Where the record ran within its step: see :func:`order_key`."""
+        return order_key(self.order, self.scans, self.index)
 
     @property
     def key(self) -> tuple[str, str, Any]:

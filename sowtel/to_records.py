@@ -70,7 +70,8 @@ class SiteColumns:
 
     Attributes:
       names, shapes, dtypes: per leaf (``names[l]`` is the record name of leaf ``l``).
-      mode, tag, summary, step, wall_time, process_index, order: shared by every record.
+      mode, tag, summary, step, wall_time, process_index, order, scans: shared by every
+        record.
       index: per position, the record index (``None``, an int, or a tuple).
       seqs: per position, the records' ``seq`` (the leaves of one position share it).
       stat_keys: the statistics' names (:data:`~sowtel.records.STAT_KEYS`,
@@ -92,7 +93,7 @@ class SiteColumns:
 
     __slots__ = ("names", "shapes", "dtypes", "mode", "tag", "summary", "step", "wall_time",
                  "process_index", "order", "index", "seqs", "stat_keys", "stats", "edges",
-                 "counts", "values", "any_nonfinite", "_records")
+                 "counts", "values", "any_nonfinite", "_records", "scans")
 
     def __init__(self, *, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...],
                  dtypes: tuple[str, ...], mode: str, tag: str, summary: str, step: int,
@@ -100,7 +101,8 @@ class SiteColumns:
                  seqs: Sequence[int], stat_keys: tuple[str, ...], stats: np.ndarray,
                  edges: np.ndarray | None = None, counts: np.ndarray | None = None,
                  values: Sequence[Sequence[np.ndarray]] | None = None,
-                 any_nonfinite: bool | None = None) -> None:
+                 any_nonfinite: bool | None = None,
+                 scans: tuple[tuple[int, bool], ...] = ()) -> None:
         self.names = names
         self.shapes = shapes
         self.dtypes = dtypes
@@ -111,6 +113,7 @@ class SiteColumns:
         self.wall_time = wall_time
         self.process_index = process_index
         self.order = order
+        self.scans = scans
         self.index = index
         self.seqs = seqs
         self.stat_keys = stat_keys
@@ -145,7 +148,7 @@ class SiteColumns:
         return SiteColumns(
             names=self.names, shapes=self.shapes, dtypes=self.dtypes, mode=self.mode,
             tag=self.tag, summary=self.summary, step=self.step, wall_time=self.wall_time,
-            process_index=self.process_index, order=self.order,
+            process_index=self.process_index, order=self.order, scans=self.scans,
             index=self.index[start:stop], seqs=self.seqs[start:stop], stat_keys=self.stat_keys,
             stats=self.stats[start:stop],
             edges=None if self.edges is None else self.edges[start:stop],
@@ -161,7 +164,7 @@ class SiteColumns:
         shared = {"mode": self.mode, "tag": self.tag, "step": self.step,
                   "wall_time": self.wall_time, "summary": self.summary,
                   "process_index": self.process_index, "order": self.order,
-                  "histogram": None, "value": None}
+                  "scans": self.scans, "histogram": None, "value": None}
         out: list[Record] = []
         for p, (index, seq, row) in enumerate(zip(self.index, self.seqs, rows, strict=True)):
             for leaf, name in enumerate(self.names):
@@ -361,7 +364,7 @@ def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Seque
         names=tuple(site.leaf_names), shapes=tuple(site.shapes), dtypes=tuple(site.dtypes),
         mode=site.mode, tag=site.tag, summary=site.summary, step=step, wall_time=wall_time,
         process_index=process_index, order=site.order, index=index, seqs=seqs, stat_keys=keys,
-        stats=stats, edges=edges, counts=counts, values=values)
+        stats=stats, edges=edges, counts=counts, values=values, scans=site.scans)
 
 
 def site_records(site: StreamSite, arrays: Sequence[Sequence[np.ndarray]], *,
@@ -554,7 +557,7 @@ class CompiledConverter:
                 tag=site.tag, summary="stats", step=step, wall_time=wall_time,
                 process_index=process_index, order=site.order, index=_UNINDEXED,
                 seqs=[next(seqs)], stat_keys=STAT_KEYS, stats=table[row:row + 1, None, :],
-                any_nonfinite=bool(nonfinite[row])))
+                any_nonfinite=bool(nonfinite[row]), scans=site.scans))
         return out
 
     def columns(self, sites: Sequence[Any], arrays: Sequence[np.ndarray], *, step: int,

@@ -228,8 +228,44 @@ def one_sided(k: int, out: Path) -> dict[str, Any]:
     return result
 
 
+def nudged_inputs(mesh: Mesh) -> Any:
+    """x with the rows of process 1's devices (8..15) nudged: a run that diverges there."""
+    xg, _ = inputs()
+    xg = xg.copy()
+    xg[ROWS // 2:] += 1e-3
+    return jax.make_array_from_callback(xg.shape, NamedSharding(mesh, P("d")), lambda i: xg[i])
+
+
+def compare_runs(k: int, out: Path) -> dict[str, Any]:
+    # Runs for sowtel.compare_runs, by both transports: "a", and "b", whose inputs are nudged
+    # from step 2 on in process 1's rows only. Each writes jsonl and TensorBoard runs.
+    from sowtel.exporters.jsonl import JsonlExporter
+    from sowtel.exporters.tensorboard import TensorBoardExporter
+
+    mesh, w, x = global_inputs()
+    x_nudged = nudged_inputs(mesh)
+    loss = make_loss(mesh)
+    jitted = sowtel.jit(jax.value_and_grad(loss))
+    plain = jax.jit(jax.value_and_grad(loss))
+    for transport in ("jit", "callback"):
+        for run in ("a", "b"):
+            where = out / f"{transport}-{run}"
+            exporters = [JsonlExporter(logdir=where / "jsonl"),
+                         TensorBoardExporter(logdir=str(where / "tb"))]
+            with sowtel.enable(exporter=exporters):
+                for i in range(4):
+                    xi = x_nudged if run == "b" and i >= 2 else x
+                    if transport == "jit":
+                        jitted(w, xi)
+                    else:
+                        with sowtel.at_step(i):
+                            plain(w, xi)
+                sowtel.flush()
+    return {}
+
+
 SCENARIOS = {"stream": stream, "mismatch": mismatch, "one_sided": one_sided,
-             "export_process": export_process}
+             "export_process": export_process, "compare_runs": compare_runs}
 
 
 def main() -> None:

@@ -15,7 +15,8 @@ MODULES = [
     "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite", "sowtel.to_records",
     "sowtel.tensorboard_plugin", "sowtel.tensorboard_plugin._run", "sowtel.exporters.tensorboard",
     "sowtel.exporters._tensorboard_layout", "sowtel.dashboard", "sowtel.dashboards",
-    "sowtel.intermediates",
+    "sowtel.intermediates", "sowtel.compare", "sowtel._run_read",
+    "sowtel.exporters._tensorboard_order",
 ]
 
 
@@ -25,5 +26,5 @@ def test_docstring_examples(name: str) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} failing example(s) in {name}"
     if name in ("sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.jit",
-                "sowtel.build", "sowtel.locate"):
+                "sowtel.build", "sowtel.locate", "sowtel.compare", "sowtel._run_read"):
         assert result.attempted > 0

@@ -375,3 +375,71 @@ def test_the_keyword_wins_over_the_environment(monkeypatch):
     assert multihost.check_export_process(None) == 0
     monkeypatch.setenv(multihost.EXPORT_PROCESS_ENV, "")
     assert multihost.check_export_process(None) == 0
+
+
+@pytest.fixture(scope="module")
+def compare_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Runs "a" and "b" of a job of two processes by both transports, b's inputs nudged from
+    step 2 on in the rows of process 1's devices (multiprocess_worker.compare_runs)."""
+    out = tmp_path_factory.mktemp("compare_job")
+    ok(run_job("compare_runs", out))
+    return out
+
+
+def test_runs_of_two_processes_compare_process_by_process(compare_job):
+    """Process 0's global records (h, then s) and process 1's shards 4..7 of m diverge at step
+    2, and nothing before."""
+    import sowtel
+    from sowtel.compare import diff_runs
+
+    tmp_path = compare_job
+    runs = {"jsonl": "records_process_{}.jsonl", "tb": "process_{}"}
+    for kind, one in runs.items():
+        for transport in ("jit", "callback"):
+            a, b = tmp_path / f"{transport}-a" / kind, tmp_path / f"{transport}-b" / kind
+            # Each process's run against its counterpart.
+            d0 = sowtel.compare_runs(a / one.format(0), b / one.format(0))
+            d1 = sowtel.compare_runs(a / one.format(1), b / one.format(1))
+            assert (d0.step, d0.name, d0.mode, d0.index, d0.process_index) == (
+                2, "h", "primal", None, 0), str(d0)
+            assert (d1.step, d1.name, d1.mode, d1.index, d1.process_index) == (
+                2, "m", "primal", 4, 1), str(d1)
+            # The job's folders: compared process by process, the first of both answers.
+            report = diff_runs(a, b)
+            assert report.processes == "per process"
+            assert (report.divergence.name, report.divergence.process_index) == ("h", 0)
+            assert report.divergence.context[0].name == "s"  # h, then the scan over it
+        # Both transports give the same records.
+        assert sowtel.compare_runs(tmp_path / "jit-a" / kind,
+                                   tmp_path / "callback-a" / kind) is None
+
+
+def test_runs_on_different_numbers_of_processes_compare_as_one(compare_job, tmp_path):
+    """The same steps on one process of 8 devices: its records meet those the two processes
+    of 4 devices wrote by site, mode and index (a shard's is global)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import sowtel
+    from sowtel.compare import diff_runs
+    from sowtel.exporters.jsonl import JsonlExporter
+    from sowtel.exporters.tensorboard import TensorBoardExporter
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    assert mesh.size == 8
+    xg, wg = worker.inputs()
+    x = jax.device_put(xg, NamedSharding(mesh, P("d")))
+    w = jax.device_put(wg, NamedSharding(mesh, P()))
+    step = sowtel.jit(jax.value_and_grad(worker.make_loss(mesh)))
+    exporters = [JsonlExporter(logdir=tmp_path / "one" / "jsonl"),
+                 TensorBoardExporter(logdir=str(tmp_path / "one" / "tb"))]
+    with sowtel.enable(exporter=exporters):
+        for _ in range(4):
+            step(w, x)
+        assert sowtel.flush(timeout=60.0)
+    for kind in ("jsonl", "tb"):
+        report = diff_runs(compare_job / "jit-a" / kind, tmp_path / "one" / kind)
+        assert report.processes == "merged"
+        assert (report.divergence, report.steps, report.records) == (None, 4, 24)
+        div = sowtel.compare_runs(compare_job / "jit-b" / kind, tmp_path / "one" / kind)
+        assert (div.step, div.name, div.mode) == (2, "h", "primal")

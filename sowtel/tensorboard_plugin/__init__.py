@@ -105,23 +105,32 @@ _MOST_HEALTH = 1000
 logger = logging.getLogger("sowtel")
 
 
-def depth_content(stats: Iterable[str], index_rank: int, order: int | None = None) -> bytes:
+def depth_content(stats: Iterable[str], index_rank: int, order: int | None = None,
+                  scans: Iterable[tuple[int, bool]] = ()) -> bytes:
     """The metadata content of a compact depth tensor: which rows hold what.
 
     The tensor of one step has ``index_rank + len(stats)`` rows and one column a scan position
     that ran that step: the first ``index_rank`` rows hold the position's index (one row for a
     scan, two for nested scans), the others one statistic each, in ``stats`` order. ``order``
     is the site's place in its program (the records' ``order``), by which the plugin lists
-    sites; files written without it are listed after those with it, by name.
+    sites; files written without it are listed after those with it, by name. ``scans`` (the
+    records' ``scans``, ``[entry, reverse]`` per scan), with ``order`` and a position's index,
+    gives the position's place in its step's execution order
+    (:func:`sowtel.records.order_key`).
 
     Example:
         >>> parse_content(depth_content(["mean", "l2"], 1, order=3))
         {'version': 1, 'stats': ['mean', 'l2'], 'index_rank': 1, 'order': 3}
+        >>> parse_content(depth_content(["l2"], 1, order=5, scans=[(4, True)]))["scans"]
+        [[4, True]]
     """
     meta: dict[str, Any] = {"version": CONTENT_VERSION, "stats": list(stats),
                             "index_rank": int(index_rank)}
     if order is not None:
         meta["order"] = int(order)
+    listed = [[int(entry), bool(reverse)] for entry, reverse in scans]
+    if listed:
+        meta["scans"] = listed
     return json.dumps(meta).encode()
 
 
