@@ -263,6 +263,40 @@ def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
     return k, m, m2, mn, mx, a, z, (tuple(bad) if counts else (i32(0),) * 3)
 
 
+def apart(x: Any) -> Any:
+    """``x`` as a summary reads it: a copy that XLA computes in a fusion of its own, so that
+    reading a value never changes how the program that made it is compiled.
+
+    A value that the program computes inside a fusion (``a * b`` added to ``c`` in one loop,
+    where XLA:CPU rounds once, as a fused multiply-add) is left there only if every new reader
+    of it can fuse its producer too. A library reduction, a conditional or a host callback
+    cannot, so XLA would write the value out and the program's own fusion would read it back,
+    rounded: streaming would change the last bits of the results (and an optimizer such as
+    Adam amplifies them). The copy is ``x + z`` with ``z`` a -0.0 (``x + -0.0`` is ``x`` for
+    every ``x``, signed zeros included) hidden behind an optimization barrier until XLA's
+    simplifier has run: an elementwise op that fuses, whose fusion recomputes a cheap producer
+    on its own. Integers and booleans are exact in any fusion and are read as they are.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> x = jnp.array([-0.0, 1.5, jnp.inf])
+        >>> y = jax.jit(apart)(x)
+        >>> y.tolist(), bool(jnp.signbit(y[0]))
+        ([-0.0, 1.5, inf], True)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        part = jnp.finfo(x.dtype).dtype
+        zero = jax.lax.complex(jnp.asarray(-0.0, part), jnp.asarray(-0.0, part))
+    else:
+        zero = jnp.asarray(-0.0, x.dtype)
+    return x + jax.lax.optimization_barrier(zero)
+
+
 def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
                    form: str | None = None) -> list[Any]:
     """JAX ops that reduce ``x`` on the device to the arrays the host receives.
@@ -294,10 +328,11 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
     import jax
     import jax.numpy as jnp
 
-    if summary == "full":
-        return [x]
     if summary == "shape":
         return []
+    x = apart(x)
+    if summary == "full":
+        return [x]
     is_float = jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating)
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         x = jnp.abs(x)
