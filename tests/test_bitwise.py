@@ -25,6 +25,7 @@ import pytest
 
 import sowtel
 import sowtel.flax
+import sowtel.summaries
 
 STEPS = 3
 TRANSPORTS = ("callback", "sowtel.jit")
@@ -133,6 +134,25 @@ def test_sown_product_feeding_an_add_keeps_its_rounding(summary: str) -> None:
     assert len(session.exporters[0].records) == 2
     for way, value in got.items():
         assert np.array_equal(value, want), way
+
+
+def test_summary_copy_opt_out_reads_the_value_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SOWTEL_SUMMARY_COPY=0: the summaries read the sown product itself, XLA writes it out,
+    # and the add after it rounds twice (what streaming did before the copy).
+    def f(a: Any, b: Any, c: Any) -> Any:
+        return sowtel.sow(a * b, "p") + c
+
+    rng = np.random.default_rng(1)
+    a, b, c = (jnp.asarray(rng.normal(size=4096), jnp.float32) for _ in range(3))
+    want = np.asarray(jax.jit(f)(a, b, c))
+    rounded_twice = np.asarray(a) * np.asarray(b) + np.asarray(c)
+    monkeypatch.setenv("SOWTEL_SUMMARY_COPY", "0")
+    with sowtel.enable(exporter="memory"):
+        got = np.asarray(jax.jit(f)(a, b, c))
+    assert np.array_equal(got, rounded_twice) and not np.array_equal(got, want)
+    monkeypatch.setenv("SOWTEL_SUMMARY_COPY", "yes")
+    with pytest.raises(ValueError, match="SOWTEL_SUMMARY_COPY='yes' is not a setting"):
+        sowtel.summaries.reads_copy()
 
 
 # -- optimistix: the implicit gradient of a least-squares fit ---------------------------------
