@@ -136,6 +136,27 @@ def test_sown_product_feeding_an_add_keeps_its_rounding(summary: str) -> None:
         assert np.array_equal(value, want), way
 
 
+@pytest.mark.parametrize("way", TRANSPORTS)
+def test_every_n_steps_keeps_the_rounding_of_every_step(way: str) -> None:
+    # every=2 with the step traced into the program: the callback transport decides on the
+    # device, under a lax.cond whose operands XLA writes out; sowtel.jit runs its logging
+    # program one step in two and jax.jit's own program otherwise.
+    def f(a: Any, b: Any, c: Any, step: Any) -> Any:
+        with sowtel.at_step(step):
+            return sowtel.sow(a * b, "p") + c
+
+    rng = np.random.default_rng(2)
+    a, b, c = (jnp.asarray(rng.normal(size=4096), jnp.float32) for _ in range(3))
+    want = np.asarray(jax.jit(f)(a, b, c, 0))
+    fn = (sowtel.jit if way == "sowtel.jit" else jax.jit)(f)
+    with sowtel.enable(exporter="memory", every=2) as session:
+        got = [np.asarray(fn(a, b, c, jnp.int32(k))) for k in range(4)]
+        assert sowtel.flush(timeout=30)
+    assert sorted(r.step for r in session.exporters[0].records) == [0, 2]
+    for k, value in enumerate(got):
+        assert np.array_equal(value, want), k
+
+
 def test_summary_copy_opt_out_reads_the_value_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     # SOWTEL_SUMMARY_COPY=0: the summaries read the sown product itself, XLA writes it out,
     # and the add after it rounds twice (what streaming did before the copy).
