@@ -53,6 +53,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import jax
+import numpy as np
 
 import sowtel
 from benchmarks import (
@@ -76,7 +77,7 @@ from benchmarks.workloads import (
 from sowtel.exporters.memory import MemoryExporter
 from sowtel.summaries import _separate, device_summary, summary_form
 
-__all__ = ["run", "main", "jit_table", "floor_step"]
+__all__ = ["run", "main", "jit_table", "floor_step", "copy_cost_table"]
 
 #: The targets on CPU, as ratios to the plain step.
 TARGETS = {
@@ -303,6 +304,61 @@ def jit_table(work: Workload, *, rounds: int, steps: int,
         return table
 
 
+def copy_cost_table(rounds: int = 20, values: int = 12, shape: tuple[int, int] = (256, 512)
+                    ) -> Table:
+    """The CPU time ``stats`` summaries add to a jitted program of ``values`` arrays of
+    ``shape``, with the copy (``sowtel.summaries.apart``) and reading each value itself, for
+    three kinds of sown value: a cheap product feeding an add (the copy keeps the program's
+    fused multiply-add), an expensive last operation and a matmul's output (both written out
+    whatever the summary does)."""
+    jnp = jax.numpy
+    rng = np.random.default_rng(0)
+    xs = [jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(values)]
+    w = jnp.asarray(rng.normal(size=(shape[1], shape[1])) / np.sqrt(shape[1]), jnp.float32)
+    kinds: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+        "a cheap product feeding an add (x * s + 1, then + 2)":
+            (lambda x: x * 1.01 + 1.0, lambda v: v + 2.0),
+        "an expensive last operation feeding a matmul (tanh)": (jnp.tanh, lambda v: v @ w),
+        "a matmul's output, feeding a tanh": (lambda x: x @ w, jnp.tanh),
+    }
+
+    def program(make: Callable[[Any], Any], use: Callable[[Any], Any],
+                copy: bool | None) -> Callable[..., Any]:
+        def f(xs: Any) -> Any:
+            vals = [make(x) for x in xs]
+            summaries = ([] if copy is None else
+                         [device_summary(v, "stats", copy=copy) for v in vals])
+            return [use(v) for v in vals], summaries
+
+        return jax.jit(f)
+
+    table = Table(f"The summaries' copy: {values} values of {shape[0]}x{shape[1]} float32",
+                  ["sown value", "no summaries (CPU)", "stats, with the copy",
+                   "stats, the value read directly"])
+    for label, (make, use) in kinds.items():
+        fns = {c: program(make, use, c) for c in (None, True, False)}
+        for f in fns.values():
+            jax.block_until_ready(f(xs))
+        cpu: dict[bool | None, list[float]] = {c: [] for c in fns}
+        for _ in range(rounds):
+            for c, f in fns.items():
+                start = time.process_time()
+                for _ in range(5):
+                    jax.block_until_ready(f(xs))
+                cpu[c].append((time.process_time() - start) / 5)
+        base = float(np.median(cpu[None]))
+        cells = []
+        for c in (True, False):
+            q1, med, q3 = (float(np.percentile(cpu[c], q)) - base for q in (25, 50, 75))
+            cells.append(f"{med * 1e3:+.2f} ms [{q1 * 1e3:+.2f}, {q3 * 1e3:+.2f}]")
+        table.add(label, fmt_time(base), *cells)
+    table.notes.append(
+        f"{rounds} rounds of 5 calls of each program, interleaved; process CPU time (all "
+        "threads) a call, median over rounds of the summarised program's minus the plain "
+        "program's median (quartiles in brackets).")
+    return table
+
+
 def run(quick: bool = False, gpt_full: bool = False,
         workload: str | None = None, nonfinite: bool = False,
         histogram: bool = False, copy: bool = False) -> list[Table]:
@@ -315,9 +371,10 @@ def run(quick: bool = False, gpt_full: bool = False,
                  "gpt": (gpt if gpt_full else gpt_reduced, 6)}
         chosen = [workload] if workload else list(works)
         if quick:
-            return [jit_table(mlp(batch=32, width=64), rounds=1, steps=10, only=COPY_VARIANTS)]
-        return [jit_table(works[w][0](), rounds=works[w][1], steps=10, only=COPY_VARIANTS)
-                for w in chosen]
+            return [jit_table(mlp(batch=32, width=64), rounds=1, steps=10, only=COPY_VARIANTS),
+                    copy_cost_table(rounds=2, values=2, shape=(64, 64))]
+        return [*(jit_table(works[w][0](), rounds=works[w][1], steps=10, only=COPY_VARIANTS)
+                  for w in chosen), copy_cost_table()]
     if histogram:
         return [jit_table(mlp(), rounds=10, steps=10, only=HISTOGRAM_VARIANTS),
                 jit_table(transformer_block(), rounds=8, steps=10, only=HISTOGRAM_VARIANTS)]
