@@ -28,6 +28,10 @@ ratio to the plain step (``jax.jit`` of the step without sows) run right around 
 - **hand-written floor, every=10**: the hand-written floor's program one step in ten, the plain
   step otherwise: the least that ``every=10`` can cost with these statistics (on XLA:CPU a
   program run once among another's steps costs more than the same program run step after step).
+- **..., value read directly**: the callback transport, ``sowtel.jit`` and the floor with
+  ``SOWTEL_SUMMARY_COPY=0``: the summaries read each sown value itself rather than the copy
+  that keeps the program's own fusions, and so its results, as they are without sowtel
+  (``sowtel.summaries.apart``): what that copy costs.
 
 Workloads: the small MLP, the transformer block, and the GPT decoder (reduced on CPU; the full
 size with ``--gpt-full``, for a GPU). Each session has its own memory exporter (bounded); the
@@ -35,12 +39,13 @@ variant about to run is made the active one, as a single training loop would hav
 per step are counted, so a variant that streamed nothing cannot pass for a fast one.
 
 Run: ``python -m benchmarks.bench_jit [--quick] [--gpt-full] [--workload W] [--nonfinite]
-[--histogram] [--markdown FILE]``.
+[--histogram] [--copy] [--markdown FILE]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +53,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import jax
+import numpy as np
 
 import sowtel
 from benchmarks import (
@@ -71,7 +77,7 @@ from benchmarks.workloads import (
 from sowtel.exporters.memory import MemoryExporter
 from sowtel.summaries import _separate, device_summary, summary_form
 
-__all__ = ["run", "main", "jit_table", "floor_step"]
+__all__ = ["run", "main", "jit_table", "floor_step", "copy_cost_table"]
 
 #: The targets on CPU, as ratios to the plain step.
 TARGETS = {
@@ -89,6 +95,14 @@ NONFINITE_VARIANTS = (
     "sowtel.jit, every=10, health every step", "sowtel.jit, every=10, flight recorder K=1",
 )
 
+#: The variants of ``--copy``: what reading each value through a copy costs (README, Speed).
+COPY_VARIANTS = (
+    "plain", "callback transport, stats every step",
+    "callback transport, stats every step, value read directly",
+    "sowtel.jit, stats every step", "sowtel.jit, stats every step, value read directly",
+    "hand-written floor (summaries as outputs)", "hand-written floor, value read directly",
+)
+
 #: The variants of ``--histogram``: what histograms cost next to stats (docs/tensorboard.md).
 HISTOGRAM_VARIANTS = (
     "plain", "sowtel.jit, stats every step", "sowtel.jit, histogram every step",
@@ -100,9 +114,10 @@ class Runner:
     """One variant: a step function, its own training state, and the session it streams to."""
 
     def __init__(self, fn: Callable[..., Any], work: Workload,
-                 session: sowtel.Session | None) -> None:
+                 session: sowtel.Session | None, env: dict[str, str] | None = None) -> None:
         self.fn = fn
         self.session = session
+        self.env = env or {}  # set around each call: read where the step is traced and lowered
         self.params, self.opt_state, self.batch = work.init()
         self.step = jax.numpy.int32(0)
         self.calls = 0
@@ -111,7 +126,17 @@ class Runner:
     def __call__(self) -> None:
         start = time.process_time()
         activate_session(self.session)
-        out = jax.block_until_ready(self.fn(self.params, self.opt_state, self.batch, self.step))
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            out = jax.block_until_ready(
+                self.fn(self.params, self.opt_state, self.batch, self.step))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self.params, self.opt_state = out[0], out[1]
         self.calls += 1
         self.cpu += time.process_time() - start
@@ -126,10 +151,11 @@ class Runner:
         return 0 if self.session is None else int(self.session.status()["records"])
 
 
-def floor_step(work: Workload) -> Callable[..., Any]:
+def floor_step(work: Workload, copy: bool = True) -> Callable[..., Any]:
     """The hand-written floor: ``jax.jit`` of ``work``'s training step that also returns
     ``device_summary(v, "stats")`` of every site's primal and cotangent, with no sowtel at run
-    time (cotangents as gradients of zero perturbations).
+    time (cotangents as gradients of zero perturbations); ``copy=False``: the summaries read
+    each value itself (``SOWTEL_SUMMARY_COPY=0``).
 
     Example:
         >>> from benchmarks.workloads import mlp
@@ -142,7 +168,8 @@ def floor_step(work: Workload) -> Callable[..., Any]:
 
     def step(*args: Any) -> Any:
         params, opt_state, loss, inter = returning(*args)
-        summaries = jax.tree_util.tree_map(lambda v: device_summary(v, "stats"), inter)
+        summaries = jax.tree_util.tree_map(
+            lambda v: device_summary(v, "stats", copy=copy), inter)
         return params, opt_state, loss, summaries
 
     return jax.jit(step)
@@ -191,6 +218,7 @@ def variants(work: Workload, stack: ExitStack,
 
     sown = make_train_step(work, sowtel.sow)
     plain = jax.jit(make_train_step(work, no_tap))
+    direct = {"SOWTEL_SUMMARY_COPY": "0"}
     out = {
         "plain": Runner(plain, work, None),
         "disabled": Runner(jax.jit(sown), work, None),
@@ -207,7 +235,13 @@ def variants(work: Workload, stack: ExitStack,
             sowtel.jit(sown), work, session(summary="histogram")),
         "sowtel.jit, stats, histograms every 10 steps": Runner(
             sowtel.jit(sown), work, session(histogram_every=10)),
+        "callback transport, stats every step, value read directly": Runner(
+            jax.jit(sown), work, session(), direct),
+        "sowtel.jit, stats every step, value read directly": Runner(
+            sowtel.jit(sown), work, session(), direct),
         "hand-written floor (summaries as outputs)": Runner(floor_step(work), work, None),
+        "hand-written floor, value read directly": Runner(floor_step(work, copy=False), work,
+                                                         None),
         "hand-written floor, sums unmasked": Runner(_floor_unmasked(work), work, None),
         "hand-written floor, every=10": Runner(_one_in(10, floor_step(work), plain), work,
                                                None),
@@ -270,12 +304,77 @@ def jit_table(work: Workload, *, rounds: int, steps: int,
         return table
 
 
+def copy_cost_table(rounds: int = 20, values: int = 12, shape: tuple[int, int] = (256, 512)
+                    ) -> Table:
+    """The CPU time ``stats`` summaries add to a jitted program of ``values`` arrays of
+    ``shape``, with the copy (``sowtel.summaries.apart``) and reading each value itself, for
+    three kinds of sown value: a cheap product feeding an add (the copy keeps the program's
+    fused multiply-add), an expensive last operation and a matmul's output (both written out
+    whatever the summary does)."""
+    jnp = jax.numpy
+    rng = np.random.default_rng(0)
+    xs = [jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(values)]
+    w = jnp.asarray(rng.normal(size=(shape[1], shape[1])) / np.sqrt(shape[1]), jnp.float32)
+    kinds: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+        "a cheap product feeding an add (x * s + 1, then + 2)":
+            (lambda x: x * 1.01 + 1.0, lambda v: v + 2.0),
+        "an expensive last operation feeding a matmul (tanh)": (jnp.tanh, lambda v: v @ w),
+        "a matmul's output, feeding a tanh": (lambda x: x @ w, jnp.tanh),
+    }
+
+    def program(make: Callable[[Any], Any], use: Callable[[Any], Any],
+                copy: bool | None) -> Callable[..., Any]:
+        def f(xs: Any) -> Any:
+            vals = [make(x) for x in xs]
+            summaries = ([] if copy is None else
+                         [device_summary(v, "stats", copy=copy) for v in vals])
+            return [use(v) for v in vals], summaries
+
+        return jax.jit(f)
+
+    table = Table(f"The summaries' copy: {values} values of {shape[0]}x{shape[1]} float32",
+                  ["sown value", "no summaries (CPU)", "stats, with the copy",
+                   "stats, the value read directly"])
+    for label, (make, use) in kinds.items():
+        fns = {c: program(make, use, c) for c in (None, True, False)}
+        for f in fns.values():
+            jax.block_until_ready(f(xs))
+        cpu: dict[bool | None, list[float]] = {c: [] for c in fns}
+        for _ in range(rounds):
+            for c, f in fns.items():
+                start = time.process_time()
+                for _ in range(5):
+                    jax.block_until_ready(f(xs))
+                cpu[c].append((time.process_time() - start) / 5)
+        base = float(np.median(cpu[None]))
+        cells = []
+        for c in (True, False):
+            q1, med, q3 = (float(np.percentile(cpu[c], q)) - base for q in (25, 50, 75))
+            cells.append(f"{med * 1e3:+.2f} ms [{q1 * 1e3:+.2f}, {q3 * 1e3:+.2f}]")
+        table.add(label, fmt_time(base), *cells)
+    table.notes.append(
+        f"{rounds} rounds of 5 calls of each program, interleaved; process CPU time (all "
+        "threads) a call, median over rounds of the summarised program's minus the plain "
+        "program's median (quartiles in brackets).")
+    return table
+
+
 def run(quick: bool = False, gpt_full: bool = False,
         workload: str | None = None, nonfinite: bool = False,
-        histogram: bool = False) -> list[Table]:
+        histogram: bool = False, copy: bool = False) -> list[Table]:
     """The tables, one per workload (the MLP only, two short rounds, with ``quick``; only
     ``workload`` if given; with ``nonfinite``, the transformer's NaN-check variants only; with
-    ``histogram``, the MLP's and the transformer's histogram variants only)."""
+    ``histogram``, the MLP's and the transformer's histogram variants only; with ``copy``,
+    every workload's (or ``workload``'s) variants with and without the summaries' copy)."""
+    if copy:
+        works = {"mlp": (mlp, 10), "transformer": (transformer_block, 8),
+                 "gpt": (gpt if gpt_full else gpt_reduced, 6)}
+        chosen = [workload] if workload else list(works)
+        if quick:
+            return [jit_table(mlp(batch=32, width=64), rounds=1, steps=10, only=COPY_VARIANTS),
+                    copy_cost_table(rounds=2, values=2, shape=(64, 64))]
+        return [*(jit_table(works[w][0](), rounds=works[w][1], steps=10, only=COPY_VARIANTS)
+                  for w in chosen), copy_cost_table()]
     if histogram:
         return [jit_table(mlp(), rounds=10, steps=10, only=HISTOGRAM_VARIANTS),
                 jit_table(transformer_block(), rounds=8, steps=10, only=HISTOGRAM_VARIANTS)]
@@ -311,6 +410,9 @@ def _gpt_full_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--histogram", action="store_true",
                         help="the MLP's and the transformer block's histogram variants only "
                              "(histograms every step, every 10 steps, against stats)")
+    parser.add_argument("--copy", action="store_true",
+                        help="the transports and the floor with and without the summaries' "
+                             "copy of each value (SOWTEL_SUMMARY_COPY=0)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -318,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return module_main(argv, "bench_jit", __doc__,
                        lambda args: run(quick=args.quick, gpt_full=args.gpt_full,
                                         workload=args.workload, nonfinite=args.nonfinite,
-                                        histogram=args.histogram),
+                                        histogram=args.histogram, copy=args.copy),
                        arguments=_gpt_full_argument)
 
 

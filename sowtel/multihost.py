@@ -334,7 +334,7 @@ def partial_summaries(leaves: Sequence[Any], summary: str, bins: int,
     """
     import jax.numpy as jnp
 
-    from sowtel.summaries import device_summary
+    from sowtel.summaries import apart, device_summary, reads_copy
 
     parts = int(replicated.mesh.size) if replicated is not None else 1
     sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in leaves]
@@ -343,7 +343,9 @@ def partial_summaries(leaves: Sequence[Any], summary: str, bins: int,
         return None
     out = []
     for v, n in zip(leaves, sizes, strict=True):
-        rows = jnp.reshape(v, (parts, n // parts))
+        # The copy before the reshape, which may move data between devices: XLA must not
+        # write the value out of the program's own fusions for it (see summaries.apart).
+        rows = jnp.reshape(apart(v) if reads_copy() else v, (parts, n // parts))
         moments, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats", bins)))(rows)
         out.append(jnp.concatenate([moments, counts.astype(moments.dtype)], axis=1))
     return out

@@ -48,7 +48,7 @@ import numpy as np
 from sowtel import _jax_compat as jc
 from sowtel import naming
 from sowtel.records import SUMMARIES, ScanEntries
-from sowtel.summaries import ARRAYS_PER_LEAF, DEFAULT_BINS, device_summary
+from sowtel.summaries import ARRAYS_PER_LEAF, DEFAULT_BINS, apart, device_summary, reads_copy
 
 __all__ = ["sow", "sow_p", "at_step", "Context", "StreamConfig", "SiteStatic", "StreamSite"]
 
@@ -888,7 +888,7 @@ def _site_summary(ctx: Any, values: list[Any], summary: str, bins: int) -> list[
                 gathered = jax.lax.with_sharding_constraint(part, replicated)
                 out.extend(multihost.merge_partials(gathered))
             return out
-    return [a for v in values for a in device_summary(v, summary, bins)]
+    return [a for v in values for a in device_summary(v, summary, bins, copy=False)]
 
 
 _warned_counted: set[str] = set()
@@ -1034,6 +1034,8 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
     def on_device(*operands: Any) -> list[Any]:
         values, extras = _split(operands, site)
         values = taken_rows(values, site, extras)
+        if reads_copy():  # before the every=N cond, whose operands XLA must write out
+            values = [apart(v) for v in values]
         extras = [x for k, x in zip(site.extras, extras, strict=True) if k != "taken"]
 
         def emit() -> None:

@@ -263,8 +263,62 @@ def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
     return k, m, m2, mn, mx, a, z, (tuple(bad) if counts else (i32(0),) * 3)
 
 
+def apart(x: Any) -> Any:
+    """``x`` as a summary reads it: a copy that XLA computes in a fusion of its own, so that
+    reading a value never changes how the program that made it is compiled.
+
+    A value that the program computes inside a fusion (``a * b`` added to ``c`` in one loop,
+    where XLA:CPU rounds once, as a fused multiply-add) is left there only if every new reader
+    of it can fuse its producer too. A library reduction, a conditional or a host callback
+    cannot, so XLA would write the value out and the program's own fusion would read it back,
+    rounded: streaming would change the last bits of the results (and an optimizer such as
+    Adam amplifies them). The copy is ``x + z`` with ``z`` a -0.0 (``x + -0.0`` is ``x`` for
+    every ``x``, signed zeros included) hidden behind an optimization barrier until XLA's
+    simplifier has run: an elementwise op that fuses, whose fusion recomputes a cheap producer
+    on its own. Integers and booleans are exact in any fusion and are read as they are.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> x = jnp.array([-0.0, 1.5, jnp.inf])
+        >>> y = jax.jit(apart)(x)
+        >>> y.tolist(), bool(jnp.signbit(y[0]))
+        ([-0.0, 1.5, inf], True)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        part = jnp.finfo(x.dtype).dtype
+        zero = jax.lax.complex(jnp.asarray(-0.0, part), jnp.asarray(-0.0, part))
+    else:
+        zero = jnp.asarray(-0.0, x.dtype)
+    return x + jax.lax.optimization_barrier(zero)
+
+
+def reads_copy() -> bool:
+    """Whether summaries read each value through :func:`apart` (so that streaming leaves the
+    program's results bit for bit): yes, unless the environment variable
+    ``SOWTEL_SUMMARY_COPY`` is ``0``, which makes them read the value itself (XLA may then
+    write it out of the program's fusions, and results may change in their last bits).
+
+    Example:
+        >>> reads_copy()
+        True
+    """
+    import os
+
+    chosen = os.environ.get("SOWTEL_SUMMARY_COPY", "").strip()
+    if chosen not in ("", "0", "1"):
+        raise ValueError(f"SOWTEL_SUMMARY_COPY={chosen!r} is not a setting: use 1 (the default: "
+                         "summaries read a copy, results stay bit for bit) or 0 (they read the "
+                         "value itself)")
+    return chosen != "0"
+
+
 def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
-                   form: str | None = None) -> list[Any]:
+                   form: str | None = None, copy: bool | None = None) -> list[Any]:
     """JAX ops that reduce ``x`` on the device to the arrays the host receives.
 
     Returns a list of arrays: ``stats`` -> ``[moments(6), counts(4)]`` (see
@@ -273,6 +327,7 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
     copy speed);
     ``histogram`` -> the stats plus ``[counts(bins)]``; ``health`` -> ``[counts(3)]``;
     ``shape`` -> ``[]``. :func:`decode_device_summary` turns them back into a dict.
+    With ``copy`` (else :func:`reads_copy`) they read ``x`` through :func:`apart`.
 
     ``stats`` reduces over every axis of ``x`` without reshaping it (so a value with an
     explicit sharding is summarised where it lies), in one of two forms (``form``, else
@@ -294,10 +349,12 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
     import jax
     import jax.numpy as jnp
 
-    if summary == "full":
-        return [x]
     if summary == "shape":
         return []
+    if reads_copy() if copy is None else copy:
+        x = apart(x)
+    if summary == "full":
+        return [x]
     is_float = jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating)
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         x = jnp.abs(x)
@@ -364,7 +421,7 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
 def _summary_jit() -> Any:
     import jax
 
-    return jax.jit(device_summary, static_argnums=(1, 2, 3))
+    return jax.jit(device_summary, static_argnums=(1, 2, 3, 4))
 
 
 # Made on first use: this module imports JAX only inside functions (host-side users of the
@@ -373,7 +430,7 @@ _SUMMARY_JIT: Any = None
 
 
 def site_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
-    """:func:`device_summary`, traced once per (abstract value, summary, bins, form) in this
+    """:func:`device_summary`, traced once per (abstract value, summary, bins, form, copy) in this
     process and called as a nested ``jax.jit`` (XLA inlines it: the program is the same).
 
     A training step's sites often share a shape (every layer's activations and their
@@ -390,7 +447,7 @@ def site_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
     global _SUMMARY_JIT
     if _SUMMARY_JIT is None:
         _SUMMARY_JIT = _summary_jit()
-    return list(_SUMMARY_JIT(x, summary, bins, summary_form()))
+    return list(_SUMMARY_JIT(x, summary, bins, summary_form(), reads_copy()))
 
 
 def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
