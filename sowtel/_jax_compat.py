@@ -59,6 +59,7 @@ import inspect
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -397,6 +398,25 @@ def in_custom_vjp_bwd() -> bool:
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
+
+
+def custom_vjp_bwd_role() -> str | None:
+    """Where the code traced now sits with respect to a ``custom_vjp`` ``bwd``: ``None`` outside
+    any; ``"bwd"`` in the bwd's own code; ``"rerun"`` inside a derivative the bwd takes itself
+    (``jax.vjp``, ``jax.grad``, ``jax.linearize``, ``jax.jvp`` of a function, called in the bwd):
+    forward code that the bwd runs again to differentiate it. Read from the frames of
+    ``ad._custom_lin_transpose`` (``_fancy`` on 0.12) and of ``ad.linearize`` / ``ad.jvp``
+    (which trace the function being differentiated); ``None`` when they are gone."""
+    frame = sys._getframe(1)
+    derivative = False
+    while frame is not None:
+        code = frame.f_code
+        if code in _CUSTOM_BWD:
+            return "rerun" if derivative else "bwd"
+        if code in _DERIVATIVES:
+            derivative = True
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 # custom_jvp.__call__ traces the function (and, under a derivative, calls the rule, which
@@ -831,6 +851,101 @@ def wrap_cond_lowering(wrapper: Callable[..., Any]) -> None:
         return wrapper(lower, ctx, [as_jaxpr(b) for b in branches])
 
     mlir.register_lowering(_conditionals.cond_p, lowering, inline=entry.inline)
+
+
+class _LoopNotes(threading.local):
+    def __init__(self) -> None:
+        # The loops whose bodies are being lowered, outermost first, each
+        # [kind, length, reverse, inside] (inside: a scan's own while op is being lowered).
+        self.lowering: list[list[Any]] = []
+        # The jax_scan3 loops being expanded (Scan3.expand), outermost first.
+        self.expanding: list[tuple[int, bool]] = []
+
+
+_LOOP_NOTES = _LoopNotes()
+
+
+def track_loop_lowerings() -> None:
+    """Makes :func:`lowering_loops` know the ``scan`` and ``while_loop`` bodies being lowered,
+    by lowering both through JAX's own rules (``mlir._lowerings``) inside a note of the loop.
+
+    JAX lowers a scan (``lower_fun(_scan_impl)``, 0.10.2 to 0.12) as a while op whose body
+    evaluates the scan's body: that while op is the scan's own, not a ``while_loop``. Lowering
+    follows the program, so the note says where each equation lowered now sits in it.
+
+    A ``jax_scan3`` loop becomes a while loop before lowering (``call_hi_primitive_p.to_lojax``
+    runs ``Scan3.expand``, which binds the body's equations again inside that loop's body):
+    :func:`expanding_scan3` says which expansions bind an equation now.
+    """
+
+    def wrap(prim: Any, kind: str) -> None:
+        entry = mlir._lowerings[prim]
+        rule: Callable[..., Any] = entry.rule
+
+        def lowering(ctx: Any, *args: Any, **params: Any) -> Any:
+            stack = _LOOP_NOTES.lowering
+            top = stack[-1] if stack else None
+            if kind == "while" and top is not None and top[0] == "scan" and not top[3]:
+                top[3] = True  # the scan's own loop
+                try:
+                    return rule(ctx, *args, **params)
+                finally:
+                    top[3] = False
+            note = ([kind, int(params["length"]), bool(params["reverse"]), False]
+                    if kind == "scan" else [kind, 0, False, False])
+            stack.append(note)
+            try:
+                return rule(ctx, *args, **params)
+            finally:
+                stack.pop()
+
+        mlir.register_lowering(prim, lowering, inline=entry.inline)
+
+    wrap(_loops.scan_p, "scan")
+    wrap(_loops.while_p, "while")
+    try:
+        from jax._src import hijax as _hijax
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return
+    hi = getattr(_hijax, "call_hi_primitive_p", None)
+    expand = getattr(hi, "to_lojax", None)
+    if hi is None or expand is None:  # pragma: no cover - depends on the JAX version
+        return
+
+    def to_lojax(*args: Any, _prim: Any) -> Any:
+        if type(_prim).__name__ != "Scan3":
+            return expand(*args, _prim=_prim)
+        p = _prim.params
+        _LOOP_NOTES.expanding.append((int(p["length"]), bool(p["reverse"]) and SCAN3_REVERSES))
+        try:
+            return expand(*args, _prim=_prim)
+        finally:
+            _LOOP_NOTES.expanding.pop()
+
+    hi.to_lojax = to_lojax
+
+
+def expanding_scan3() -> tuple[tuple[int, bool], ...]:
+    """``((length, reverse), ...)`` of the ``jax_scan3`` loops whose expansion binds the
+    equation bound now, outermost first: it sits directly in the innermost one's body, which
+    lowers as a while loop (see :func:`track_loop_lowerings`)."""
+    return tuple(_LOOP_NOTES.expanding)
+
+
+def lowering_loops(scan3: Sequence[tuple[int, bool]] = ()
+                   ) -> tuple[tuple[str, int, bool], ...]:
+    """``(("scan", length, reverse) | ("while", 0, False), ...)``: the loops around the
+    equation being lowered, outermost first (see :func:`track_loop_lowerings`). ``scan3``: the
+    ``jax_scan3`` loops whose expansions bound it (:func:`expanding_scan3`), which are the
+    innermost while loops around it."""
+    notes = [(k, n, r) for k, n, r, _ in _LOOP_NOTES.lowering]
+    at = len(notes)
+    for length, reverse in reversed(scan3):
+        at = next((i for i in range(at - 1, -1, -1) if notes[i][0] == "while"), -1)
+        if at < 0:
+            break
+        notes[at] = ("scan", length, reverse)
+    return tuple(notes)
 
 
 def lowered_case_op(num_branches: int) -> Any:

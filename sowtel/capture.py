@@ -41,10 +41,11 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -178,6 +179,16 @@ class SummaryPass:
     reduce: Callable[[dict[str, Any], list[Any]], tuple[Any, list[Any]] | None]
     in_while: int = 0
     callbacks: bool = False
+    # The loops around the equation evaluated now (see naming.program_loops).
+    loops: list[tuple[str, int, bool]] = dataclasses.field(default_factory=list)
+    # The names the program gives its sites that call back (settled once it is evaluated).
+    names: naming.ProgramNames = dataclasses.field(default_factory=naming.ProgramNames)
+
+
+#: ``_Captured.site`` of a streamed site a summary pass returns nothing for: it streams through
+#: its host callback (in a ``while_loop`` body), or is not due at this step. Listed all the
+#: same, so that ``sowtel.jit`` numbers the program's sites as the host callbacks do.
+CALLS_BACK, NOT_DUE = "calls back", "not due"
 
 
 _PASS = threading.local()  # .stack: the summary passes this thread is tracing, innermost last
@@ -337,12 +348,30 @@ def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[An
     if summary_pass.in_while:
         # The host callback in this program (the call's step comes from the host side).
         summary_pass.callbacks = True
-        return list(sow_p.bind(*invals, **{**p, "capture": False})), []
-    reduced = summary_pass.reduce(p, taken_rows(leaves, site, list(invals[n:])))
+        site = dataclasses.replace(site, numbering=summary_pass.names)
+        outs = sow_p.bind(*invals, **{**p, "capture": False, "site": site})
+        return list(outs), [_Captured(site.name, p["mode"], None, [], site=CALLS_BACK)]
+    here = dataclasses.replace(site, loops=naming.program_loops(summary_pass.loops))
+    reduced = summary_pass.reduce({**p, "site": here}, taken_rows(leaves, site,
+                                                                  list(invals[n:])))
     if reduced is None:
-        return leaves, []
+        return leaves, [_Captured(site.name, p["mode"], None, [], site=NOT_DUE)]
     stream_site, arrays = reduced
     return leaves, [_Captured(site.name, p["mode"], None, list(arrays), site=stream_site)]
+
+
+@contextlib.contextmanager
+def _in_loop(kind: str, length: int = 0, reverse: bool = False) -> Iterator[None]:
+    """Notes, for the summary pass, that the equations evaluated inside sit in this loop."""
+    summary_pass = _pass()
+    if summary_pass is None:
+        yield
+        return
+    summary_pass.loops.append((kind, length, reverse))
+    try:
+        yield
+    finally:
+        summary_pass.loops.pop()
 
 
 def _call_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
@@ -490,9 +519,10 @@ def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
         meta[:] = caps
         return outs[:n_carry], (outs[n_carry:], _flat(caps))
 
-    carry, (ys, flat) = jax.lax.scan(
-        body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
-    )
+    with _in_loop("scan", p["length"], p["reverse"]):
+        carry, (ys, flat) = jax.lax.scan(
+            body, list(init), list(xs), length=p["length"], reverse=p["reverse"],
+            unroll=p["unroll"])
     return [*carry, *ys], [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
 
 
@@ -512,8 +542,9 @@ def _scan3_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
         meta[:] = caps
         return outs, _flat(caps)
 
-    ys, flat = jc.scan3_over(body, xs, length=p["length"], reverse=p["reverse"],
-                             unroll=p["unroll"])
+    with _in_loop("scan", p["length"], p["reverse"]):
+        ys, flat = jc.scan3_over(body, xs, length=p["length"], reverse=p["reverse"],
+                                 unroll=p["unroll"])
     return list(ys), [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
 
 
@@ -541,9 +572,10 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
     if summary_pass is not None:
         summary_pass.in_while += 1
     try:
-        shapes = jax.eval_shape(body_fn, (list(init), []))[1]
-        state = jax.lax.while_loop(cond_fn, body_fn,
-                                   (list(init), [_fill_like(s) for s in shapes]))
+        with _in_loop("while"):
+            shapes = jax.eval_shape(body_fn, (list(init), []))[1]
+            state = jax.lax.while_loop(cond_fn, body_fn,
+                                       (list(init), [_fill_like(s) for s in shapes]))
     finally:
         if summary_pass is not None:
             summary_pass.in_while -= 1

@@ -135,12 +135,18 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _numbered(caps: list[Any]) -> list[str]:
-    """Final names of the captured sites (:func:`sowtel.naming.occurrence_names`)."""
-    names = naming.occurrence_names([(c.name, c.mode) for c in caps])
+def _numbered(caps: list[Any], settled: naming.ProgramNames | None = None) -> list[str]:
+    """Final names of the program's streamed sites (:func:`sowtel.naming.occurrence_names`):
+    those summarised, and those that call back or are not due at this step, which the summary
+    pass lists too, so that names are those the host callbacks give. The names of the sites
+    that call back go to ``settled``, where their lowering reads them."""
+    keys = [(c.name, c.mode) for c in caps]
+    names = naming.occurrence_names(keys)
     for c, name in zip(caps, names, strict=True):
         if name != c.name:
             naming.warn_repeated(c.name)
+    if settled is not None:
+        settled.settle(keys, names, [c.site == capture.CALLS_BACK for c in caps])
     return names
 
 
@@ -532,9 +538,11 @@ class Jitted:
             outs, caps = capture.eval_summaries(jaxpr, consts, dyn, summary_pass)
             if summary_pass.callbacks:
                 callbacks[config] = True
+            names = _numbered(caps, summary_pass.names)
+            kept = [i for i, c in enumerate(caps) if not isinstance(c.site, str)]
+            caps, names = [caps[i] for i in kept], [names[i] for i in kept]
             if in_blocks:
                 caps = multihost.combine_partials(caps, in_blocks, gather)
-            names = _numbered(caps)
             sites = []
             arrays: list[Any] = []
             for c, name in zip(caps, names, strict=True):

@@ -381,6 +381,12 @@ class SiteStatic:
     # only, also where JAX differentiates the function's body instead (JAX 0.10 partially
     # evaluates a scan's body with the custom_jvp inlined, losing the rule, under jvp-of-grad).
     custom_jvp: bool = False
+    # In a sowtel.jit logging program, a site that streams through its host callback: the
+    # names its program settled (naming.ProgramNames), which the callback takes.
+    numbering: Any = dataclasses.field(default=None, compare=False)
+    # The jax_scan3 loops whose expansion bound it, outermost first: the innermost while
+    # loops around it when lowered (see _jax_compat.lowering_loops).
+    scan3: tuple[tuple[int, bool], ...] = ()
 
     def transposed(self) -> SiteStatic:
         loops = None if self.loops is None else tuple((n, not r) for n, r in self.loops)
@@ -400,7 +406,17 @@ class SowPrimitive(jc.core.Primitive):
     with a batched predicate adds, as a ``"taken"`` extra, the rows that take the branch."""
 
     def bind(self, *args: Any, **params: Any) -> Any:
+        if (params.get("mode") == "primal" and not params.get("recompute")
+                and jc.in_custom_vjp_bwd()):
+            # A primal site bound while a custom_vjp bwd is traced is forward code the bwd
+            # runs again (a closure-converted function re-evaluated there, as Equinox's
+            # checkpointed while_loop and odeint's adjoint do): silent, see sow().
+            params = {**params, "recompute": "primal"}
         site = params.get("site")
+        scan3 = jc.expanding_scan3()
+        if site is not None and scan3 and site.scan3 != scan3:
+            site = dataclasses.replace(site, scan3=scan3)
+            params = {**params, "site": site}
         if site is not None and "taken" not in site.extras:
             found = jc.batched_branch_predicate()
             if found is not None:
@@ -570,8 +586,18 @@ def sow(
     )
     # A custom_vjp bwd is traced in a backward pass; jitted, or in a scan, cond or checkpoint,
     # its name stack no longer says so, but its caller's frame does.
-    mode = "cotangent" if jc.in_transpose() or jc.in_custom_vjp_bwd() else "primal"
-    outs = _bind(leaves, extras, site, mode)
+    role = jc.custom_vjp_bwd_role()
+    mode = "primal"
+    recompute: bool | str = False
+    if role == "rerun":
+        # Forward code that the bwd differentiates again (recursive checkpointing, adjoint
+        # solvers, a bwd that calls jax.vjp of the forward function): as in jax.checkpoint,
+        # the recomputed primal is silent and the derivative the bwd takes reports, since its
+        # cotangent is the site's own.
+        recompute = "primal"
+    elif role == "bwd" or jc.in_transpose():
+        mode = "cotangent"
+    outs = _bind(leaves, extras, site, mode, recompute)
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
@@ -976,6 +1002,7 @@ def _cond_lowering(lowered: Callable[[], Any], ctx: Any, branches: list[Any]) ->
 
 
 jc.wrap_cond_lowering(_cond_lowering)
+jc.track_loop_lowerings()  # where each site sits in the program: its records' index
 
 
 def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
@@ -990,13 +1017,14 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         name=site.name, mode=mode, tag=site.tag, leaf_names=leaf_names(site),
         shapes=tuple(tuple(a.shape) for a in leaf_avals),
         dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
-        bins=DEFAULT_BINS, loops=site.loops, extras=sent, order=next(_lowering_order),
+        bins=DEFAULT_BINS, loops=naming.program_loops(jc.lowering_loops(site.scan3)), extras=sent,
+        order=next(_lowering_order),
     )
     in_branch = bool(jc.branch_path(ctx))
     if in_branch:
         info = dataclasses.replace(info, in_branch=True)
-    naming.note_branches(ctx, info)
-    if in_branch and site.loops and "shard" in site.extras:
+    naming.note_branches(ctx, info, site.numbering)
+    if in_branch and info.loops and "shard" in site.extras:
         _warn_counted_index(site.name)
 
     def on_device(*operands: Any) -> list[Any]:
