@@ -274,6 +274,30 @@ def in_transpose() -> bool:
     )
 
 
+def trace_as(flat_fun: Callable[..., Any], fun: Callable[..., Any], args: Sequence[Any],
+             kwargs: dict[str, Any], dynamic: Sequence[int]) -> Callable[..., Any]:
+    """``flat_fun``, which takes the leaves of ``(args, kwargs)`` at the positions ``dynamic``,
+    made to trace under the name, source line and argument names that ``jax.jit(fun)`` gives
+    (what tracing errors name).
+
+    Sets ``__fun_debug_info__``, which ``api_util.debug_info`` returns as the function's debug
+    info (0.10.2 to 0.12), to ``api_util.debug_info("jit", fun, args, kwargs)`` with the names
+    of the dynamic leaves. Where that is gone, errors name ``flat_fun`` and its arguments.
+    """
+    try:
+        from jax._src import api_util
+
+        dbg = api_util.debug_info("jit", fun, args, kwargs)
+        names = dbg.arg_names
+        count = len(jax.tree_util.tree_leaves((args, kwargs)))
+        picked = (tuple(names[i] for i in dynamic)
+                  if names is not None and len(names) == count else None)
+        flat_fun.__fun_debug_info__ = dbg._replace(arg_names=picked)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - only names for error messages are at stake
+        pass
+    return flat_fun
+
+
 def is_tracing() -> bool:
     """True while JAX traces (inside jit, grad, vmap...); False when code runs eagerly."""
     return not isinstance(core.trace_ctx.trace, core.EvalTrace)

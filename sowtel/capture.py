@@ -854,9 +854,15 @@ class _StaticKey:
             return all(a is b for a, b in zip(self.items, other.items, strict=True))
 
 
-def trace_flat(fn: Callable[..., Any], dyn: Any) -> tuple[Any, list[Any], Any]:
+def trace_flat(fn: Callable[..., Any], dyn: Any,
+               user: tuple[Callable[..., Any], Any, Any, list[int]] | None = None
+               ) -> tuple[Any, list[Any], Any]:
     """Traces ``fn(*dyn)`` to ``(jaxpr, consts, out_tree)``: a jaxpr on flat outputs, for the
     capture pass (``save_intermediates``) and the summary pass (``sowtel.jit``) to evaluate.
+
+    ``user``: ``(fun, args, kwargs, dynamic)`` when ``fn`` calls the user's ``fun`` with the
+    leaves ``dyn`` of ``(args, kwargs)`` at the positions ``dynamic``: an error raised while
+    tracing then names ``fun`` and its arguments, as ``jax.jit(fun)`` would, not ``fn``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -871,6 +877,8 @@ def trace_flat(fn: Callable[..., Any], dyn: Any) -> tuple[Any, list[Any], Any]:
         out_tree.append(tree)
         return leaves
 
+    if user is not None:
+        jc.trace_as(flat_fn, *user)
     # Under disable_jit, lax.scan would unroll while tracing: one site per iteration.
     with jax.disable_jit(False):
         closed = jax.make_jaxpr(flat_fn)(*dyn)
@@ -937,8 +945,14 @@ def save_intermediates(
 
         def run(*dyn: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
             ctx = current_context() or Context()
+            dynamic = [i for i in range(n_leaves) if i not in static]
+            leaves = [static[i] if i in static else None for i in range(n_leaves)]
+            for i, x in zip(dynamic, dyn, strict=True):
+                leaves[i] = x
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
             with CONTEXT(Context(stream=ctx.stream, capture=tag)):
-                jaxpr, consts, out_tree = trace_flat(lambda *d: merged(list(d)), dyn)
+                jaxpr, consts, out_tree = trace_flat(lambda *d: merged(list(d)), dyn,
+                                                     (fn, args, kwargs, dynamic))
             outs, caps = eval_capture(jaxpr, consts, list(dyn), tag)
             return jax.tree_util.tree_unflatten(out_tree, outs), _assemble(caps, duplicates)
 

@@ -533,7 +533,10 @@ class Jitted:
                 return fun(*a, **k)
 
             dyn = [leaves[i] for i in dynamic]
-            jaxpr, consts, out_tree = capture.trace_flat(call, dyn)
+            fun = fun_ref()
+            assert fun is not None, "a logging program outlived its function"
+            jaxpr, consts, out_tree = capture.trace_flat(call, dyn, (fun, args, kwargs, dynamic))
+            del fun
             summary_pass = capture.SummaryPass(reduce=reduce)
             outs, caps = capture.eval_summaries(jaxpr, consts, dyn, summary_pass)
             if summary_pass.callbacks:
@@ -623,18 +626,28 @@ class SplitJitted:
 
 
 def name_after(pure: Callable[..., Any], fun: Callable[..., Any]) -> None:
-    """Gives ``pure`` the names of ``fun`` (not its signature: ``jax.jit`` reads the signature
-    of a ``__wrapped__`` function, and a wrapper's pure function has another).
+    """Gives ``pure`` the names of ``fun``, and ``fun`` as its ``__wrapped__``: errors raised
+    while tracing it name ``fun`` and its source line, as ``jax.jit(fun)``'s do. Not ``fun``'s
+    signature: ``pure`` keeps its own (``__signature__``), which ``jax.jit`` reads to bind the
+    arguments that a wrapper's pure function takes.
 
     Example:
+        >>> import inspect
         >>> def pure(a, b): return a
         >>> def step(x): return x
-        >>> name_after(pure, step); pure.__name__
-        'step'
+        >>> name_after(pure, step); pure.__name__, inspect.signature(pure)
+        ('step', <Signature (a, b)>)
     """
+    try:
+        signature = inspect.signature(pure)
+    except (TypeError, ValueError):  # no signature to keep: leave it unwrapped
+        signature = None
     for attr in ("__name__", "__qualname__", "__module__"):
         if hasattr(fun, attr):
             setattr(pure, attr, getattr(fun, attr))
+    if signature is not None:
+        pure.__signature__ = signature  # type: ignore[attr-defined]
+        pure.__wrapped__ = fun  # type: ignore[attr-defined]
 
 
 def jit(fun: Callable[..., Any] | None = None, /, **jax_jit_options: Any) -> Any:
