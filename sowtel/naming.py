@@ -1,4 +1,5 @@
-"""Naming sites: ``scope`` prefixes, and numbering a name sown more than once in one program.
+"""Naming sites: ``scope`` prefixes, numbering a name sown more than once in one program, and
+the loops that index a site's records.
 
 A site's name is the name given to :func:`sowtel.sow`, prefixed by every enclosing
 :func:`scope` (joined with ``/``). Scopes are read when the sow is traced, so they work the same
@@ -13,6 +14,9 @@ callbacks all name the occurrences ``name_0``, ``name_1``, ... in trace order by
 per name. Occurrences of a sow inside one separately jitted
 function that is called several times share one compiled body: they cannot be told apart while
 streaming, so give them distinct names with :func:`scope`.
+
+A site's records are indexed by the scans around it where it runs in the program
+(:func:`program_loops`), by the host callbacks and ``sowtel.jit`` alike.
 
 Example:
     >>> import jax, jax.numpy as jnp, sowtel
