@@ -407,7 +407,7 @@ class SowPrimitive(jc.core.Primitive):
 
     def bind(self, *args: Any, **params: Any) -> Any:
         if (params.get("mode") == "primal" and not params.get("recompute")
-                and jc.in_custom_vjp_bwd()):
+                and _in_custom_vjp_bwd()):
             # A primal site bound while a custom_vjp bwd is traced is forward code the bwd
             # runs again (a closure-converted function re-evaluated there, as Equinox's
             # checkpointed while_loop and odeint's adjoint do): silent, see sow().
@@ -429,6 +429,16 @@ class SowPrimitive(jc.core.Primitive):
 
 sow_p = SowPrimitive("sow")
 sow_p.multiple_results = True
+
+# While sow() binds: where it found itself with respect to a custom_vjp bwd (see sow()). The
+# binds its bind makes (the derivative rules') run in the same frames: they need not walk them.
+_BWD_ROLE: contextvars.ContextVar[str | None | bool] = contextvars.ContextVar(
+    "sowtel_bwd_role", default=False)
+
+
+def _in_custom_vjp_bwd() -> bool:
+    role = _BWD_ROLE.get()
+    return jc.in_custom_vjp_bwd() if role is False else role is not None
 
 
 def fill_like(shape: Any, dtype: Any) -> Any:
@@ -597,7 +607,11 @@ def sow(
         recompute = "primal"
     elif role == "bwd" or jc.in_transpose():
         mode = "cotangent"
-    outs = _bind(leaves, extras, site, mode, recompute)
+    token = _BWD_ROLE.set(role)
+    try:
+        outs = _bind(leaves, extras, site, mode, recompute)
+    finally:
+        _BWD_ROLE.reset(token)
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
