@@ -880,13 +880,24 @@ def wrap_cond_lowering(wrapper: Callable[..., Any]) -> None:
 class _LoopNotes(threading.local):
     def __init__(self) -> None:
         # The loops whose bodies are being lowered, outermost first, each
-        # [kind, length, reverse, inside] (inside: a scan's own while op is being lowered).
+        # [kind, length, reverse, own]: own, of a scan, says where its own while op is
+        # (_OWN_AHEAD: not lowered yet; _OWN_NOW: being lowered; _OWN_DONE: lowered, or none).
         self.lowering: list[list[Any]] = []
         # The jax_scan3 loops being expanded (Scan3.expand), outermost first.
         self.expanding: list[tuple[int, bool]] = []
 
 
 _LOOP_NOTES = _LoopNotes()
+_OWN_AHEAD, _OWN_NOW, _OWN_DONE = 0, 1, 2
+
+
+def _scan_has_own_loop(length: int, unroll: Any) -> bool:
+    """Whether ``_scan_impl`` lowers a scan with a while op of its own (0.10.2 to 0.12): not
+    when it unrolls it whole (``unroll`` 0, or one trip of ``unroll`` iterations)."""
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll == 0:
+        return not (unroll is True or unroll == 0)
+    trips, remainder = divmod(length, unroll)
+    return trips > 0 and not (unroll != 1 and trips == 1 and remainder == 0)
 
 
 def track_loop_lowerings() -> None:
@@ -909,14 +920,18 @@ def track_loop_lowerings() -> None:
         def lowering(ctx: Any, *args: Any, **params: Any) -> Any:
             stack = _LOOP_NOTES.lowering
             top = stack[-1] if stack else None
-            if kind == "while" and top is not None and top[0] == "scan" and not top[3]:
-                top[3] = True  # the scan's own loop
+            if kind == "while" and top is not None and top[3] == _OWN_AHEAD:
+                top[3] = _OWN_NOW  # the scan's own loop
                 try:
                     return rule(ctx, *args, **params)
                 finally:
-                    top[3] = False
-            note = ([kind, int(params["length"]), bool(params["reverse"]), False]
-                    if kind == "scan" else [kind, 0, False, False])
+                    top[3] = _OWN_DONE
+            if kind == "scan":
+                length = int(params["length"])
+                own = _scan_has_own_loop(length, params.get("unroll", 1))
+                note = [kind, length, bool(params["reverse"]), _OWN_AHEAD if own else _OWN_DONE]
+            else:
+                note = [kind, 0, False, _OWN_DONE]
             stack.append(note)
             try:
                 return rule(ctx, *args, **params)

@@ -731,6 +731,26 @@ def test_solvers_stream_the_same_records_through_both_transports(
                                    rtol=1e-5, atol=1e-6, err_msg=str(key))
 
 
+@pytest.mark.parametrize("unroll", [1, 5, True], ids=lambda u: f"unroll{u}")
+def test_unrolled_scan_indexes_its_iterations_not_a_while_loop_in_its_body(
+        transport: str, unroll: Any) -> None:
+    # JAX lowers a scan as a while loop of its own, or (unrolled whole) as none: a while_loop
+    # in its body is never taken for it.
+    def f(xs):
+        def body(c, x):
+            w = jax.lax.while_loop(lambda v: v < 2.0, lambda v: v + sow(x * 0.0 + 1.0, "w"),
+                                   0.0)
+            return c + sow(x * 2.0, "s") + w, None
+
+        return jax.lax.scan(body, 0.0, xs, unroll=unroll)[0]
+
+    records = stream(jit(f), np.arange(5.0, dtype=np.float32))
+    assert sorted(r.index for r in records if r.name == "s") == list(range(5))
+    for r in records:
+        np.testing.assert_allclose(r.value, 2.0 * r.index if r.name == "s" else 1.0)
+    assert [r.index for r in records if r.name == "w"] == [None] * 10
+
+
 def test_odeint_sites_are_indexed_by_the_loops_they_run_in() -> None:
     # The vector field is traced once, outside every loop, and evaluated in the Runge-Kutta
     # stages' scan (index 0-5) inside the adaptive while loop, and in the backward scan over
