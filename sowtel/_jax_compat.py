@@ -15,6 +15,14 @@ when that is gone.
   ``_scan_transpose``), so host-side records can carry iteration indices.
 - ``in_custom_vjp_bwd``: whether a ``custom_vjp`` ``bwd`` is traced, from the frame of
   ``ad._custom_lin_transpose`` (0.12: also ``_custom_lin_transpose_fancy``); False if gone.
+  ``custom_vjp_bwd_role`` also says whether a derivative the bwd takes (``ad.linearize`` /
+  ``ad.jvp`` frames nearer) traces the code: forward code the bwd runs again.
+- ``track_loop_lowerings`` / ``lowering_loops`` / ``expanding_scan3``: the scans and while
+  loops around the equation being lowered, by lowering ``scan_p`` and ``while_p`` through
+  JAX's own rules inside a note (``mlir._lowerings``), and the ``jax_scan3`` loops being
+  expanded (``call_hi_primitive_p.to_lojax``); nothing is noted where they are gone.
+- ``trace_as``: the debug info ``jax.jit(fun)`` gives (``api_util.debug_info``), set on a flat
+  function as ``__fun_debug_info__``, so that tracing errors name the user's function.
 - ``in_custom_jvp_function``: whether a ``custom_jvp`` function (not its rule) is traced, from
   the frames of ``custom_jvp.__call__`` and of its rule's wrapper ``_flatten_jvp``; False if
   gone.
@@ -91,7 +99,8 @@ __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "batched_branch_predicate", "callback_path", "emit_host_callback",
     "enclosing_loops", "enclosing_map", "in_custom_jvp_function", "in_custom_vjp_bwd",
-    "in_transpose",
+    "in_transpose", "custom_vjp_bwd_role", "track_loop_lowerings", "lowering_loops",
+    "expanding_scan3", "trace_as",
     "requires_devices", "global_devices",
     "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
     "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
