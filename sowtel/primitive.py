@@ -364,7 +364,9 @@ class SiteStatic:
     treedef: Any
     summary: str | None
     every: int | None
-    # ((length, reverse), ...) of enclosing scans, outermost first; None inside a while_loop.
+    # ((length, reverse), ...) of the scans around the sow() call, outermost first; None inside
+    # a while_loop. Records are indexed by where the site runs in the program instead
+    # (naming.program_loops), which differs for a function traced once and evaluated elsewhere.
     loops: tuple[tuple[int, bool], ...] | None
     # Extra operands after the leaves: "batch" (derivative sites: a zero-size slice of the
     # primal, so vmap batches the derivative whenever it batches the primal), "step", "shard",
