@@ -15,6 +15,14 @@ when that is gone.
   ``_scan_transpose``), so host-side records can carry iteration indices.
 - ``in_custom_vjp_bwd``: whether a ``custom_vjp`` ``bwd`` is traced, from the frame of
   ``ad._custom_lin_transpose`` (0.12: also ``_custom_lin_transpose_fancy``); False if gone.
+  ``custom_vjp_bwd_role`` also says whether a derivative the bwd takes (``ad.linearize`` /
+  ``ad.jvp`` frames nearer) traces the code: forward code the bwd runs again.
+- ``track_loop_lowerings`` / ``lowering_loops`` / ``expanding_scan3``: the scans and while
+  loops around the equation being lowered, by lowering ``scan_p`` and ``while_p`` through
+  JAX's own rules inside a note (``mlir._lowerings``), and the ``jax_scan3`` loops being
+  expanded (``call_hi_primitive_p.to_lojax``); nothing is noted where they are gone.
+- ``trace_as``: the debug info ``jax.jit(fun)`` gives (``api_util.debug_info``), set on a flat
+  function as ``__fun_debug_info__``, so that tracing errors name the user's function.
 - ``in_custom_jvp_function``: whether a ``custom_jvp`` function (not its rule) is traced, from
   the frames of ``custom_jvp.__call__`` and of its rule's wrapper ``_flatten_jvp``; False if
   gone.
@@ -46,8 +54,6 @@ when that is gone.
 - ``wrap_cond_lowering`` / ``lowered_case_op`` / ``at_branch_end``: a lowering of ``cond``
   around JAX's own (``mlir._lowerings``, its ``branches`` parameter), and the
   ``stablehlo.case`` op it appended, to add operations at the end of a branch.
-- ``wrap_scan_lowering``: a lowering of ``scan`` around JAX's own (``mlir._lowerings``), to
-  know which scan a sow is lowered in.
 - ``effects_barrier``: ``jax.effects_barrier`` that returns, rather than raises, the error of an
   earlier failed computation (JAX re-raises it there: 0.12 once, 0.10 and 0.11 at every later
   barrier and at exit, as they keep the failed token).
@@ -61,6 +67,7 @@ import inspect
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,14 +99,15 @@ __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "batched_branch_predicate", "callback_path", "emit_host_callback",
     "enclosing_loops", "enclosing_map", "in_custom_jvp_function", "in_custom_vjp_bwd",
-    "in_transpose",
+    "in_transpose", "custom_vjp_bwd_role", "track_loop_lowerings", "lowering_loops",
+    "expanding_scan3", "trace_as",
     "requires_devices", "global_devices",
     "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
     "jaxpr_and_consts", "manual_axes", "module_state", "register_uncached_lowering",
     "scan_split_counts", "traced_for", "wrap_cond_lowering", "lowered_case_op",
     "at_branch_end",
     "call_body", "construct", "eqn_context", "eqn_name", "eqn_params", "loop_parts",
-    "register_remat3_rule", "scan3_over", "wrap_scan_lowering", "sub_jaxprs", "SCAN3_REVERSES",
+    "register_remat3_rule", "scan3_over", "sub_jaxprs", "SCAN3_REVERSES",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2", "0.11.2", "0.12.0.1")
@@ -275,6 +283,30 @@ def in_transpose() -> bool:
     )
 
 
+def trace_as(flat_fun: Callable[..., Any], fun: Callable[..., Any], args: Sequence[Any],
+             kwargs: dict[str, Any], dynamic: Sequence[int]) -> Callable[..., Any]:
+    """``flat_fun``, which takes the leaves of ``(args, kwargs)`` at the positions ``dynamic``,
+    made to trace under the name, source line and argument names that ``jax.jit(fun)`` gives
+    (what tracing errors name).
+
+    Sets ``__fun_debug_info__``, which ``api_util.debug_info`` returns as the function's debug
+    info (0.10.2 to 0.12), to ``api_util.debug_info("jit", fun, args, kwargs)`` with the names
+    of the dynamic leaves. Where that is gone, errors name ``flat_fun`` and its arguments.
+    """
+    try:
+        from jax._src import api_util
+
+        dbg = api_util.debug_info("jit", fun, args, kwargs)
+        names = dbg.arg_names
+        count = len(jax.tree_util.tree_leaves((args, kwargs)))
+        picked = (tuple(names[i] for i in dynamic)
+                  if names is not None and len(names) == count else None)
+        flat_fun.__fun_debug_info__ = dbg._replace(arg_names=picked)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - only names for error messages are at stake
+        pass
+    return flat_fun
+
+
 def is_tracing() -> bool:
     """True while JAX traces (inside jit, grad, vmap...); False when code runs eagerly."""
     return not isinstance(core.trace_ctx.trace, core.EvalTrace)
@@ -399,6 +431,25 @@ def in_custom_vjp_bwd() -> bool:
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
+
+
+def custom_vjp_bwd_role() -> str | None:
+    """Where the code traced now sits with respect to a ``custom_vjp`` ``bwd``: ``None`` outside
+    any; ``"bwd"`` in the bwd's own code; ``"rerun"`` inside a derivative the bwd takes itself
+    (``jax.vjp``, ``jax.grad``, ``jax.linearize``, ``jax.jvp`` of a function, called in the bwd):
+    forward code that the bwd runs again to differentiate it. Read from the frames of
+    ``ad._custom_lin_transpose`` (``_fancy`` on 0.12) and of ``ad.linearize`` / ``ad.jvp``
+    (which trace the function being differentiated); ``None`` when they are gone."""
+    frame = sys._getframe(1)
+    derivative = False
+    while frame is not None:
+        code = frame.f_code
+        if code in _CUSTOM_BWD:
+            return "rerun" if derivative else "bwd"
+        if code in _DERIVATIVES:
+            derivative = True
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 # custom_jvp.__call__ traces the function (and, under a derivative, calls the rule, which
@@ -835,17 +886,118 @@ def wrap_cond_lowering(wrapper: Callable[..., Any]) -> None:
     mlir.register_lowering(_conditionals.cond_p, lowering, inline=entry.inline)
 
 
-def wrap_scan_lowering(wrapper: Callable[[Callable[[], Any]], Any]) -> None:
-    """Lowers ``lax.scan`` through ``wrapper(lower)``, around the rule JAX registered for every
-    platform (``mlir._lowerings``): ``lower()`` runs JAX's rule, which lowers the body within
-    that call."""
-    entry = mlir._lowerings[_loops.scan_p]
-    rule: Callable[..., Any] = entry.rule
+class _LoopNotes(threading.local):
+    def __init__(self) -> None:
+        # The loops whose bodies are being lowered, outermost first, each
+        # [kind, length, reverse, own, entry]: own, of a scan, says where its own while op is
+        # (_OWN_AHEAD: not lowered yet; _OWN_NOW: being lowered; _OWN_DONE: lowered, or none);
+        # entry is a list that holds the loop's entry in execution order once a site inside
+        # it is lowered (sowtel.records.loop_entries).
+        self.lowering: list[list[Any]] = []
+        # The jax_scan3 loops being expanded (Scan3.expand), outermost first.
+        self.expanding: list[tuple[int, bool]] = []
 
-    def lowering(ctx: Any, *args: Any, **params: Any) -> Any:
-        return wrapper(functools.partial(rule, ctx, *args, **params))
 
-    mlir.register_lowering(_loops.scan_p, lowering, inline=entry.inline)
+_LOOP_NOTES = _LoopNotes()
+_OWN_AHEAD, _OWN_NOW, _OWN_DONE = 0, 1, 2
+
+
+def _scan_has_own_loop(length: int, unroll: Any) -> bool:
+    """Whether ``_scan_impl`` lowers a scan with a while op of its own (0.10.2 to 0.12): not
+    when it unrolls it whole (``unroll`` 0, or one trip of ``unroll`` iterations)."""
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll == 0:
+        return not (unroll is True or unroll == 0)
+    trips, remainder = divmod(length, unroll)
+    return trips > 0 and not (unroll != 1 and trips == 1 and remainder == 0)
+
+
+def track_loop_lowerings() -> None:
+    """Makes :func:`lowering_loops` know the ``scan`` and ``while_loop`` bodies being lowered,
+    by lowering both through JAX's own rules (``mlir._lowerings``) inside a note of the loop.
+
+    JAX lowers a scan (``lower_fun(_scan_impl)``, 0.10.2 to 0.12) as a while op whose body
+    evaluates the scan's body: that while op is the scan's own, not a ``while_loop``. Lowering
+    follows the program, so the note says where each equation lowered now sits in it.
+
+    A ``jax_scan3`` loop becomes a while loop before lowering (``call_hi_primitive_p.to_lojax``
+    runs ``Scan3.expand``, which binds the body's equations again inside that loop's body):
+    :func:`expanding_scan3` says which expansions bind an equation now.
+    """
+
+    def wrap(prim: Any, kind: str) -> None:
+        entry = mlir._lowerings[prim]
+        rule: Callable[..., Any] = entry.rule
+
+        def lowering(ctx: Any, *args: Any, **params: Any) -> Any:
+            stack = _LOOP_NOTES.lowering
+            top = stack[-1] if stack else None
+            if kind == "while" and top is not None and top[3] == _OWN_AHEAD:
+                top[3] = _OWN_NOW  # the scan's own loop
+                try:
+                    return rule(ctx, *args, **params)
+                finally:
+                    top[3] = _OWN_DONE
+            if kind == "scan":
+                length = int(params["length"])
+                own = _scan_has_own_loop(length, params.get("unroll", 1))
+                note = [kind, length, bool(params["reverse"]), _OWN_AHEAD if own else _OWN_DONE,
+                        []]
+            else:
+                note = [kind, 0, False, _OWN_DONE, []]
+            stack.append(note)
+            try:
+                return rule(ctx, *args, **params)
+            finally:
+                stack.pop()
+
+        mlir.register_lowering(prim, lowering, inline=entry.inline)
+
+    wrap(_loops.scan_p, "scan")
+    wrap(_loops.while_p, "while")
+    try:
+        from jax._src import hijax as _hijax
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return
+    hi = getattr(_hijax, "call_hi_primitive_p", None)
+    expand = getattr(hi, "to_lojax", None)
+    if hi is None or expand is None:  # pragma: no cover - depends on the JAX version
+        return
+
+    def to_lojax(*args: Any, _prim: Any) -> Any:
+        if type(_prim).__name__ != "Scan3":
+            return expand(*args, _prim=_prim)
+        p = _prim.params
+        _LOOP_NOTES.expanding.append((int(p["length"]), bool(p["reverse"]) and SCAN3_REVERSES))
+        try:
+            return expand(*args, _prim=_prim)
+        finally:
+            _LOOP_NOTES.expanding.pop()
+
+    hi.to_lojax = to_lojax
+
+
+def expanding_scan3() -> tuple[tuple[int, bool], ...]:
+    """``((length, reverse), ...)`` of the ``jax_scan3`` loops whose expansion binds the
+    equation bound now, outermost first: it sits directly in the innermost one's body, which
+    lowers as a while loop (see :func:`track_loop_lowerings`)."""
+    return tuple(_LOOP_NOTES.expanding)
+
+
+def lowering_loops(scan3: Sequence[tuple[int, bool]] = ()
+                   ) -> tuple[tuple[str, int, bool, list[int]], ...]:
+    """``(("scan", length, reverse, entry) | ("while", 0, False, entry), ...)``: the loops
+    around the equation being lowered, outermost first (see :func:`track_loop_lowerings`);
+    ``entry`` is the loop's cell for :func:`sowtel.records.loop_entries`. ``scan3``: the
+    ``jax_scan3`` loops whose expansions bound it (:func:`expanding_scan3`), which are the
+    innermost while loops around it."""
+    notes = [(k, n, r, e) for k, n, r, _, e in _LOOP_NOTES.lowering]
+    at = len(notes)
+    for length, reverse in reversed(scan3):
+        at = next((i for i in range(at - 1, -1, -1) if notes[i][0] == "while"), -1)
+        if at < 0:
+            break
+        notes[at] = ("scan", length, reverse, notes[at][3])
+    return tuple(notes)
 
 
 def lowered_case_op(num_branches: int) -> Any:

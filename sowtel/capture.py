@@ -41,11 +41,12 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -65,13 +66,8 @@ from sowtel.primitive import (
     sow_p,
     taken_rows,
 )
-from sowtel.records import ScanEntries
 
 __all__ = ["Intermediates", "save_intermediates", "trace_flat"]
-
-#: The scans a summary pass is tracing on this thread (``sowtel.jit``'s sites take their
-#: entries from it, for records' execution order).
-TRACED_SCANS = ScanEntries()
 
 
 #: How a value was stacked: ``(("scan", length) | ("shard", count), ...)``, outermost first.
@@ -185,6 +181,17 @@ class SummaryPass:
     reduce: Callable[[dict[str, Any], list[Any]], tuple[Any, list[Any]] | None]
     in_while: int = 0
     callbacks: bool = False
+    # The loops around the equation evaluated now, each (kind, length, reverse, entry cell):
+    # see naming.program_loops and records.loop_entries. ``reduce`` gets them as "enclosing".
+    loops: list[tuple[str, int, bool, list[int]]] = dataclasses.field(default_factory=list)
+    # The names the program gives its sites that call back (settled once it is evaluated).
+    names: naming.ProgramNames = dataclasses.field(default_factory=naming.ProgramNames)
+
+
+#: ``_Captured.site`` of a streamed site a summary pass returns nothing for: it streams through
+#: its host callback (in a ``while_loop`` body), or is not due at this step. Listed all the
+#: same, so that ``sowtel.jit`` numbers the program's sites as the host callbacks do.
+CALLS_BACK, NOT_DUE = "calls back", "not due"
 
 
 _PASS = threading.local()  # .stack: the summary passes this thread is tracing, innermost last
@@ -344,12 +351,30 @@ def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[An
     if summary_pass.in_while:
         # The host callback in this program (the call's step comes from the host side).
         summary_pass.callbacks = True
-        return list(sow_p.bind(*invals, **{**p, "capture": False})), []
-    reduced = summary_pass.reduce(p, taken_rows(leaves, site, list(invals[n:])))
+        site = dataclasses.replace(site, numbering=summary_pass.names)
+        outs = sow_p.bind(*invals, **{**p, "capture": False, "site": site})
+        return list(outs), [_Captured(site.name, p["mode"], None, [], site=CALLS_BACK)]
+    here = dataclasses.replace(site, loops=naming.program_loops(summary_pass.loops))
+    reduced = summary_pass.reduce({**p, "site": here, "enclosing": tuple(summary_pass.loops)},
+                                  taken_rows(leaves, site, list(invals[n:])))
     if reduced is None:
-        return leaves, []
+        return leaves, [_Captured(site.name, p["mode"], None, [], site=NOT_DUE)]
     stream_site, arrays = reduced
     return leaves, [_Captured(site.name, p["mode"], None, list(arrays), site=stream_site)]
+
+
+@contextlib.contextmanager
+def _in_loop(kind: str, length: int = 0, reverse: bool = False) -> Iterator[None]:
+    """Notes, for the summary pass, that the equations evaluated inside sit in this loop."""
+    summary_pass = _pass()
+    if summary_pass is None:
+        yield
+        return
+    summary_pass.loops.append((kind, length, reverse, []))
+    try:
+        yield
+    finally:
+        summary_pass.loops.pop()
 
 
 def _call_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
@@ -497,9 +522,10 @@ def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
         meta[:] = caps
         return outs[:n_carry], (outs[n_carry:], _flat(caps))
 
-    with TRACED_SCANS.entered():
-        carry, (ys, flat) = jax.lax.scan(body, list(init), list(xs), length=p["length"],
-                                         reverse=p["reverse"], unroll=p["unroll"])
+    with _in_loop("scan", p["length"], p["reverse"]):
+        carry, (ys, flat) = jax.lax.scan(
+            body, list(init), list(xs), length=p["length"], reverse=p["reverse"],
+            unroll=p["unroll"])
     return [*carry, *ys], [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
 
 
@@ -519,7 +545,7 @@ def _scan3_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
         meta[:] = caps
         return outs, _flat(caps)
 
-    with TRACED_SCANS.entered():
+    with _in_loop("scan", p["length"], p["reverse"]):
         ys, flat = jc.scan3_over(body, xs, length=p["length"], reverse=p["reverse"],
                                  unroll=p["unroll"])
     return list(ys), [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
@@ -549,9 +575,10 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
     if summary_pass is not None:
         summary_pass.in_while += 1
     try:
-        shapes = jax.eval_shape(body_fn, (list(init), []))[1]
-        state = jax.lax.while_loop(cond_fn, body_fn,
-                                   (list(init), [_fill_like(s) for s in shapes]))
+        with _in_loop("while"):
+            shapes = jax.eval_shape(body_fn, (list(init), []))[1]
+            state = jax.lax.while_loop(cond_fn, body_fn,
+                                       (list(init), [_fill_like(s) for s in shapes]))
     finally:
         if summary_pass is not None:
             summary_pass.in_while -= 1
@@ -830,9 +857,15 @@ class _StaticKey:
             return all(a is b for a, b in zip(self.items, other.items, strict=True))
 
 
-def trace_flat(fn: Callable[..., Any], dyn: Any) -> tuple[Any, list[Any], Any]:
+def trace_flat(fn: Callable[..., Any], dyn: Any,
+               user: tuple[Callable[..., Any], Any, Any, list[int]] | None = None
+               ) -> tuple[Any, list[Any], Any]:
     """Traces ``fn(*dyn)`` to ``(jaxpr, consts, out_tree)``: a jaxpr on flat outputs, for the
     capture pass (``save_intermediates``) and the summary pass (``sowtel.jit``) to evaluate.
+
+    ``user``: ``(fun, args, kwargs, dynamic)`` when ``fn`` calls the user's ``fun`` with the
+    leaves ``dyn`` of ``(args, kwargs)`` at the positions ``dynamic``: an error raised while
+    tracing then names ``fun`` and its arguments, as ``jax.jit(fun)`` would, not ``fn``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -847,6 +880,8 @@ def trace_flat(fn: Callable[..., Any], dyn: Any) -> tuple[Any, list[Any], Any]:
         out_tree.append(tree)
         return leaves
 
+    if user is not None:
+        jc.trace_as(flat_fn, *user)
     # Under disable_jit, lax.scan would unroll while tracing: one site per iteration.
     with jax.disable_jit(False):
         closed = jax.make_jaxpr(flat_fn)(*dyn)
@@ -915,8 +950,14 @@ def save_intermediates(
 
         def run(*dyn: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
             ctx = current_context() or Context()
+            dynamic = [i for i in range(n_leaves) if i not in static]
+            leaves = [static[i] if i in static else None for i in range(n_leaves)]
+            for i, x in zip(dynamic, dyn, strict=True):
+                leaves[i] = x
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
             with CONTEXT(Context(stream=ctx.stream, capture=tag)):
-                jaxpr, consts, out_tree = trace_flat(lambda *d: merged(list(d)), dyn)
+                jaxpr, consts, out_tree = trace_flat(lambda *d: merged(list(d)), dyn,
+                                                     (fn, args, kwargs, dynamic))
             outs, caps = eval_capture(jaxpr, consts, list(dyn), tag)
             captured = _assemble(caps, duplicates)
             if not captured and not empty:

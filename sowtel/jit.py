@@ -68,6 +68,7 @@ from sowtel.primitive import (
     host_step,
     leaf_names,
 )
+from sowtel.records import loop_entries
 from sowtel.summaries import DEFAULT_BINS, flatten, site_summary
 
 __all__ = ["jit", "Jitted", "CompiledSummaries", "SplitJitted", "name_after"]
@@ -135,12 +136,18 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _numbered(caps: list[Any]) -> list[str]:
-    """Final names of the captured sites (:func:`sowtel.naming.occurrence_names`)."""
-    names = naming.occurrence_names([(c.name, c.mode) for c in caps])
+def _numbered(caps: list[Any], settled: naming.ProgramNames | None = None) -> list[str]:
+    """Final names of the program's streamed sites (:func:`sowtel.naming.occurrence_names`):
+    those summarised, and those that call back or are not due at this step, which the summary
+    pass lists too, so that names are those the host callbacks give. The names of the sites
+    that call back go to ``settled``, where their lowering reads them."""
+    keys = [(c.name, c.mode) for c in caps]
+    names = naming.occurrence_names(keys)
     for c, name in zip(caps, names, strict=True):
         if name != c.name:
             naming.warn_repeated(c.name)
+    if settled is not None:
+        settled.settle(keys, names, [c.site == capture.CALLS_BACK for c in caps])
     return names
 
 
@@ -506,7 +513,7 @@ class Jitted:
                 shapes=tuple(tuple(v.shape) for v in leaves),
                 dtypes=tuple(str(v.dtype) for v in leaves), summary=summary, every=every,
                 bins=DEFAULT_BINS, loops=site.loops, extras=(), order=order,
-                entries=capture.TRACED_SCANS.entries(order, len(site.loops or ())),
+                entries=loop_entries(params["enclosing"], order),
             )
             arrays = multihost.partial_summaries(leaves, summary, info.bins, gather)
             if arrays is not None:  # finished in logging_step, with every site's
@@ -529,14 +536,19 @@ class Jitted:
                 return fun(*a, **k)
 
             dyn = [leaves[i] for i in dynamic]
-            jaxpr, consts, out_tree = capture.trace_flat(call, dyn)
+            fun = fun_ref()
+            assert fun is not None, "a logging program outlived its function"
+            jaxpr, consts, out_tree = capture.trace_flat(call, dyn, (fun, args, kwargs, dynamic))
+            del fun
             summary_pass = capture.SummaryPass(reduce=reduce)
             outs, caps = capture.eval_summaries(jaxpr, consts, dyn, summary_pass)
             if summary_pass.callbacks:
                 callbacks[config] = True
+            names = _numbered(caps, summary_pass.names)
+            kept = [i for i, c in enumerate(caps) if not isinstance(c.site, str)]
+            caps, names = [caps[i] for i in kept], [names[i] for i in kept]
             if in_blocks:
                 caps = multihost.combine_partials(caps, in_blocks, gather)
-            names = _numbered(caps)
             sites = []
             arrays: list[Any] = []
             for c, name in zip(caps, names, strict=True):
@@ -617,18 +629,28 @@ class SplitJitted:
 
 
 def name_after(pure: Callable[..., Any], fun: Callable[..., Any]) -> None:
-    """Gives ``pure`` the names of ``fun`` (not its signature: ``jax.jit`` reads the signature
-    of a ``__wrapped__`` function, and a wrapper's pure function has another).
+    """Gives ``pure`` the names of ``fun``, and ``fun`` as its ``__wrapped__``: errors raised
+    while tracing it name ``fun`` and its source line, as ``jax.jit(fun)``'s do. Not ``fun``'s
+    signature: ``pure`` keeps its own (``__signature__``), which ``jax.jit`` reads to bind the
+    arguments that a wrapper's pure function takes.
 
     Example:
+        >>> import inspect
         >>> def pure(a, b): return a
         >>> def step(x): return x
-        >>> name_after(pure, step); pure.__name__
-        'step'
+        >>> name_after(pure, step); pure.__name__, inspect.signature(pure)
+        ('step', <Signature (a, b)>)
     """
+    try:
+        signature = inspect.signature(pure)
+    except (TypeError, ValueError):  # no signature to keep: leave it unwrapped
+        signature = None
     for attr in ("__name__", "__qualname__", "__module__"):
         if hasattr(fun, attr):
             setattr(pure, attr, getattr(fun, attr))
+    if signature is not None:
+        pure.__signature__ = signature  # type: ignore[attr-defined]
+        pure.__wrapped__ = fun  # type: ignore[attr-defined]
 
 
 def jit(fun: Callable[..., Any] | None = None, /, **jax_jit_options: Any) -> Any:

@@ -505,7 +505,7 @@ def locate_nonfinite(fn: Callable[..., Any], *,
             return fn(*a, **kw)
 
         with naming.scopes_in_name_stack(), CONTEXT(Context(capture=tag)):
-            jaxpr, consts, out_tree = trace_flat(merged, dyn)
+            jaxpr, consts, out_tree = trace_flat(merged, dyn, (fn, args, kwargs, dynamic))
         meta: list[_Slot] = []
         walk = _Walk()
 

@@ -1,4 +1,5 @@
-"""Naming sites: ``scope`` prefixes, and numbering a name sown more than once in one program.
+"""Naming sites: ``scope`` prefixes, numbering a name sown more than once in one program, and
+the loops that index a site's records.
 
 A site's name is the name given to :func:`sowtel.sow`, prefixed by every enclosing
 :func:`scope` (joined with ``/``). Scopes are read when the sow is traced, so they work the same
@@ -13,6 +14,9 @@ callbacks all name the occurrences ``name_0``, ``name_1``, ... in trace order by
 per name. Occurrences of a sow inside one separately jitted
 function that is called several times share one compiled body: they cannot be told apart while
 streaming, so give them distinct names with :func:`scope`.
+
+A site's records are indexed by the scans around it where it runs in the program
+(:func:`program_loops`), by the host callbacks and ``sowtel.jit`` alike.
 
 Example:
     >>> import jax, jax.numpy as jnp, sowtel
@@ -46,7 +50,8 @@ if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
 
 __all__ = ["scope", "scoped", "runs_backward", "numbered", "number_in_program",
-           "occurrence_name", "occurrence_names", "occurrence_slots"]
+           "occurrence_name", "occurrence_names", "occurrence_slots", "program_loops",
+           "ProgramNames"]
 
 # The current prefix is part of every jit cache key: a jitted function called under two scopes
 # is traced once per scope, so its sites get both names rather than the first one twice.
@@ -206,6 +211,37 @@ def occurrence_names(keys: Sequence[tuple[str, str]]) -> list[str]:
             for (name, mode), slot in zip(keys, occurrence_slots(keys), strict=True)]
 
 
+def program_loops(enclosing: Sequence[tuple[Any, ...]]
+                  ) -> tuple[tuple[int, bool], ...] | None:
+    """THE indexing rule: the loops that index a site's records, from the loops around the
+    site in the program that runs (``("scan", length, reverse, ...)`` or
+    ``("while", 0, False, ...)``, outermost first; what follows is not read here).
+
+    Records are indexed by the scans inside the innermost ``while_loop`` around the site (a
+    while loop's iterations are not static: they have no index). ``None`` directly inside a
+    while body. Where the site sits in the program, not where its ``sow`` was called: a
+    function traced once and evaluated elsewhere (``closure_convert``, as ``odeint`` does) is
+    indexed where it runs. The host callbacks read the loops while the program is lowered,
+    ``sowtel.jit``'s summaries while its pass evaluates the program; both call this.
+
+    Example:
+      >>> program_loops([("scan", 3, False), ("while", 0, False), ("scan", 6, True)])
+      ((6, True),)
+      >>> program_loops([("scan", 3, False), ("while", 0, False)]) is None
+      True
+      >>> program_loops([])
+      ()
+    """
+    loops: list[tuple[int, bool]] = []
+    in_while = False
+    for kind, length, reverse, *_ in enclosing:
+        if kind == "while":
+            loops, in_while = [], True
+        else:
+            loops.append((int(length), bool(reverse)))
+    return None if in_while and not loops else tuple(loops)
+
+
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
@@ -235,6 +271,40 @@ def warn_repeated(name: str) -> None:
     )
 
 
+class ProgramNames:
+    """The names a ``sowtel.jit`` logging program gives its sites that stream through host
+    callbacks (in ``while_loop`` bodies), per ``(name, mode)`` in program order.
+
+    Its summary pass numbers every site of the program, those it returns and those that call
+    back, by :func:`occurrence_names`; the callbacks' lowering (:func:`number_in_program`)
+    then takes the names from here, rather than numbering the callback sites among themselves.
+
+    Example:
+      >>> names = ProgramNames()
+      >>> names.settle([("h", "primal"), ("h", "primal")], ["h_0", "h_1"], [False, True])
+      >>> names.get("h", "primal", 0), names.get("h", "primal", 1)
+      ('h_1', None)
+    """
+
+    __slots__ = ("_names",)
+
+    def __init__(self) -> None:
+        self._names: dict[tuple[str, str], list[str]] = {}
+
+    def settle(self, keys: Sequence[tuple[str, str]], names: Sequence[str],
+               calls_back: Sequence[bool]) -> None:
+        """Keeps the final ``names`` of the sites (``keys`` in program order) that call back."""
+        self._names.clear()
+        for key, name, back in zip(keys, names, calls_back, strict=True):
+            if back:
+                self._names.setdefault(key, []).append(name)
+
+    def get(self, name: str, mode: str, slot: int) -> str | None:
+        """The name of the ``slot``-th site of ``(name, mode)`` that calls back, if settled."""
+        settled = self._names.get((name, mode), ())
+        return settled[slot] if slot < len(settled) else None
+
+
 class NumberedSite:
     """A streaming site and the others of its name in the same program.
 
@@ -242,14 +312,16 @@ class NumberedSite:
     then it is not known whether the name repeats.
     """
 
-    __slots__ = ("_site", "_slot", "_counts", "_resolved")
+    __slots__ = ("_site", "_slot", "_counts", "_resolved", "_names")
 
-    def __init__(self, site: StreamSite, slot: int, counts: dict[str, list[int]]) -> None:
+    def __init__(self, site: StreamSite, slot: int, counts: dict[str, list[int]],
+                 names: ProgramNames | None = None) -> None:
         self._site = site
         self._slot = slot
         # {mode: [sites of the name in that mode]} of the program, shared by its sites
         self._counts = counts
         self._resolved: StreamSite | None = None
+        self._names = names
 
     def __call__(self) -> StreamSite:
         resolved = self._resolved
@@ -261,8 +333,11 @@ class NumberedSite:
         import dataclasses
 
         site = self._site
-        counts = {mode: n[0] for mode, n in self._counts.items()}
-        name = occurrence_name(site.name, site.mode, self._slot, counts)
+        name = None if self._names is None else self._names.get(site.name, site.mode,
+                                                                   self._slot)
+        if name is None:
+            counts = {mode: n[0] for mode, n in self._counts.items()}
+            name = occurrence_name(site.name, site.mode, self._slot, counts)
         if name == site.name:
             return site
         return dataclasses.replace(
@@ -297,6 +372,7 @@ def number_in_program(ctx: Any, site: StreamSite) -> NumberedSite:
     """
     program = jc.module_state(ctx)
     path = program.pop(("branch_path", site), None) or ()
+    names = program.pop(("numbering", site), None)
     earlier = program.setdefault((site.name, site.mode), [])
     modes = program.setdefault(("modes", site.name), {})
     slots = modes.setdefault(site.mode, [0])
@@ -307,9 +383,13 @@ def number_in_program(ctx: Any, site: StreamSite) -> NumberedSite:
         if slot == 1:
             warn_repeated(site.name)
     earlier.append((path, counts, slot))
-    return NumberedSite(site, slot, modes)
+    return NumberedSite(site, slot, modes, names)
 
 
-def note_branches(ctx: Any, site: StreamSite) -> None:
-    """Notes which cond/switch branches enclose ``site`` (for :func:`number_in_program`)."""
-    jc.module_state(ctx)[("branch_path", site)] = jc.branch_path(ctx)
+def note_branches(ctx: Any, site: StreamSite, names: ProgramNames | None = None) -> None:
+    """Notes which cond/switch branches enclose ``site`` (for :func:`number_in_program`), and
+    the names its program settled (``sowtel.jit``'s, see :class:`ProgramNames`)."""
+    program = jc.module_state(ctx)
+    program[("branch_path", site)] = jc.branch_path(ctx)
+    if names is not None:
+        program[("numbering", site)] = names

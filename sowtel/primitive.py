@@ -47,7 +47,7 @@ import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
-from sowtel.records import SUMMARIES, ScanEntries
+from sowtel.records import SUMMARIES, loop_entries
 from sowtel.summaries import ARRAYS_PER_LEAF, DEFAULT_BINS, apart, device_summary, reads_copy
 
 __all__ = ["sow", "sow_p", "at_step", "Context", "StreamConfig", "SiteStatic", "StreamSite"]
@@ -372,7 +372,9 @@ class SiteStatic:
     treedef: Any
     summary: str | None
     every: int | None
-    # ((length, reverse), ...) of enclosing scans, outermost first; None inside a while_loop.
+    # ((length, reverse), ...) of the scans around the sow() call, outermost first; None inside
+    # a while_loop. Records are indexed by where the site runs in the program instead
+    # (naming.program_loops), which differs for a function traced once and evaluated elsewhere.
     loops: tuple[tuple[int, bool], ...] | None
     # Extra operands after the leaves: "batch" (derivative sites: a zero-size slice of the
     # primal, so vmap batches the derivative whenever it batches the primal), "step", "shard",
@@ -389,6 +391,12 @@ class SiteStatic:
     # only, also where JAX differentiates the function's body instead (JAX 0.10 partially
     # evaluates a scan's body with the custom_jvp inlined, losing the rule, under jvp-of-grad).
     custom_jvp: bool = False
+    # In a sowtel.jit logging program, a site that streams through its host callback: the
+    # names its program settled (naming.ProgramNames), which the callback takes.
+    numbering: Any = dataclasses.field(default=None, compare=False)
+    # The jax_scan3 loops whose expansion bound it, outermost first: the innermost while
+    # loops around it when lowered (see _jax_compat.lowering_loops).
+    scan3: tuple[tuple[int, bool], ...] = ()
 
     def transposed(self) -> SiteStatic:
         loops = None if self.loops is None else tuple((n, not r) for n, r in self.loops)
@@ -408,7 +416,17 @@ class SowPrimitive(jc.core.Primitive):
     with a batched predicate adds, as a ``"taken"`` extra, the rows that take the branch."""
 
     def bind(self, *args: Any, **params: Any) -> Any:
+        if (params.get("mode") == "primal" and not params.get("recompute")
+                and _in_custom_vjp_bwd()):
+            # A primal site bound while a custom_vjp bwd is traced is forward code the bwd
+            # runs again (a closure-converted function re-evaluated there, as Equinox's
+            # checkpointed while_loop and odeint's adjoint do): silent, see sow().
+            params = {**params, "recompute": "primal"}
         site = params.get("site")
+        scan3 = jc.expanding_scan3()
+        if site is not None and scan3 and site.scan3 != scan3:
+            site = dataclasses.replace(site, scan3=scan3)
+            params = {**params, "site": site}
         if site is not None and "taken" not in site.extras:
             found = jc.batched_branch_predicate()
             if found is not None:
@@ -421,6 +439,16 @@ class SowPrimitive(jc.core.Primitive):
 
 sow_p = SowPrimitive("sow")
 sow_p.multiple_results = True
+
+# While sow() binds: where it found itself with respect to a custom_vjp bwd (see sow()). The
+# binds its bind makes (the derivative rules') run in the same frames: they need not walk them.
+_BWD_ROLE: contextvars.ContextVar[str | None | bool] = contextvars.ContextVar(
+    "sowtel_bwd_role", default=False)
+
+
+def _in_custom_vjp_bwd() -> bool:
+    role = _BWD_ROLE.get()
+    return jc.in_custom_vjp_bwd() if role is False else role is not None
 
 
 def fill_like(shape: Any, dtype: Any) -> Any:
@@ -578,8 +606,22 @@ def sow(
     )
     # A custom_vjp bwd is traced in a backward pass; jitted, or in a scan, cond or checkpoint,
     # its name stack no longer says so, but its caller's frame does.
-    mode = "cotangent" if jc.in_transpose() or jc.in_custom_vjp_bwd() else "primal"
-    outs = _bind(leaves, extras, site, mode)
+    role = jc.custom_vjp_bwd_role()
+    mode = "primal"
+    recompute: bool | str = False
+    if role == "rerun":
+        # Forward code that the bwd differentiates again (recursive checkpointing, adjoint
+        # solvers, a bwd that calls jax.vjp of the forward function): as in jax.checkpoint,
+        # the recomputed primal is silent and the derivative the bwd takes reports, since its
+        # cotangent is the site's own.
+        recompute = "primal"
+    elif role == "bwd" or jc.in_transpose():
+        mode = "cotangent"
+    token = _BWD_ROLE.set(role)
+    try:
+        outs = _bind(leaves, extras, site, mode, recompute)
+    finally:
+        _BWD_ROLE.reset(token)
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
@@ -820,17 +862,6 @@ def leaf_names(site: SiteStatic) -> tuple[str, ...]:
 
 
 _lowering_order = itertools.count()
-#: The scans being lowered on this thread: their entries in the lowering order (the order of
-#: the first site lowered inside each).
-LOWERED_SCANS = ScanEntries()
-
-
-def _scan_lowering(lower: Callable[[], Any]) -> Any:
-    with LOWERED_SCANS.entered():
-        return lower()
-
-
-jc.wrap_scan_lowering(_scan_lowering)
 
 sow_emit_p = jc.core.Primitive("sow_emit")
 sow_emit_p.multiple_results = True
@@ -1006,6 +1037,7 @@ def _cond_lowering(lowered: Callable[[], Any], ctx: Any, branches: list[Any]) ->
 
 
 jc.wrap_cond_lowering(_cond_lowering)
+jc.track_loop_lowerings()  # where each site sits in the program: its records' index
 
 
 def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
@@ -1017,18 +1049,19 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
     leaf_avals, _ = _split(ctx.avals_in, site)
     sent = tuple(k for k in site.extras if k != "taken")  # the mask stays on the device
     order = next(_lowering_order)
+    enclosing = jc.lowering_loops(site.scan3)
     info = StreamSite(
         name=site.name, mode=mode, tag=site.tag, leaf_names=leaf_names(site),
         shapes=tuple(tuple(a.shape) for a in leaf_avals),
         dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
-        bins=DEFAULT_BINS, loops=site.loops, extras=sent, order=order,
-        entries=LOWERED_SCANS.entries(order, len(site.loops or ())),
+        bins=DEFAULT_BINS, loops=naming.program_loops(enclosing), extras=sent, order=order,
+        entries=loop_entries(enclosing, order),
     )
     in_branch = bool(jc.branch_path(ctx))
     if in_branch:
         info = dataclasses.replace(info, in_branch=True)
-    naming.note_branches(ctx, info)
-    if in_branch and site.loops and "shard" in site.extras:
+    naming.note_branches(ctx, info, site.numbering)
+    if in_branch and info.loops and "shard" in site.extras:
         _warn_counted_index(site.name)
 
     def on_device(*operands: Any) -> list[Any]:

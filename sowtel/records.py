@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,49 +106,32 @@ def order_key(order: int, scans: Sequence[Sequence[Any]], index: Index) -> tuple
     return tuple(key)
 
 
-class ScanEntries(threading.local):
-    """The scans being traced or lowered on this thread, outermost first, for
-    :func:`order_key`: each scan's entry is the ``order`` of the first site met inside it, so
-    it falls between the orders of the sites before the scan and those in it.
+def loop_entries(enclosing: Sequence[Sequence[Any]], order: int) -> tuple[int, ...]:
+    """The entries, for :func:`order_key`, of the scans that index a site of ``order``.
+
+    ``enclosing`` lists the loops around the site where it runs, outermost first, each
+    ``(kind, length, reverse, cell)`` as the program's loops are noted while it is lowered
+    (host callbacks) or evaluated (``sowtel.jit``'s summary pass); ``cell`` is a list that
+    holds the loop's entry once a site inside it was met. A scan's entry is the ``order`` of
+    the first site met inside it, so it falls between the orders of the sites before the scan
+    and those in it. The scans are those that index the site's records (after the innermost
+    ``while_loop``, as :func:`sowtel.naming.program_loops` takes them).
 
     Example:
-      >>> scans = ScanEntries()
-      >>> with scans.entered():
-      ...     first, second = scans.entries(4, 1), scans.entries(5, 1)
-      >>> first, second, scans.entries(6, 0)
-      ((4,), (4,), ())
+      >>> scan, inner = ("scan", 3, False, []), ("scan", 2, False, [])
+      >>> loop_entries([scan], 4), loop_entries([scan, inner], 5), loop_entries([], 6)
+      ((4,), (4, 5), ())
     """
-
-    def __init__(self) -> None:
-        self.stack: list[list[int]] = []
-
-    def entered(self) -> _Entered:
-        """A context in which a scan's body is traced or lowered."""
-        return _Entered(self.stack)
-
-    def entries(self, order: int, depth: int) -> tuple[int, ...]:
-        """The entries of the ``depth`` innermost scans around a site of ``order`` (which
-        becomes the entry of those that had none yet); ``()`` if fewer are open."""
-        if depth <= 0 or depth > len(self.stack):
-            return ()
-        cells = self.stack[len(self.stack) - depth:]
-        for cell in cells:
-            if not cell:
-                cell.append(int(order))
-        return tuple(cell[0] for cell in cells)
-
-
-class _Entered:
-    __slots__ = ("stack",)
-
-    def __init__(self, stack: list[list[int]]) -> None:
-        self.stack = stack
-
-    def __enter__(self) -> None:
-        self.stack.append([])
-
-    def __exit__(self, *exc: object) -> None:
-        self.stack.pop()
+    cells: list[list[int]] = []
+    for kind, _, _, cell in enclosing:
+        if kind == "while":
+            cells = []
+        else:
+            cells.append(cell)
+    for cell in cells:
+        if not cell:
+            cell.append(int(order))
+    return tuple(cell[0] for cell in cells)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ perturbation at the site.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -466,3 +467,306 @@ def test_vmap_of_scan_streams_one_record_per_iteration_with_the_batch(transport:
     for r in records:
         assert r.shape == (2,)
         np.testing.assert_allclose(r.value, xs[:, r.index] * 2.0)
+
+
+# -- forward code that a custom_vjp bwd runs again: its primal is silent, its cotangent reports --
+
+
+def checkpointed_while(x, eps=None, *, steps=3, checkpoints=None):
+    """Equinox's checkpointed while loop (diffrax's default adjoint): its bwd re-runs the body
+    (a closure-converted jaxpr) under ``jax.vjp``, from checkpoints."""
+    import equinox.internal as eqxi
+
+    def body(c):
+        i, h = c
+        h = jnp.sin(h) * 1.5
+        return i + 1, (sow(h, "h") if eps is None else h + eps[i])
+
+    _, h = eqxi.while_loop(lambda c: c[0] < steps, body, (0, x), max_steps=steps,
+                           kind="checkpointed", checkpoints=checkpoints)
+    return jnp.sum(h ** 2)
+
+
+def unrolled(x, eps, steps):
+    """The same loop in plain Python: the reference for values and cotangents."""
+    hs = []
+    h = x
+    for i in range(steps):
+        h = jnp.sin(h) * 1.5 + eps[i]
+        hs.append(h)
+    return jnp.sum(h ** 2), hs
+
+
+def loop_reference(steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per iteration: the value sown, and its cotangent (jax.grad of a perturbation there)."""
+    eps = jnp.zeros((steps, 2))
+    values = np.stack(unrolled(XS[:2], eps, steps)[1])
+    cotangents = np.asarray(jax.grad(lambda e: unrolled(XS[:2], e, steps)[0])(eps))
+    return values, cotangents
+
+
+LOOPS = {"all_checkpointed": (3, None), "recomputing": (5, 2)}
+
+
+def _rows(records: list[Record]) -> np.ndarray:
+    """The records' values, ordered by value (a while body's records carry no index)."""
+    values = np.stack([np.asarray(r.value) for r in records])
+    return values[np.lexsort(values.T[::-1])]
+
+
+def _ordered(rows: np.ndarray) -> np.ndarray:
+    return rows[np.lexsort(rows.T[::-1])]
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_checkpointed_while_loop_captures_each_site_once(loop: str) -> None:
+    steps, checkpoints = LOOPS[loop]
+    f = lambda x: checkpointed_while(x, steps=steps, checkpoints=checkpoints)  # noqa: E731
+    grads, inter = save_intermediates(jax.grad(f))(XS[:2])  # duplicates="error"
+    values, cotangents = loop_reference(steps)
+    assert list(inter) == ["h"] and list(inter["h"]) == ["primal", "cotangent"]
+    # A while body's value is its last iteration's; the backward pass runs iteration 0 last.
+    np.testing.assert_allclose(inter["h"]["primal"], values[-1], rtol=1e-5)
+    np.testing.assert_allclose(inter["h"]["cotangent"], cotangents[0], rtol=1e-5)
+    np.testing.assert_allclose(grads, jax.grad(lambda x: unrolled(
+        x, jnp.zeros((steps, 2)), steps)[0])(XS[:2]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_checkpointed_while_loop_streams_each_iteration_once(transport: str, loop: str) -> None:
+    steps, checkpoints = LOOPS[loop]
+    f = lambda x: checkpointed_while(x, steps=steps, checkpoints=checkpoints)  # noqa: E731
+    records = stream(jit(jax.grad(f)), XS[:2])
+    values, cotangents = loop_reference(steps)
+    assert {r.name for r in records} == {"h"}
+    primal, cotangent = by_mode(records, "primal"), by_mode(records, "cotangent")
+    assert len(primal) == steps and len(cotangent) == steps  # not once per recomputation
+    np.testing.assert_allclose(_rows(primal), _ordered(values), rtol=1e-5)
+    np.testing.assert_allclose(_rows(cotangent), _ordered(cotangents), rtol=1e-5)
+
+
+def by_mode(records: list[Record], mode: str) -> list[Record]:
+    return [r for r in records if r.mode == mode]
+
+
+def _vjp_rerun(jit_bwd: bool, eps: Any = None) -> Callable[[Any], Any]:
+    """A custom_vjp whose bwd differentiates the forward function again with ``jax.vjp``."""
+
+    def forward(x, e):
+        h = jnp.sin(x) * 1.5
+        return jnp.cos(sow(h, "h") if eps is None else h + e) * 2.0
+
+    @jax.custom_vjp
+    def g(x, e):
+        return forward(x, e)
+
+    def fwd(x, e):
+        return forward(x, e), (x, e)
+
+    def bwd(res, ct):
+        return jax.vjp(forward, *res)[1](ct)
+
+    g.defvjp(fwd, jax.jit(bwd) if jit_bwd else bwd)
+    return g
+
+
+def rerun_loss(x, eps=None, *, jit_bwd=False):
+    g = _vjp_rerun(jit_bwd, eps)
+    e = jnp.zeros_like(x) if eps is None else eps
+    return jnp.sum(g(x, e) ** 2)
+
+
+def rerun_in_scan(x, eps=None, *, jit_bwd=False):
+    g = _vjp_rerun(jit_bwd, eps)
+    e = jnp.zeros_like(x) if eps is None else eps
+    return jax.lax.scan(lambda c, xe: (c + g(*xe) ** 2 * (c + 1.0), None), 0.0, (x, e))[0]
+
+
+RERUNS = {"plain": rerun_loss, "scan": rerun_in_scan}
+
+
+@pytest.mark.parametrize("jit_bwd", [False, True], ids=["bwd", "jitted_bwd"])
+@pytest.mark.parametrize("where", sorted(RERUNS))
+def test_bwd_rerunning_the_forward_function_captures_primal_once(where: str,
+                                                                 jit_bwd: bool) -> None:
+    loss = RERUNS[where]
+    grads, inter = save_intermediates(jax.grad(lambda x: loss(x, jit_bwd=jit_bwd)))(XS)
+    assert list(inter) == ["h"] and list(inter["h"]) == ["primal", "cotangent"]
+    np.testing.assert_allclose(inter["h"]["primal"], np.sin(XS) * 1.5, rtol=1e-6)
+    expected = jax.grad(lambda e: loss(jnp.asarray(XS), e))(jnp.zeros(4))
+    np.testing.assert_allclose(inter["h"]["cotangent"], expected, rtol=1e-5)
+    np.testing.assert_allclose(grads, jax.grad(lambda x: loss(x, jnp.zeros(4)))(XS), rtol=1e-5)
+
+
+def test_hessian_through_a_bwd_rerunning_the_forward_function_reports_each_mode_once() -> None:
+    # Forward over reverse: the outer jvp differentiates the bwd, recomputation included; each
+    # mode is the one the same function gives without the custom_vjp.
+    def plain(x):
+        return jnp.sum((jnp.cos(sow(jnp.sin(x) * 1.5, "h")) * 2.0) ** 2)
+
+    _, got = save_intermediates(jax.hessian(rerun_loss))(XS)
+    _, want = save_intermediates(jax.hessian(plain))(XS)
+    assert list(got["h"]) == list(want["h"]) == ["primal", "tangent", "cotangent",
+                                                 "cotangent.tangent"]
+    for mode, value in want["h"].items():
+        np.testing.assert_allclose(got["h"][mode], value, rtol=1e-5, atol=1e-6, err_msg=mode)
+
+
+@pytest.mark.parametrize("jit_bwd", [False, True], ids=["bwd", "jitted_bwd"])
+def test_bwd_rerunning_the_forward_function_in_a_scan_streams_each_index_once(
+        transport: str, jit_bwd: bool) -> None:
+    records = stream(jit(jax.grad(lambda x: rerun_in_scan(x, jit_bwd=jit_bwd))), XS)
+    expected = jax.grad(lambda e: rerun_in_scan(jnp.asarray(XS), e))(jnp.zeros(4))
+    assert {r.name for r in records} == {"h"}
+    primal, cotangent = by_mode(records, "primal"), by_mode(records, "cotangent")
+    assert sorted(r.index for r in primal) == sorted(r.index for r in cotangent) == [0, 1, 2, 3]
+    for r in primal:
+        np.testing.assert_allclose(r.value, np.sin(XS[r.index]) * 1.5, rtol=1e-6)
+    for r in cotangent:  # the cotangent of the forward iteration it belongs to
+        np.testing.assert_allclose(r.value, expected[r.index], rtol=1e-5)
+
+
+# -- the two transports give the same records: names, modes, steps and indices ---------------
+
+
+def ode_loss(k):
+    """``odeint``: a custom_vjp whose fwd runs a scan of while loops of a fori_loop (the six
+    Runge-Kutta stages, a scan of length 6), and whose bwd runs ``odeint`` again backward
+    under ``jax.vjp`` of the vector field, in a scan; ``closure_convert`` traces the vector field
+    once, outside all of them."""
+    from jax.experimental.ode import odeint
+
+    def field(y, t, k):
+        return sow(-k * y + jnp.sin(t), "f")
+
+    return jnp.sum(odeint(field, jnp.array([1.0, 2.0]), jnp.array([0.0, 0.5, 1.0]), k) ** 2)
+
+
+def _step(y, k):
+    return y + 0.1 * sow(-k * y, "dy")
+
+
+@jax.custom_vjp
+def relax(y0, k):
+    """Four Euler steps in a while loop, then three in a scan."""
+    _, y = jax.lax.while_loop(lambda c: c[0] < 4, lambda c: (c[0] + 1, _step(c[1], k)), (0, y0))
+    return jax.lax.scan(lambda y, _: (_step(y, k), None), y, None, length=3)[0]
+
+
+def _relax_fwd(y0, k):
+    return relax(y0, k), (y0, k)
+
+
+def _relax_bwd(res, g):
+    """Recomputes the trajectory in a while loop (the primal of ``jax.vjp``, unused), then
+    walks it back in a reversed scan with ``jax.vjp`` of each step; sows its own cotangent."""
+    y0, k = res
+
+    def again(c):
+        i, y, ys = c
+        return i + 1, jax.vjp(_step, y, k)[0], ys.at[i].set(y)
+
+    _, _, ys = jax.lax.while_loop(lambda c: c[0] < 7, again, (0, y0, jnp.zeros((7, 2))))
+
+    def back(carry, y):
+        gy, gk = carry
+        dy, dk = jax.vjp(_step, y, k)[1](gy)
+        return (dy, gk + dk), None
+
+    (gy, gk), _ = jax.lax.scan(back, (g, jnp.zeros_like(k)), ys, reverse=True)
+    return gy, sow(gk, "gk")
+
+
+relax.defvjp(_relax_fwd, _relax_bwd)
+
+
+def relax_loss(k):
+    return jnp.sum(relax(jnp.array([1.0, 2.0]), k) ** 2)
+
+
+SOLVERS: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
+    "odeint": (jax.grad(ode_loss), (jnp.float32(0.7),)),
+    "odeint_forward": (ode_loss, (jnp.float32(0.7),)),
+    "custom_vjp_while_scan": (jax.grad(relax_loss), (jnp.float32(0.7),)),
+    "checkpointed_while": (jax.grad(lambda x: checkpointed_while(x, steps=5, checkpoints=2)),
+                           (XS[:2],)),
+}
+
+
+def _stream_at_step(fn: Callable[..., Any], *args: Any) -> list[Record]:
+    with sowtel.enable(exporter="memory", summary="full") as session:
+        with sowtel.at_step(3):  # the host's step: sites in while bodies count no steps
+            jax.block_until_ready(fn(*args))
+        assert sowtel.flush(timeout=60)
+        status = sowtel.status()
+    assert status["dropped"] == 0 and not any(status["errors"].values())
+    return list(session.exporters[0].records)
+
+
+def _by_key(records: list[Record]) -> dict[tuple[Any, ...], list[np.ndarray]]:
+    out: dict[tuple[Any, ...], list[np.ndarray]] = {}
+    for r in records:
+        key = (r.name, r.mode, r.step, r.index, r.shape, r.dtype)
+        out.setdefault(key, []).append(np.asarray(r.value, np.float64))
+    return out
+
+
+@pytest.mark.parametrize("path", ["fast", "debug"])
+@pytest.mark.parametrize("case", sorted(SOLVERS))
+def test_solvers_stream_the_same_records_through_both_transports(
+        case: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    fn, args = SOLVERS[case]
+    monkeypatch.setenv("SOWTEL_CALLBACK", path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the repeated names' warning, once per process
+        by_callback = _by_key(_stream_at_step(jax.jit(lambda *a: fn(*a)), *args))
+        by_outputs = _by_key(_stream_at_step(sowtel.jit(lambda *a: fn(*a)), *args))
+    assert by_callback, "the case streams something"
+    assert {k: len(v) for k, v in by_outputs.items()} == {
+        k: len(v) for k, v in by_callback.items()}
+    for key, values in by_callback.items():
+        # Records of one key (a while body's iterations) may arrive in any order.
+        order = lambda vs: sorted(vs, key=lambda v: (float(v.sum()), float(v.flat[0])))  # noqa: E731
+        np.testing.assert_allclose(np.stack(order(by_outputs[key])), np.stack(order(values)),
+                                   rtol=1e-5, atol=1e-6, err_msg=str(key))
+
+
+@pytest.mark.parametrize("unroll", [1, 5, True], ids=lambda u: f"unroll{u}")
+def test_unrolled_scan_indexes_its_iterations_not_a_while_loop_in_its_body(
+        transport: str, unroll: Any) -> None:
+    # JAX lowers a scan as a while loop of its own, or (unrolled whole) as none: a while_loop
+    # in its body is never taken for it.
+    def f(xs):
+        def body(c, x):
+            w = jax.lax.while_loop(lambda v: v < 2.0, lambda v: v + sow(x * 0.0 + 1.0, "w"),
+                                   0.0)
+            return c + sow(x * 2.0, "s") + w, None
+
+        return jax.lax.scan(body, 0.0, xs, unroll=unroll)[0]
+
+    records = stream(jit(f), np.arange(5.0, dtype=np.float32))
+    assert sorted(r.index for r in records if r.name == "s") == list(range(5))
+    for r in records:
+        np.testing.assert_allclose(r.value, 2.0 * r.index if r.name == "s" else 1.0)
+    assert [r.index for r in records if r.name == "w"] == [None] * 10
+
+
+def test_odeint_sites_are_indexed_by_the_loops_they_run_in() -> None:
+    # The vector field is traced once, outside every loop, and evaluated in the Runge-Kutta
+    # stages' scan (index 0-5) inside the adaptive while loop, and in the backward scan over
+    # the output times (index 0-1): records are indexed where the site runs.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        records = _stream_at_step(jax.jit(jax.grad(ode_loss)), jnp.float32(0.7))
+    stages = [r for r in records if r.mode == "primal" and r.index is not None]
+    assert stages and {r.index for r in stages} == set(range(6))
+    assert len({r.name for r in stages}) == 1
+    backward: dict[str, set[Any]] = {}
+    for r in records:
+        if r.mode == "cotangent":
+            backward.setdefault(r.name, set()).add(r.index)
+    # The backward odeint's stages (in its while loop), and its two evaluations outside the
+    # while loop, once per output time in the backward scan.
+    assert sorted(map(sorted, backward.values())) == [[0, 1], [0, 1], list(range(6))]
+    outside = {r.name for r in records if r.mode == "primal" and r.index is None}
+    assert len(outside) == 2  # the first evaluation and the initial step size's

@@ -7,6 +7,7 @@ explicit perturbation in place of the sow (``eps``), or against the user's own c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -490,3 +491,86 @@ def test_custom_jvp_in_scan_under_jvp_of_grad_streams_one_index(transport: str) 
     close(primal[0].value, first)
     close(primal[1].value, np.sin(first + 1.0))
     assert all(isinstance(r.index, int) for r in records), records
+
+
+# -- errors raised while tracing under sowtel name the user's function and arguments ----------
+
+
+def bool_of_tracer(params: Any, n: Any, *, scale: Any = 1.0) -> Any:
+    h = sow(params["w"] * scale, "h")
+    return h.sum() if n > 0 else -h.sum()  # a Python branch on a traced argument
+
+
+def bool_of_pytree_leaf(params: Any, n: Any) -> Any:
+    h = sow(params["w"] * n, "h")
+    return h.sum() if params["b"] > 0 else -h.sum()
+
+
+def shape_from_argument(params: Any, n: Any) -> Any:
+    return sow(jnp.ones(n) * params["w"].sum(), "h").sum()  # a shape from a traced argument
+
+
+ERRORS: dict[str, Callable[..., Any]] = {
+    "bool_of_argument": bool_of_tracer,
+    "bool_of_pytree_leaf": bool_of_pytree_leaf,
+    "shape_of_argument": shape_from_argument,
+}
+ERROR_ARGS = ({"w": jnp.ones(3), "b": jnp.float32(1.0)}, jnp.int32(2))
+
+
+def tracing_error(call: Callable[[], Any]) -> tuple[str, str, str]:
+    """The error's type, the function it says was traced (name and source line), and the
+    argument it says the value came from."""
+    import re
+
+    with pytest.raises(Exception) as info:  # noqa: PT011 - the type is compared below
+        call()
+    text = str(info.value)
+    function = re.search(r"tracing the function (\S+ at \S+) for", text)
+    argument = re.search(r"argument (\S+?)[.,\s]", text)
+    assert function is not None and argument is not None, text
+    return type(info.value).__name__, function.group(1), argument.group(1)
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_tracing_errors_name_the_users_function_as_jax_jit_does(case: str) -> None:
+    fn = ERRORS[case]
+    expected = tracing_error(lambda: jax.jit(fn)(*ERROR_ARGS))
+    assert expected[1].startswith(fn.__name__ + " at ") and __file__ in expected[1]
+    calls: dict[str, Callable[[], Any]] = {
+        "save_intermediates": lambda: save_intermediates(fn)(*ERROR_ARGS),
+        "jit(save_intermediates)": lambda: jax.jit(save_intermediates(fn))(*ERROR_ARGS),
+        "locate_nonfinite": lambda: sowtel.locate_nonfinite(fn)(*ERROR_ARGS),
+    }
+    with sowtel.enable(exporter="memory"):
+        got = {"sowtel.jit": tracing_error(lambda: sowtel.jit(fn)(*ERROR_ARGS))}
+        got["jax.jit, streaming"] = tracing_error(lambda: jax.jit(fn)(*ERROR_ARGS))
+    got.update({where: tracing_error(call) for where, call in calls.items()})
+    assert got == dict.fromkeys(got, expected)
+
+
+def test_tracing_errors_name_keyword_and_static_arguments_as_jax_jit_does() -> None:
+    kwargs = {"scale": jnp.float32(2.0)}
+    expected = tracing_error(lambda: jax.jit(bool_of_tracer)(*ERROR_ARGS, **kwargs))
+    with sowtel.enable(exporter="memory"):
+        assert tracing_error(lambda: sowtel.jit(bool_of_tracer)(*ERROR_ARGS, **kwargs)) == expected
+        static = sowtel.jit(lambda k, params, n: bool_of_tracer(params, n * k),
+                            static_argnums=0)
+        assert tracing_error(lambda: static(3, *ERROR_ARGS))[2] == "n"
+    assert tracing_error(lambda: save_intermediates(bool_of_tracer)(*ERROR_ARGS, **kwargs)) == (
+        expected)
+    grad = jax.grad(bool_of_tracer)  # names its function, as jax.jit(jax.grad(...)) does
+    assert tracing_error(lambda: save_intermediates(grad)(*ERROR_ARGS)) == tracing_error(
+        lambda: jax.jit(grad)(*ERROR_ARGS))
+
+
+def test_tracing_errors_in_framework_wrappers_name_the_users_function() -> None:
+    import sowtel.equinox
+    import sowtel.nnx
+
+    expected = tracing_error(lambda: jax.jit(bool_of_tracer)(*ERROR_ARGS))[1]
+    for wrapped in (sowtel.equinox.filter_jit(bool_of_tracer), sowtel.nnx.jit(bool_of_tracer)):
+        call = functools.partial(wrapped, *ERROR_ARGS)
+        assert tracing_error(call)[1] == expected  # the plain program
+        with sowtel.enable(exporter="memory"):
+            assert tracing_error(call)[1] == expected  # the logging program
