@@ -202,11 +202,21 @@ def library_rule(eqn: Any, invals: list[Any], *, tag: str | None, wanted: Wanted
     def fun(*args: Any) -> tuple[list[Any], list[Any]]:
         return run(*args)
 
-    @fun.defjvp
     def fun_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
-        outs, outs_dot = jax.jvp(lambda *a: bind(eqn, list(a)), primals, tangents)
+        # Only the operands with a tangent are differentiated: a rule may require the others
+        # to be symbolic zeros (lineax's does, for its solver's state and options).
+        live = [not isinstance(t, jax.custom_derivatives.SymbolicZero) for t in tangents]
+
+        def plain(*moving: Any) -> list[Any]:
+            it = iter(moving)
+            return bind(eqn, [next(it) if m else p for p, m in zip(primals, live, strict=True)])
+
+        outs, outs_dot = jax.jvp(plain, [p for p, m in zip(primals, live, strict=True) if m],
+                                 [t for t, m in zip(tangents, live, strict=True) if m])
         _, flat = run(*primals)
         return (outs, flat), (outs_dot, [_zero_tangent(x) for x in flat])
+
+    fun.defjvp(fun_jvp, symbolic_zeros=True)
 
     outs, flat = fun(*invals)
     caps, i = [], 0
