@@ -110,7 +110,20 @@ class Reruns:
 
     def __init__(self) -> None:
         self._held: dict[int, tuple[Any, Any]] = {}  # id -> (the function, its first equation)
-        self._sites: dict[tuple[Any, str], Any] = {}  # (site, mode) -> its first equation
+        # (site, mode) -> its first equation, and the ids of those running then (around it)
+        self._sites: dict[tuple[Any, str], tuple[Any, frozenset[int]]] = {}
+        self._expanded: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self.running: list[Any] = []  # the library primitives being evaluated, outermost first
+
+    def expand(self, eqn: Any, operands: list[Any]) -> tuple[Any, list[Any]] | None:
+        """:func:`sowtel._jax_compat.expand`, once per equation and operand types: a construct
+        whose body is traced twice (a cond's, a while's) evaluates the same expansion, whose
+        equations (a solver nested in the primitive) then are the same, not reruns."""
+        key = (id(eqn), *(jax.typeof(x) for x in operands))
+        found = self._expanded.get(key)
+        if found is None or found[0] is not eqn:
+            found = self._expanded[key] = (eqn, jc.expand(eqn, operands))
+        return found[1]  # type: ignore[no-any-return]
 
     def note(self, eqn: Any) -> Any | None:
         """Notes ``eqn``'s functions; returns an earlier equation holding one, or None."""
@@ -126,11 +139,12 @@ class Reruns:
 
     def ran(self, eqn: Any, caps: list[Any]) -> Any | None:
         """Notes the sites ``eqn`` ran (``caps``); returns the first one that ran in another
-        equation, or None."""
+        equation (not one nested in ``eqn``, whose sites are ``eqn``'s too), or None."""
         again = None
         for c in caps:
-            first = self._sites.setdefault((c.site, c.mode), eqn)
-            if first is not eqn and again is None:
+            first, around = self._sites.setdefault(
+                (c.site, c.mode), (eqn, frozenset(map(id, self.running))))
+            if first is not eqn and id(eqn) not in around and again is None:
                 again = c
         return again
 
@@ -163,7 +177,7 @@ def library_rule(eqn: Any, invals: list[Any], *, tag: str | None, wanted: Wanted
     # Traced in the capture's context: a sow its implementation differentiates (0.12's
     # custom_root linearises its function) captures its derivative too.
     with CONTEXT(Context(stream=ctx.stream, capture=tag)):
-        expanded = jc.expand(eqn, invals)
+        expanded = reruns.expand(eqn, invals)
     name = jc.eqn_name(eqn)
     if expanded is None and not names and ctx.stream is not None:
         return bind(eqn, invals), []
@@ -179,7 +193,11 @@ def library_rule(eqn: Any, invals: list[Any], *, tag: str | None, wanted: Wanted
     meta: list[Any] = []
 
     def run(*args: Any) -> tuple[list[Any], list[Any]]:
-        outs, caps = evaluate(expanded[0], expanded[1], list(args))
+        reruns.running.append(eqn)
+        try:
+            outs, caps = evaluate(expanded[0], expanded[1], list(args))
+        finally:
+            reruns.running.pop()
         again = reruns.ran(eqn, caps)
         if caps and earlier is not None:
             again = caps[0]

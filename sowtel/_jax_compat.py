@@ -680,10 +680,11 @@ def expand(eqn: Any, operands: Sequence[Any] | None = None) -> tuple[Any, list[A
 
 
 def _binds(jaxpr: Any, eqn: Any) -> bool:
-    """Whether ``jaxpr`` (nested jaxprs included) binds ``eqn``'s primitive (its hi object)."""
-    hi = _hi_prim(eqn)
+    """Whether ``jaxpr`` (nested jaxprs included) binds ``eqn`` again: its primitive with the
+    same parameters (a nested use of the primitive holds others)."""
     for inner in jaxpr.eqns:
-        if inner.primitive is eqn.primitive and (hi is None or _hi_prim(inner) is hi):
+        if inner.primitive is eqn.primitive and inner.params.keys() == eqn.params.keys() and all(
+                inner.params[k] is v for k, v in eqn.params.items()):
             return True
         if any(_binds(sub, eqn) for sub in sub_jaxprs(inner)):
             return True

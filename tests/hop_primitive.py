@@ -55,6 +55,9 @@ def _define(name: str, implemented: bool) -> Any:
     if implemented:
         prim.def_impl(_impl)
     prim.def_effectful_abstract_eval(_abstract_eval)
+    # JAX >= 0.12 calls a primitive whose jaxpr holds a hi primitive (0.12's custom_root) high,
+    # and expands it before lowering: here, to its body.
+    prim.to_lojax = _impl
     mlir.register_lowering(prim, mlir.lower_fun(_impl, multiple_results=True))
 
     def jvp(primals: Any, tangents: Any, *, jaxpr: Any) -> tuple[list[Any], list[Any]]:
@@ -77,13 +80,14 @@ def _define(name: str, implemented: bool) -> Any:
 
         def transposed(*kc: Any) -> Any:
             ks, cs = kc[:len(known)], kc[len(known):]
-            zeros = [jax.lax.full(t.shape, 0, t.dtype, sharding=t.sharding) for t in types]
 
             def on_linear(*lin: Any) -> Any:
                 it_k, it_l = iter(ks), iter(lin)
                 return _fun(jaxpr)(*[next(it_l) if li else next(it_k) for li in linear])
 
-            return jax.vjp(on_linear, *zeros)[1](list(cs))
+            # Transposed, not differentiated: a custom_vjp's tangent (custom_lin) has no
+            # derivative, only a transpose.
+            return jax.linear_transpose(on_linear, *types)(list(cs))
 
         lin_cts = iter(prim.bind(*known, *cts, jaxpr=_closed(transposed, *known, *cts)))
         return [next(lin_cts) if lin else None for lin in linear]
