@@ -24,6 +24,10 @@ construct                           what ``intermediates[name][mode]`` holds
 ``shard_map`` / ``pmap``            per-shard values stacked on a new leading axis of shards
 ``vmap`` (inside or outside)        the batch axis leading the value's own axes, after
                                     the stacked ones: ``vmap`` of a scan is ``(T, B, ...)``
+a library's primitive               what its implementation runs, under these rules
+(``custom_linear_solve``, ``cg``,   (``cg``'s matvec: its initial guess's, and its
+``custom_root`` on JAX >= 0.12,     loop's last iteration's), primal only; differentiated
+lineax, any ``jax.extend`` one)     inside, its derivative rules rerun it: ``ValueError``
 ==================================  ===================================================
 
 Each site's ``{mode: value}`` dict records in ``stacked`` which leading axes scans and shard_maps

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+import optimistix as optx
 import pytest
 from hop_primitive import opaque_call
 
@@ -65,6 +66,19 @@ def lineax_solve(h):
     return jnp.sum(jnp.sin(x))
 
 
+def optimistix_root(h):
+    """Newton's method on x^3 + x - target: its residual function runs in lineax's solve (the
+    Newton step) and in optimistix's loop."""
+    target = jnp.sin(h) + 2.0
+
+    def residual(x, args):
+        return sow(x ** 3 + x - args, "optx")
+
+    sol = optx.root_find(residual, optx.Newton(rtol=1e-6, atol=1e-6), jnp.ones_like(h),
+                         args=target, max_steps=32)
+    return jnp.sum(jnp.sin(sol.value))
+
+
 def extend_call(h, implemented=True):
     def body(x):
         return [sow(jnp.sin(x) * 2.0, "inner") + 0.1]
@@ -77,6 +91,7 @@ PROGRAMS: dict[str, Callable[..., Any]] = {
     "custom_root": newton_root,
     "cg": cg_solve,
     "lineax": lineax_solve,
+    "optimistix": optimistix_root,
     "jax_extend": extend_call,
     "jax_extend_no_impl": lambda h: extend_call(h, implemented=False),
 }
