@@ -12,7 +12,7 @@ MODULES = [
     "sowtel.records", "sowtel.dispatcher", "sowtel.dumps", "sowtel.postmortem",
     "sowtel.exporters", "sowtel.exporters.memory", "sowtel.exporters.console",
     "sowtel.exporters.jsonl", "sowtel._jax_compat", "sowtel.jit", "sowtel.build",
-    "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite",
+    "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite", "sowtel._interpret",
 ]
 
 
