@@ -126,15 +126,17 @@ class Reruns:
         return found[1]  # type: ignore[no-any-return]
 
     def note(self, eqn: Any) -> Any | None:
-        """Notes ``eqn``'s functions; returns an earlier equation holding one, or None."""
+        """Notes ``eqn``'s functions; returns an earlier equation holding one (not one that
+        ``eqn`` is nested in, as a wrapper holds what it wraps), or None."""
         earlier = None
         functions: list[Any] = list(jc.sub_jaxprs(eqn))
         if jc.eqn_params(eqn) is not eqn.params:  # a hi primitive: the functions it keeps
             functions += [v for v in jc.eqn_params(eqn).values() if callable(v)]
         for fn in functions:
-            held = self._held.setdefault(id(fn), (fn, eqn))
-            if held[1] is not eqn and earlier is None:
-                earlier = held[1]
+            first = self._held.setdefault(id(fn), (fn, eqn))[1]
+            if (first is not eqn and earlier is None
+                    and not any(first is outer for outer in self.running)):
+                earlier = first
         return earlier
 
     def ran(self, eqn: Any, caps: list[Any]) -> Any | None:

@@ -157,8 +157,9 @@ class _Programs:
         self.programs: dict[Any, Any] = {}
         self.traced: set[Any] = set()  # keys of the programs traced whole once
         self.strides: dict[StreamConfig, set[int]] = {}
-        # Per stream setting: whether the function has sites in while_loop bodies, which keep
-        # their host callbacks (and take the call's step from the host).
+        # Per stream setting: whether the function has sites that keep their host callbacks
+        # (in while_loop bodies, in library primitives), which take the call's step from the
+        # host.
         self.callbacks: dict[StreamConfig, bool] = {}
 
 
