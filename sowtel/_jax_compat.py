@@ -42,6 +42,11 @@ when that is gone.
   differentiated), and the ``jax_scan3`` / ``jax_remat3`` upgrades hide the body in an object
   (``call_hi_primitive``'s ``_prim``): ``construct`` maps all of them to one construct name, and
   ``sub_jaxprs`` finds jaxprs inside those objects too, so a sow there is never missed.
+- ``implementation`` / ``expand``: what a primitive sowtel has no construct rule for runs, as
+  JAX code: a hi primitive's expansion (``to_lojax``: 0.12's ``custom_root``), else the rule
+  ``def_impl`` gave it (``custom_linear_solve``, lineax's ``linear_solve``, a library's own
+  ``jax.extend`` primitive), traced to a jaxpr. ``None`` where there is none, or where it only
+  binds the primitive again (an impl that compiles the primitive by itself).
 - ``scan3_over``: a ``jax_scan3`` loop rebuilt around a new body (``scan_nocarry``, the loop
   ``lax.scan`` builds under the flag), so it runs as JAX runs it. Up to 0.12 JAX's scan3 runs
   its iterations in order even when ``reverse=True`` (``SCAN3_REVERSES``).
@@ -108,6 +113,7 @@ __all__ = [
     "at_branch_end",
     "call_body", "construct", "eqn_context", "eqn_name", "eqn_params", "loop_parts",
     "register_remat3_rule", "scan3_over", "sub_jaxprs", "SCAN3_REVERSES",
+    "implementation", "expand",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2", "0.11.2", "0.12.0.1")
@@ -668,6 +674,74 @@ def sub_jaxprs(eqn: Any) -> list[Any]:
 
     walk(eqn.params, 0)
     return found
+
+
+def implementation(eqn: Any) -> Callable[..., list[Any]] | None:
+    """What an equation's primitive computes, as JAX code: ``f(*operands) -> [outputs]``.
+
+    A hi primitive (``call_hi_primitive``, JAX >= 0.11) runs its object's expansion
+    (``to_lojax``); any other primitive the rule ``def_impl`` gave it (read from the instance,
+    where ``Primitive.def_impl`` stores it: the class's default only raises). None without one.
+    Checked on JAX 0.10.2 and 0.12.
+    """
+    prim = eqn.primitive
+    if _hi_prim(eqn) is not None:
+        rule = getattr(prim, "to_lojax", None)
+    else:
+        rule = vars(prim).get("impl")
+    if rule is None:
+        return None
+    params = dict(eqn.params)
+
+    def run(*args: Any) -> list[Any]:
+        out = rule(*args, **params)
+        return list(out) if prim.multiple_results else [out]
+
+    return run
+
+
+def expand(eqn: Any, operands: Sequence[Any] | None = None) -> tuple[Any, list[Any]] | None:
+    """``(jaxpr, consts)`` of what ``eqn`` runs (:func:`implementation`), traced on its
+    ``operands`` (values or tracers; by default, its inputs' types). None where the primitive
+    has no implementation, where tracing it fails, or where the implementation binds the
+    primitive again (an impl that compiles the primitive alone, as ``scan``'s does): there is
+    nothing there to look into.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> solve = lambda mv, b: b / 2.0
+        >>> eqn = jax.make_jaxpr(lambda b: jax.lax.custom_linear_solve(
+        ...     lambda x: 2.0 * x, b, solve))(jnp.ones(2)).eqns[0]
+        >>> jaxpr, _ = expand(eqn)
+        >>> [e.primitive.name for e in jaxpr.eqns]
+        ['div']
+    """
+    run = implementation(eqn)
+    if run is None:
+        return None
+    if operands is None:
+        operands = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                         weak_type=getattr(v.aval, "weak_type", False))
+                    for v in eqn.invars]
+    try:
+        with jax.disable_jit(False):
+            closed = jax.make_jaxpr(run)(*operands)
+    except Exception:  # noqa: BLE001 - an impl that does not trace: nothing to look into
+        return None
+    jaxpr, consts = jaxpr_and_consts(closed)
+    return None if _binds(jaxpr, eqn) else (jaxpr, consts)
+
+
+def _binds(jaxpr: Any, eqn: Any) -> bool:
+    """Whether ``jaxpr`` (nested jaxprs included) binds ``eqn`` again: its primitive with the
+    same parameters (a nested use of the primitive holds others)."""
+    for inner in jaxpr.eqns:
+        if inner.primitive is eqn.primitive and inner.params.keys() == eqn.params.keys() and all(
+                inner.params[k] is v for k, v in eqn.params.items()):
+            return True
+        if any(_binds(sub, eqn) for sub in sub_jaxprs(inner)):
+            return True
+    return False
 
 
 def call_body(eqn: Any) -> tuple[Any, list[Any]]:

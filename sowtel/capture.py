@@ -24,6 +24,10 @@ construct                           what ``intermediates[name][mode]`` holds
 ``shard_map`` / ``pmap``            per-shard values stacked on a new leading axis of shards
 ``vmap`` (inside or outside)        the batch axis leading the value's own axes, after
                                     the stacked ones: ``vmap`` of a scan is ``(T, B, ...)``
+a library's primitive               what its implementation runs, under these rules
+(``custom_linear_solve``, ``cg``,   (``cg``'s matvec: its initial guess's, and its
+``custom_root`` on JAX >= 0.12,     loop's last iteration's), primal only; differentiated
+lineax, any ``jax.extend`` one)     inside, its derivative rules rerun it: ``ValueError``
 ==================================  ===================================================
 
 Each site's ``{mode: value}`` dict records in ``stacked`` which leading axes scans and shard_maps
@@ -54,8 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from sowtel import _interpret, naming
 from sowtel import _jax_compat as jc
-from sowtel import naming
 from sowtel.intermediates import nothing_captured
 from sowtel.primitive import (
     CONTEXT,
@@ -173,9 +177,12 @@ class SummaryPass:
 
     ``reduce(params, leaves)`` runs where a streaming sow runs (per scan iteration, per shard,
     in its branch of a cond) and returns ``(site, arrays)``: the arrays to return for the site
-    (its summary, and a flag that says it ran), or None to leave the site out. Sows inside a
-    ``while_loop`` body, whose iteration count is not static, keep their host callback; the pass
-    notes that it met one in ``callbacks``.
+    (its summary, and a flag that says it ran), or None to leave the site out. Sows the pass
+    cannot express keep their host callback: those inside a ``while_loop`` body (whose
+    iteration count is not static) or inside a primitive it has no rule for (a library's
+    solver, see :mod:`sowtel._interpret`), and every other site of the same name (``fallback``),
+    so that its occurrences are numbered as the callback transport numbers them. The pass
+    notes that it met one in ``callbacks``, and tells ``stride`` the ``every=`` of each.
     """
 
     reduce: Callable[[dict[str, Any], list[Any]], tuple[Any, list[Any]] | None]
@@ -186,6 +193,15 @@ class SummaryPass:
     loops: list[tuple[str, int, bool, list[int]]] = dataclasses.field(default_factory=list)
     # The names the program gives its sites that call back (settled once it is evaluated).
     names: naming.ProgramNames = dataclasses.field(default_factory=naming.ProgramNames)
+    stride: Callable[[int], None] | None = None
+    fallback: frozenset[str] = frozenset()
+
+    def keep_callbacks(self, sites: Any) -> None:
+        """Notes that these sows (their parameters) keep their host callbacks."""
+        for p in sites:
+            self.callbacks = True
+            if self.stride is not None:
+                self.stride(int(p["every"]))
 
 
 #: ``_Captured.site`` of a streamed site a summary pass returns nothing for: it streams through
@@ -212,11 +228,14 @@ def eval_capture(jaxpr: Any, consts: list[Any], args: list[Any],
                  tag: str) -> tuple[list[Any], list[_Captured]]:
     """Evaluates ``jaxpr`` with the sows captured for ``tag`` turned into extra outputs."""
     stack = _PASS.__dict__.setdefault("tags", [])
+    reruns = _PASS.__dict__.setdefault("reruns", [])
     stack.append(tag)
+    reruns.append(_interpret.Reruns())
     try:
         return _eval(jaxpr, consts, args)
     finally:
         stack.pop()
+        reruns.pop()
 
 
 def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
@@ -230,6 +249,9 @@ def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
     stack = _PASS.__dict__.setdefault("stack", [])
     stack.append(summary_pass)
     try:
+        streams = functools.partial(_wanted, summaries=True)
+        summary_pass.fallback = frozenset(
+            p["site"].name for p in _interpret.fallback_sites(jaxpr, streams))
         return _eval(jaxpr, consts, args)
     finally:
         stack.pop()
@@ -255,7 +277,8 @@ def _has_wanted(jaxpr: Any, summaries: bool) -> bool:
         if eqn.primitive is sow_p:
             if _wanted(eqn.params, summaries):
                 return True
-        elif any(_has_wanted(j, summaries) for j in jc.sub_jaxprs(eqn)):
+        elif _interpret.hides_sows(eqn) or any(_has_wanted(j, summaries)
+                                               for j in jc.sub_jaxprs(eqn)):
             return True
     return False
 
@@ -312,19 +335,31 @@ def _eval_eqn(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
         return _eval_sow(eqn, invals)
     subs = jc.sub_jaxprs(eqn)
     if not any(_has_capture(j) for j in subs):
+        if _interpret.hides_sows(eqn):
+            return _library_rule(eqn, invals)
         if jc.construct(eqn) == "custom_jvp" and _capture_tag() is not None:
             # Its rule may sow: checked if save_intermediates is differentiated from outside.
             return _custom_jvp_rule(eqn, invals)
         return _bind_plain(eqn, invals), []
     rule = _RULES.get(jc.construct(eqn) or "")
     if rule is None:
-        name = next(_first_capture_name(j) for j in subs if _has_capture(j))
-        raise NotImplementedError(
-            f"save_intermediates cannot capture sow {name!r} inside a {jc.eqn_name(eqn)!r} "
-            "primitive: its values could not be returned, and sowtel never drops them silently. "
-            f"Supported: {', '.join(sorted(_RULES))}; move the sow outside it."
-        )
+        return _library_rule(eqn, invals)
     return rule(eqn, invals)
+
+
+def _library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    """A primitive with no construct rule (a library's solver, see :mod:`sowtel._interpret`):
+    ``sowtel.jit`` binds it as it is, its sites keeping their host callbacks; capture evaluates
+    what it runs."""
+    summary_pass = _pass()
+    wanted = functools.partial(_wanted, summaries=summary_pass is not None)
+    if summary_pass is None:
+        return _interpret.library_rule(eqn, invals, tag=_capture_tag(), wanted=wanted,
+                                       evaluate=_eval, bind=_bind_plain,
+                                       reruns=_PASS.reruns[-1])
+    summary_pass.keep_callbacks(_interpret.sites_of(eqn, wanted))
+    summary_pass.callbacks = True  # hidden sows too, where their jaxpr cannot be read
+    return _bind_plain(eqn, invals), []
 
 
 def _eval_sow(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
@@ -348,12 +383,10 @@ def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[An
     site, leaves = p["site"], list(invals[:n])
     if not _wanted(p, summaries=True):
         return leaves, []
-    if summary_pass.in_while:
+    if summary_pass.in_while or site.name in summary_pass.fallback:
         # The host callback in this program (the call's step comes from the host side).
-        summary_pass.callbacks = True
-        site = dataclasses.replace(site, numbering=summary_pass.names)
-        outs = sow_p.bind(*invals, **{**p, "capture": False, "site": site})
-        return list(outs), [_Captured(site.name, p["mode"], None, [], site=CALLS_BACK)]
+        summary_pass.keep_callbacks([p])
+        return list(sow_p.bind(*invals, **{**p, "capture": False})), []
     here = dataclasses.replace(site, loops=naming.program_loops(summary_pass.loops))
     reduced = summary_pass.reduce({**p, "site": here, "enclosing": tuple(summary_pass.loops)},
                                   taken_rows(leaves, site, list(invals[n:])))
@@ -569,7 +602,10 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
         return outs, _flat(caps)
 
     def cond_fn(state: tuple[list[Any], list[Any]]) -> Any:
-        return _eval_body(cond, [*cond_consts, *state[0]])[0][0]
+        pred = _eval_body(cond, [*cond_consts, *state[0]])[0][0]
+        # vmap of a loop whose predicate it batched: the body selects the rows still running,
+        # and the loop runs while any does (as JAX lowers it).
+        return jnp.any(pred) if jnp.ndim(pred) else pred
 
     summary_pass = _pass()
     if summary_pass is not None:

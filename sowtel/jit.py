@@ -10,9 +10,11 @@ returned as extra outputs:
   values;
 - inside a ``shard_map``: one summary per shard;
 - inside a ``cond`` / ``switch``: only the taken branch's sites give records;
-- inside a ``while_loop`` body (whose iteration count is not static): the site streams through
-  a host callback in that same program (carrying the call's step), as the callback transport
-  does; nothing is dropped.
+- inside a ``while_loop`` body (whose iteration count is not static), or inside a higher-order
+  primitive the summary pass has no rule for (``lax.custom_linear_solve``, ``lax.custom_root``
+  on JAX >= 0.12, lineax's ``linear_solve``, any primitive a library defines): the site streams
+  through a host callback in that same program (carrying the call's step), as the callback
+  transport does, and so does every other site of its name; nothing is dropped.
 
 The call returns the function's results at once; the session's dispatcher thread fetches the
 summaries when the device has computed them and builds the same records the callback transport
@@ -162,8 +164,9 @@ class _Programs:
         self.programs: dict[Any, Any] = {}
         self.traced: set[Any] = set()  # keys of the programs traced whole once
         self.strides: dict[StreamConfig, set[int]] = {}
-        # Per stream setting: whether the function has sites in while_loop bodies, which keep
-        # their host callbacks (and take the call's step from the host).
+        # Per stream setting: whether the function has sites that keep their host callbacks
+        # (in while_loop bodies, in library primitives), which take the call's step from the
+        # host.
         self.callbacks: dict[StreamConfig, bool] = {}
 
 
@@ -522,6 +525,14 @@ class Jitted:
                 arrays = [a for v in leaves for a in site_summary(v, summary, info.bins)]
             return info, [*arrays, jnp.ones((), jnp.int32)]
 
+        def stride(every: int) -> None:
+            # A site that keeps its host callback: the host applies its every=, but only on
+            # the steps at which the logging program runs, so its stride must be known.
+            if due is None:
+                strides.add(every)
+            elif every not in strides:
+                raise _NewStride(every)
+
         def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
             dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jc.core.Tracer)]
@@ -540,7 +551,7 @@ class Jitted:
             assert fun is not None, "a logging program outlived its function"
             jaxpr, consts, out_tree = capture.trace_flat(call, dyn, (fun, args, kwargs, dynamic))
             del fun
-            summary_pass = capture.SummaryPass(reduce=reduce)
+            summary_pass = capture.SummaryPass(reduce=reduce, stride=stride)
             outs, caps = capture.eval_summaries(jaxpr, consts, dyn, summary_pass)
             if summary_pass.callbacks:
                 callbacks[config] = True

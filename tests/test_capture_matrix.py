@@ -602,9 +602,18 @@ def test_save_intermediates_rejects_non_callable() -> None:
 
 
 def test_unsupported_construct_is_an_error_not_a_silent_drop() -> None:
+    from hop_primitive import opaque_call
+
     def f(x):
         return jax.lax.custom_linear_solve(
             lambda v: v * 2.0, x, solve=lambda mv, b: sow(b / 2.0, "hidden"))
 
+    # A library's primitive is captured as it runs (see tests/test_library_primitives.py)...
+    _, inter = save_intermediates(f)(X)
+    np.testing.assert_allclose(inter["hidden"]["primal"], X / 2.0)
+
+    def g(x):  # ...one with no implementation to run cannot be, and says so
+        return opaque_call(lambda v: [sow(v / 2.0, "hidden")], x, implemented=False)[0]
+
     with pytest.raises(NotImplementedError, match="cannot capture sow 'hidden' inside"):
-        save_intermediates(f)(X)
+        save_intermediates(g)(X)

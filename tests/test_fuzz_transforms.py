@@ -2,8 +2,10 @@
 
 Hypothesis draws a program as a tree of constructs (scan, fori_loop, cond, while_loop,
 jax.checkpoint with a policy, vmap, jit, a sharding constraint over 8 host devices, custom_jvp,
-custom_vjp with a sow in its backward rule) around elementwise sites, and one outer transform
-(forward, grad, jvp, jvp of grad, vmap of grad). The same tree builds two functions:
+custom_vjp with a sow in its backward rule, lax.custom_linear_solve with a sow in its matvec,
+lax.custom_root with a sow in its function, and a higher-order primitive defined through
+``jax.extend`` around a block, see ``hop_primitive``) around elementwise sites, and one outer
+transform (forward, grad, jvp, jvp of grad, vmap of grad). The same tree builds two functions:
 
 - the program under test, where each site is ``sowtel.sow``;
 - a reference without sowtel, where each site adds an explicit perturbation ``eps[name]`` and
@@ -14,7 +16,14 @@ Every captured value (``save_intermediates``) is checked against the reference: 
 its outputs, cotangents against ``jax.grad`` with respect to the zero perturbation, tangents
 against ``jax.jvp`` of the reference. Every streamed record (the callback transport under
 ``jax.jit``, and ``sowtel.jit``) is checked against the captured value at its index: the labels
-(name, mode, step, index), the full value, and the device's stats against numpy.
+(name, mode, step, index), the full value, and the device's stats against numpy. And
+``sowtel.jit`` runs every program that ``jax.jit`` with callbacks runs, with the same results
+and the same records (labels and values), each call inside ``at_step``.
+
+A solver differentiated inside ``save_intermediates`` runs its functions again in its
+derivative rules: there capture raises a ``ValueError`` naming a site (see
+``sowtel._interpret``), which the fuzzer checks, and the records are checked between the two
+transports only.
 
 Constructs that hit a known, open defect are listed in ``KNOWN_BROKEN`` with the issue item and
 are not generated; remove an entry once its fix lands. CI runs a fixed, derandomized budget;
@@ -27,6 +36,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hop_primitive import opaque_call
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
@@ -146,12 +157,19 @@ class Site:
         return np.transpose(value, order + list(range(len(order), value.ndim)))
 
 
+# The library primitives (sites: "linsolve", "root"; around a block: "xprim"): differentiated,
+# their derivative rules run their functions again, and capture refuses the program.
+SOLVERS = frozenset({"linsolve", "root"})
+HOPS = SOLVERS | {"xprim"}
+STEP = 3  # the host-side at_step of every streamed call
+
 ACTS: dict[str, Callable[[Any], Any]] = {
     "sin": jnp.sin,
     "tanh": lambda v: jnp.tanh(v * 1.3),
     "poly": lambda v: 0.5 * v * v + v - 0.1,
 }
-WRAPPERS = ("scan", "fori", "cond", "while", "remat", "vmap", "jit", "shard", "explicit")
+WRAPPERS = ("scan", "fori", "cond", "while", "remat", "vmap", "jit", "shard", "explicit",
+            "xprim")
 SHARDED = frozenset({"shard", "explicit"})
 
 
@@ -171,8 +189,10 @@ def programs(draw: Any) -> tuple[str, tuple[Node, ...]]:
         return tuple(node(outer, depth) for _ in range(n))
 
     def node(outer: tuple[str, ...], depth: int) -> Node:
-        kinds = ["site", "cjvp"]
-        if transform != "jvp":  # JAX has no forward mode of a custom_vjp
+        kinds = ["site", "cjvp", *sorted(SOLVERS)]
+        # JAX has no forward mode of a custom_vjp, nor of its transposed tangent, which the
+        # transpose rule of opaque_call binds (jvp of grad).
+        if transform != "jvp" and not (transform == "jvp_grad" and "xprim" in outer):
             kinds.append("cvjp")
         batched = transform == "vmap_grad" or "vmap" in outer
         if depth < 2:
@@ -185,7 +205,7 @@ def programs(draw: Any) -> tuple[str, tuple[Node, ...]]:
                       and not (batched and {w, *outer} >= {"cond", "explicit"})]
         kinds = [k for k in kinds if not broken(k, None, outer, transform)]
         kind = draw(st.sampled_from(kinds))
-        if kind in ("site", "cjvp", "cvjp"):
+        if kind in ("site", "cjvp", "cvjp", *SOLVERS):
             return Node(kind, fresh(), draw(st.sampled_from(sorted(ACTS))))
         policy = None
         if kind == "remat":
@@ -202,7 +222,7 @@ def layout(nodes: tuple[Node, ...], transform: str) -> dict[str, Site]:
     def walk(nodes: tuple[Node, ...], axes: tuple[tuple[str, int], ...], whiles: int,
              guarded: bool) -> None:
         for n in nodes:
-            if n.kind == "site":
+            if n.kind in ("site", *SOLVERS):
                 sites[n.name] = Site("plain", axes, whiles, guarded)
             elif n.kind == "cjvp":
                 sites[n.name] = Site("cjvp", axes, whiles, guarded)
@@ -271,6 +291,24 @@ def build(nodes: tuple[Node, ...], ref: bool) -> Callable[[Any, Any], tuple[Any,
                 v = act(h) + eps[n.name]
                 return v, {n.name: v}
             return custom_jvp_site(act, n.name)(h), {}
+        if n.kind == "linsolve":
+            # A diagonal operator whose solve applies it once, to ones: the site is its diagonal.
+            diag = 1.5 + act(h) ** 2
+            if ref:
+                v = diag + eps[n.name]
+                return h / v, {n.name: v}
+            return jax.lax.custom_linear_solve(
+                lambda u: sow(diag * u, n.name), h, lambda mv, r: r / mv(jnp.ones_like(r)),
+                symmetric=True), {}
+        if n.kind == "root":
+            # The root of x - act(h), found in one step from 0.5 h: the site is the residual there.
+            target, guess = act(h), 0.5 * h
+            if ref:
+                v = guess - target + eps[n.name]
+                return guess - v, {n.name: v}
+            return jax.lax.custom_root(
+                lambda x: sow(x - target, n.name), guess, lambda f, x: x - f(x),
+                lambda g, y: y / g(jnp.ones_like(y))), {}
         if n.kind == "cvjp":
             if ref:
                 h_in = h + eps[n.name + "_bwd"]
@@ -317,6 +355,10 @@ def build(nodes: tuple[Node, ...], ref: bool) -> Callable[[Any, Any], tuple[Any,
             return fn(h, e)
         if n.kind == "jit":
             return jax.jit(lambda c, ei: run_block(body, c, ei))(h, e)
+        if n.kind == "xprim":
+            if ref:
+                return run_block(body, h, e)
+            return opaque_call(lambda c: [run_block(body, c, None)[0]], h)[0], {}
         if n.kind == "vmap":
             hb = jnp.stack([h, 0.5 * h + 0.1])
             out, v = jax.vmap(lambda c, ei: run_block(body, c, ei))(hb, e)
@@ -432,7 +474,7 @@ def _site_shapes(nodes: tuple[Node, ...], vshape: tuple[int, ...],
                  stack: tuple[int, ...] = ()) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for n in nodes:
-        if n.kind in ("site", "cjvp"):
+        if n.kind in ("site", "cjvp", *SOLVERS):
             out[n.name] = stack + vshape
         elif n.kind == "cvjp":
             out[n.name] = out[n.name + "_bwd"] = stack + vshape
@@ -476,9 +518,6 @@ Captured = dict[str, dict[str, np.ndarray]]
 
 def check_capture(nodes: tuple[Node, ...], transform: str) -> tuple[Any, Captured]:
     fn, args = under_test(nodes, transform)
-    if LOG:  # each program before it runs: a long run's progress, and what it ran last
-        with open(LOG, "a") as log:
-            log.write(f"{transform} {nodes!r}\n")
     result, captured = jax.jit(save_intermediates(fn))(*args)
     expected = expected_values(nodes, transform)
     sites = layout(nodes, transform)
@@ -497,20 +536,23 @@ def check_capture(nodes: tuple[Node, ...], transform: str) -> tuple[Any, Capture
     return result, out
 
 
-def check_stream(nodes: tuple[Node, ...], transform: str, result: Any,
-                 captured: Captured, transport: str) -> None:
+def stream(nodes: tuple[Node, ...], transform: str, transport: str) -> tuple[Any, list[Any]]:
+    """The program's results and records, streamed by ``transport`` inside ``at_step``."""
     fn, args = under_test(nodes, transform)
     jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
     with sowtel.enable(exporter="memory", summary="full") as session:
-        streamed = jax.block_until_ready(jit(fn)(*args))
+        with sowtel.at_step(STEP):
+            streamed = jax.block_until_ready(jit(fn)(*args))
         assert sowtel.flush(timeout=60)
         status = sowtel.status()
     assert status["dropped"] == 0 and not any(status["errors"].values()), status
-    # Streaming leaves the program's results as they are (capture returned them too).
-    for got, want in zip(jax.tree.leaves(streamed), jax.tree.leaves(result), strict=True):
-        close(got, np.asarray(want), "the program's own result")
-    records = session.exporters[0].records
+    return streamed, list(session.exporters[0].records)
+
+
+def check_stream(nodes: tuple[Node, ...], transform: str, captured: Captured,
+                 records: list[Any]) -> None:
     sites = layout(nodes, transform)
+    assert all(r.step == STEP for r in records), sorted({r.step for r in records})
     seen: dict[tuple[str, str], list[Any]] = {}
     for r in records:
         seen.setdefault((r.name, r.mode), []).append(r)
@@ -542,7 +584,7 @@ def check_stream(nodes: tuple[Node, ...], transform: str, result: Any,
                                                 sorted(want, key=str))
             for key, v in want.items():
                 r = by_index[key]
-                assert r.step == 0 and r.shape == v.shape, (r, v.shape)
+                assert r.shape == v.shape, (r, v.shape)
                 close(r.value, v, f"{name} {mode} {key} streamed")
                 stats = numpy_stats(v)
                 for k in ("mean", "min", "max", "l2"):
@@ -550,12 +592,51 @@ def check_stream(nodes: tuple[Node, ...], transform: str, result: Any,
                         name, mode, key, k, r.stats[k], stats[k])
 
 
+def check_transports_agree(by_callback: list[Any], by_outputs: list[Any]) -> None:
+    """``sowtel.jit`` streams the records the callback transport streams: the same labels
+    (name, mode, step, index, shape), as many of each, with the same values."""
+    def label(r: Any) -> tuple[Any, ...]:
+        return (r.name, r.mode, r.step, r.index, r.shape)
+
+    assert sorted(map(label, by_outputs), key=repr) == sorted(map(label, by_callback), key=repr)
+    pool: dict[tuple[Any, ...], list[Any]] = {}
+    for r in by_callback:
+        pool.setdefault(label(r), []).append(r.value)
+    for r in by_outputs:  # one label may repeat (a while's passes): any unused match
+        values = pool[label(r)]
+        i = next((i for i, v in enumerate(values) if np.allclose(
+            np.asarray(v, np.float64), np.asarray(r.value, np.float64), rtol=2e-4, atol=2e-5,
+            equal_nan=True)), None)
+        assert i is not None, (label(r), r.value, values)
+        values.pop(i)
+
+
+def hop_sites(nodes: tuple[Node, ...], inside: bool = False) -> set[str]:
+    """The sites in or of a library primitive (a solver's site, a site in an ``xprim``)."""
+    out: set[str] = set()
+    for n in nodes:
+        if n.body:
+            out |= hop_sites(n.body, inside or n.kind == "xprim")
+        elif inside or n.kind in SOLVERS:
+            out |= {n.name, n.name + "_bwd"} if n.kind == "cvjp" else {n.name}
+    return out
+
+
+def check_refused(nodes: tuple[Node, ...], transform: str) -> None:
+    """A library primitive differentiated inside ``save_intermediates``: capture raises a
+    ValueError that names one of its sites (its derivative rules run them again)."""
+    fn, args = under_test(nodes, transform)
+    with pytest.raises(ValueError, match=r"sow (name )?'s\d+'") as info:
+        jax.jit(save_intermediates(fn))(*args)
+    named = re.search(r"sow (?:name )?'(s\d+)'", str(info.value))
+    assert named is not None and named.group(1) in hop_sites(nodes), str(info.value)[:300]
+
+
 def check_while_records(name: str, mode: str, got: list[Any], want: dict[Any, np.ndarray],
                         passes: int, guarded: set[Any] | None = None) -> None:
     """A site in a while_loop body: a while's passes have no index (their number is not
     static), so each index streams once a pass; the loops inside the body index their own
-    iterations (the capture holds the last pass). The step is not checked: without at_step,
-    host callbacks count each pass as a call (sowtel.jit reports step 0).
+    iterations (the capture holds the last pass).
 
     ``guarded`` (the indices there are) for a site in a cond inside the while: a pass that
     skips the branch streams nothing, so an index streams at most once a pass, and the last
@@ -587,10 +668,25 @@ def check_while_records(name: str, mode: str, got: list[Any], want: dict[Any, np
 @given(programs())
 def test_random_programs_capture_and_stream_right(program: tuple[str, tuple[Node, ...]]) -> None:
     transform, nodes = program
+    if LOG:  # each program before it runs: a long run's progress, and what it ran last
+        with open(LOG, "a") as log:
+            log.write(f"{transform} {nodes!r}\n")
+    refused = transform != "fwd" and bool(hop_sites(nodes))
     with mesh_for(nodes):
-        result, captured = check_capture(nodes, transform)
-        for transport in ("callback", "sowtel.jit"):
-            check_stream(nodes, transform, result, captured, transport)
+        if refused:
+            check_refused(nodes, transform)
+            fn, args = under_test(nodes, transform)
+            result, captured = jax.jit(fn)(*args), None
+        else:
+            result, captured = check_capture(nodes, transform)
+        streams = {t: stream(nodes, transform, t) for t in ("callback", "sowtel.jit")}
+        for streamed, records in streams.values():
+            # Streaming leaves the program's results as they are.
+            for got, want in zip(jax.tree.leaves(streamed), jax.tree.leaves(result), strict=True):
+                close(got, np.asarray(want), "the program's own result")
+            if captured is not None:
+                check_stream(nodes, transform, captured, records)
+        check_transports_agree(streams["callback"][1], streams["sowtel.jit"][1])
 
 
 def test_a_known_broken_entry_keeps_its_construct_out_and_is_counted(
