@@ -416,10 +416,13 @@ def bitwise_table(request: pytest.FixtureRequest,
         cells = "  ".join(f"{way}: {BITWISE[program].get(way, 'not run'):>9}" for way in WAYS)
         lines.append(f"  {program:<{width}}  {cells}")
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        for line in lines:
-            reporter.write_line(line)
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None:  # past pytest's output capture, which would swallow it here
+        with (capture.global_and_fixture_disabled() if capture is not None
+              else contextlib.nullcontext()):
+            reporter.write_line("")
+            for line in lines:
+                reporter.write_line(line)
     table = {"jax": jax.__version__, "bitwise": BITWISE}
     paths = [tmp_path_factory.getbasetemp() / "ecosystem_bitwise.json"]
     if os.environ.get("SOWTEL_TEST_ARTIFACTS"):
