@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -65,35 +66,52 @@ def _key_text(key: Any) -> str:
     return str(key)
 
 
-_SOWN_CLASS: Any = None
+_SOWN_CLASSES: dict[bool, Any] = {}
 
 
-def _sown_class() -> Any:
-    """``Sown``: an Equinox module that calls the module it wraps and sows the output."""
-    global _SOWN_CLASS
-    if _SOWN_CLASS is None:
-        eqx = _eqx()
+def _sown_class(stateful: bool) -> Any:
+    """``Sown``: an Equinox module that calls the module it wraps and sows the output; for an
+    ``eqx.nn.StatefulLayer`` one that is a ``StatefulLayer`` too, since ``eqx.nn.Sequential``
+    tells by ``isinstance`` which layers to hand the state."""
+    if stateful in _SOWN_CLASSES:
+        return _SOWN_CLASSES[stateful]
+    eqx = _eqx()
 
-        class Sown(eqx.Module):  # type: ignore[name-defined,misc]
-            module: Any
-            site: str = eqx.field(static=True)
-            base: str | None = eqx.field(static=True)
-            options: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    class Sown(eqx.Module):  # type: ignore[name-defined,misc]
+        module: Any
+        site: str = eqx.field(static=True)
+        base: str | None = eqx.field(static=True)
+        options: tuple[tuple[str, Any], ...] = eqx.field(static=True)
 
-            def __call__(self, *args: Any, **kwargs: Any) -> Any:
-                out = self.module(*args, **kwargs)
-                return _module_sites.sow_output(out, self.site, self.base,
-                                                **dict(self.options))
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            out = self.module(*args, **kwargs)
+            return _module_sites.sow_output(out, self.site, self.base, **dict(self.options))
 
-            def __getattr__(self, name: str) -> Any:
-                # The parent's code may read its child's fields (self.linear.weight): they are
-                # the wrapped module's.
-                if name == "module":
-                    raise AttributeError(name)
-                return getattr(self.module, name)
+        def __getattr__(self, name: str) -> Any:
+            # The parent's code may read its child's fields (self.linear.weight): they are
+            # the wrapped module's.
+            if name == "module":
+                raise AttributeError(name)
+            return getattr(self.module, name)
 
-        _SOWN_CLASS = Sown
-    return _SOWN_CLASS
+    if not stateful:
+        _SOWN_CLASSES[stateful] = Sown
+        return Sown
+
+    class SownStateful(Sown, eqx.nn.StatefulLayer):  # type: ignore[name-defined,misc]
+        def is_stateful(self) -> bool:
+            return bool(self.module.is_stateful())
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.module.is_stateful():
+                return Sown.__call__(self, *args, **kwargs)
+            # (output, state): the site is the output; the state is threaded on as it came.
+            out, state = self.module(*args, **kwargs)
+            return _module_sites.sow_output(out, self.site, self.base,
+                                            **dict(self.options)), state
+
+    _SOWN_CLASSES[stateful] = SownStateful
+    return SownStateful
 
 
 def capture(model: Any, filter: Any = None, *, tag: str = "intermediates",
@@ -135,7 +153,6 @@ def capture(model: Any, filter: Any = None, *, tag: str = "intermediates",
     _module_sites.check_options(tag, every)
     options = (("tag", tag), ("summary", summary), ("every", every))
     base = naming.current_prefix()
-    sown = _sown_class()
 
     def wrap(node: Any, path: tuple[str, ...]) -> Any:
         def is_child(x: Any) -> bool:
@@ -147,6 +164,7 @@ def capture(model: Any, filter: Any = None, *, tag: str = "intermediates",
         node = jax.tree_util.tree_unflatten(treedef, leaves)
         name = _module_sites.site_name(path, "__call__")
         if callable(node) and select(node, "__call__", name):
+            sown = _sown_class(isinstance(node, eqx.nn.StatefulLayer))
             return sown(node, name, base, options)
         return node
 
@@ -206,8 +224,8 @@ class FilterJitted(SplitJitted):
         eqx = _eqx()
 
         def pure(first: Any, rest: Any, static: _Static) -> tuple[Any, _StaticOut]:
-            (head, _), (tail, kwargs) = eqx.combine((first, rest), static.value)
-            out = fun(*head, *tail, **kwargs)
+            (head, _), (f, tail, kwargs) = eqx.combine((first, rest), static.value)
+            out = f(*head, *tail, **kwargs)
             dynamic, static_out = eqx.partition(out, eqx.is_array)
             return dynamic, _StaticOut(static_out)
 
@@ -216,12 +234,23 @@ class FilterJitted(SplitJitted):
                    "warn-except-first": (1,), "none": ()}[donate]
         self._quiet = donate in ("all", "all-except-first")
         self._fun = fun
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(fun)
+        except (TypeError, ValueError):  # no signature to read: the call's own arguments
+            self._signature = None
         self._jitted = Jitted(pure, {**options, "static_argnums": 2, "donate_argnums": donated})
         functools.update_wrapper(self, fun)
 
     def _split(self, args: Any, kwargs: Any) -> tuple[Any, Any, _Static]:
         eqx = _eqx()
-        first, rest = (args[:1], ()), (args[1:], kwargs)
+        if self._signature is not None:
+            # As eqx.filter_jit binds them: the first argument is the first parameter's, by
+            # position or keyword (donate="all-except-first" keeps it).
+            bound = self._signature.bind(*args, **kwargs)
+            args, kwargs = bound.args, bound.kwargs
+        # The function is an argument too: the arrays of a module or a bound method called are
+        # traced (and donated with the rest), as under eqx.filter_jit.
+        first, rest = (args[:1], ()), (self._fun, args[1:], kwargs)
         dynamic, static = eqx.partition((first, rest), eqx.is_array)
         return dynamic[0], dynamic[1], _Static(static)
 

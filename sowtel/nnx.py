@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -214,6 +215,45 @@ def _graph_nodes(tree: Any) -> list[Any]:
     return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_node) if is_node(x)]
 
 
+class _Hole:
+    """Where a static argument was, in the arguments that are split (it has no state)."""
+
+
+_HOLE = _Hole()
+
+
+def _argument_sets(fun: Callable[..., Any], nums: Any, names: Any, what: str
+                   ) -> tuple[frozenset[int], frozenset[str]]:
+    """``nnx.jit``'s (and ``jax.jit``'s) ``*_argnums`` / ``*_argnames`` as sets of positions
+    and names; each completes the other through ``fun``'s signature where only one is given."""
+    def as_set(value: Any, kind: type, option: str) -> frozenset[Any]:
+        if value is None:
+            return frozenset()
+        items = (value,) if isinstance(value, kind) else tuple(value)
+        if not all(isinstance(i, kind) and not isinstance(i, bool) for i in items):
+            raise TypeError(f"sowtel.nnx.jit {option}={value!r} must be "
+                            f"{'an int or ints' if kind is int else 'a str or strs'}")
+        return frozenset(items)
+
+    positions = as_set(nums, int, f"{what}_argnums")
+    keywords = as_set(names, str, f"{what}_argnames")
+    if (nums is None) == (names is None):
+        return positions, keywords
+    try:
+        parameters = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return positions, keywords
+    positional = [q for q in parameters if q.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if names is None:
+        keywords = frozenset(positional[i].name for i in positions
+                             if -len(positional) <= i < len(positional)
+                             and positional[i].kind is not inspect.Parameter.POSITIONAL_ONLY)
+    else:
+        positions = frozenset(i for i, q in enumerate(positional) if q.name in keywords)
+    return positions, keywords
+
+
 class NnxJitted(SplitJitted):
     """What :func:`jit` returns: call it as the ``nnx.jit`` function it stands for."""
 
@@ -222,9 +262,18 @@ class NnxJitted(SplitJitted):
     def __init__(self, fun: Callable[..., Any], donate_state: bool,
                  options: dict[str, Any]) -> None:
         nnx = _nnx()
+        self._static = _argument_sets(fun, options.pop("static_argnums", None),
+                                      options.pop("static_argnames", None), "static")
+        self._donated = _argument_sets(fun, options.pop("donate_argnums", None),
+                                       options.pop("donate_argnames", None), "donate")
+        for option in ("graph", "graph_updates"):  # graph mode is the one both modes agree on
+            value = options.pop(option, None)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"sowtel.nnx.jit {option}={value!r} must be True, False or None")
 
-        def pure(graphdef: Any, state: Any) -> tuple[Any, Any, _Static]:
-            args, kwargs = nnx.merge(graphdef, state)
+        def pure(graphdef: Any, statics: tuple[tuple[Any, Any], ...], donated: Any,
+                 kept: Any) -> tuple[Any, Any, _Static]:
+            args, kwargs = self._fill(nnx.merge(graphdef, donated, kept), statics)
             out = fun(*args, **kwargs)
             _, state_out = nnx.split(_graph_nodes((args, kwargs)))
             out_graphdef, out_state = nnx.split(out)
@@ -232,22 +281,53 @@ class NnxJitted(SplitJitted):
 
         name_after(pure, fun)
         self._fun = fun
-        self._donate = donate_state
+        self._donate = donate_state or bool(self._donated[0] or self._donated[1])
+        self._donate_all = donate_state
         self._jitted: Jitted = Jitted(
-            pure, {**options, "static_argnums": 0, **({"donate_argnums": 1} if donate_state
-                                                      else {})})
+            pure, {**options, "static_argnums": (0, 1),
+                   **({"donate_argnums": 2} if self._donate else {})})
         functools.update_wrapper(self, fun)
 
-    def _split(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return _nnx().split((args, kwargs))  # type: ignore[no-any-return]
+    @staticmethod
+    def _among(chosen: tuple[frozenset[int], frozenset[str]], where: int | str,
+               nargs: int) -> bool:
+        """Whether argument ``where`` (a position among ``nargs``, or a keyword) is chosen;
+        negative positions count from the end, as ``jax.jit`` counts them."""
+        positions, names = chosen
+        if isinstance(where, str):
+            return where in names
+        return where in positions or where - nargs in positions
+
+    def _fill(self, split: Any, statics: tuple[tuple[Any, Any], ...]) -> tuple[Any, Any]:
+        args, kwargs = list(split[0]), dict(split[1])
+        for where, value in statics:
+            if isinstance(where, str):
+                kwargs[where] = value
+            else:
+                args[where] = value
+        return args, kwargs
+
+    def _split(self, args: Any, kwargs: Any) -> tuple[Any, ...]:
+        n = len(args)
+        static = [i for i in range(n) if self._among(self._static, i, n)] + [
+            k for k in kwargs if self._among(self._static, k, n)]
+        statics = tuple((w, args[w] if isinstance(w, int) else kwargs[w]) for w in static)
+        args = tuple(_HOLE if i in static else a for i, a in enumerate(args))
+        kwargs = {k: _HOLE if k in static else v for k, v in kwargs.items()}
+
+        def donated(path: tuple[Any, ...], _: Any) -> bool:  # path: (0, position) or (1, name)
+            return self._donate_all or self._among(self._donated, path[1], n)
+
+        graphdef, donated_state, kept = _nnx().split((args, kwargs), donated, ...)
+        return graphdef, statics, donated_state, kept
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         nnx = _nnx()
-        graphdef, state = self._split(args, kwargs)
+        split = self._split(args, kwargs)
         with warnings.catch_warnings():
             if self._donate:  # state no output can reuse (a step counter's int): expected
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            state_out, out_state, out_graphdef = self._jitted(graphdef, state)
+            state_out, out_state, out_graphdef = self._jitted(*split)
         nnx.update(_graph_nodes((args, kwargs)), state_out)
         return nnx.merge(out_graphdef.value, out_state)
 
@@ -257,18 +337,26 @@ def jit(fun: Callable[..., Any] | None = None, /, *, donate_state: bool = False,
     """``nnx.jit`` that streams: NNX modules passed in are updated in place, sites stream.
 
     The arguments may hold NNX modules, optimizers and ``nnx.Rngs`` (shared references
-    included), arrays, and static Python values (numbers, strings: part of the cache key, as
-    under ``nnx.jit``). After the call every module passed in holds the state the step left it
-    in, exactly as under ``nnx.jit``; the result may hold arrays and modules (new objects).
+    included), arrays, and Python values (numbers, strings: static, part of the cache key;
+    under ``nnx.jit`` a number is traced and a string must be marked static). After the call
+    every module passed in holds the state the step left it in, exactly as under ``nnx.jit``;
+    the result may hold arrays and modules (new objects).
     Streaming is :func:`sowtel.jit`'s: with no session, or on a step that logs nothing, the
     program is the plain one; on a logging step the summaries come back as outputs.
 
+    Called as ``nnx.jit`` is: ``@jit``, ``@jit(...)`` or ``jit(fun, ...)``, on a function or
+    a method (the instance is its first argument), with positional and keyword arguments.
+
     Args:
       fun: the step.
-      donate_state: donate the buffers of the state passed in (``nnx.jit``'s donation of the
-        modules' arguments), so the update can reuse them.
-      jax_jit_options: further ``jax.jit`` options for the compiled step (``keep_unused``,
-        ``device``, ...); positions and shardings of individual arguments are not taken.
+      donate_state: donate the buffers of all the state passed in, so the update can reuse
+        them.
+      jax_jit_options: ``nnx.jit``'s options: ``static_argnums`` / ``static_argnames`` (those
+        arguments are static whatever they hold; they must be hashable), ``donate_argnums`` /
+        ``donate_argnames`` (the state of those arguments is donated), ``keep_unused``,
+        ``device``, ``backend``, ``inline``; ``graph`` and ``graph_updates`` are accepted and
+        the step runs in graph mode (whose results tree mode shares). ``in_shardings`` and
+        ``out_shardings`` are refused with an error saying what to do instead.
 
     Example:
         >>> import jax.numpy as jnp, sowtel, sowtel.nnx
@@ -292,10 +380,11 @@ def jit(fun: Callable[..., Any] | None = None, /, *, donate_state: bool = False,
                         f"{fun!r:.60}: pass the training-step function")
     if not isinstance(donate_state, bool):
         raise TypeError(f"sowtel.nnx.jit donate_state={donate_state!r} must be True or False")
-    for option in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames",
-                   "in_shardings"):
-        if option in jax_jit_options:
+    for option in ("in_shardings", "out_shardings"):
+        if jax_jit_options.get(option) is not None:
             raise TypeError(
-                f"sowtel.nnx.jit does not take {option}=: non-array arguments are already "
-                "static, and the state passed in is donated with donate_state=True")
+                f"sowtel.nnx.jit does not take {option}= yet: shard the state itself "
+                "(nnx.with_partitioning and jax.device_put before the step) or constrain "
+                "values inside it with jax.lax.with_sharding_constraint")
+        jax_jit_options.pop(option, None)
     return NnxJitted(fun, donate_state, jax_jit_options)

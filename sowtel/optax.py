@@ -51,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -105,8 +106,13 @@ def watch(tx: Any, *, grads: bool = True, updates: bool = True, params: bool = T
         ``"stats"``; ``"histogram"`` gives ``wandb.watch``'s histograms).
 
     Returns:
-      an ``optax.GradientTransformationExtraArgs`` with the same ``init`` and an ``update``
-      whose results are exactly those of ``tx.update``.
+      a transformation with the same ``init`` and an ``update`` whose results are exactly
+      those of ``tx.update``, called the way ``tx.update`` is: ``update(updates, state,
+      params=None)``, with ``params`` positional or a keyword, as optax's own wrappers
+      (``MultiSteps``, ``chain``, ``masked``, ...) pass it. It is an
+      ``optax.GradientTransformationExtraArgs`` (whose ``update`` takes and passes on
+      ``**extra_args``) when ``tx`` is one, and a plain ``optax.GradientTransformation``
+      when ``tx`` is plain, since optax's wrappers tell the two apart with ``isinstance``.
 
     Example:
         >>> import jax.numpy as jnp, optax, sowtel, sowtel.optax
@@ -133,28 +139,54 @@ def watch(tx: Any, *, grads: bool = True, updates: bool = True, params: bool = T
         check_positive_int(every, "sowtel.optax.watch every")
     check_name(prefix)
     check_tag(tag)
-    inner = optax.with_extra_args_support(tx)
+    extra_args = isinstance(tx, optax.GradientTransformationExtraArgs) or (
+        not isinstance(tx, optax.GradientTransformation) and _takes_extra_args(tx.update))
+
+    sow_grads, sow_updates, sow_params = grads, updates, params
 
     def sow(value: Any, name: str) -> Any:
         return _sow(value, f"{prefix}/{name}", tag=tag, summary=summary, every=every)
 
-    def update(g: Any, state: Any, p: Any = None, **extra: Any) -> tuple[Any, Any]:
+    def observed(g: Any, state: Any, p: Any, extra: dict[str, Any]) -> tuple[Any, Any]:
+        # tx.update is called in optax's own convention (TransformUpdateFn): params third and
+        # positional, whatever the caller used; extra arguments as keywords.
         if not _observing():  # the plain program: not one operation more than tx's own
-            return inner.update(g, state, p, **extra)  # type: ignore[no-any-return]
-        if grads:
+            return tx.update(g, state, p, **extra)  # type: ignore[no-any-return]
+        if sow_grads:
             g = sow(g, "grads")
             sow(_norm(g), "norm/grads")
-        u, state = inner.update(g, state, p, **extra)
-        if updates:
+        u, state = tx.update(g, state, p, **extra)
+        if sow_updates:
             u = sow(u, "updates")
             sow(_norm(u), "norm/updates")
-        if params and p is not None:
+        if sow_params and p is not None:
             sow(p, "params")
             sow(_norm(p), "norm/params")
-            if updates:
+            if sow_updates:
                 ratio = jax.tree_util.tree_map(
                     lambda du, x: _leaf_norm(du) / (_leaf_norm(x) + RATIO_EPS), u, p)
                 sow(ratio, "update_ratio")
         return u, state
 
-    return optax.GradientTransformationExtraArgs(inner.init, update)
+    # The names of optax's own signatures: callers pass updates, state and params by keyword.
+    if extra_args:
+        def update(updates: Any, state: Any, params: Any = None,
+                   **extra_args: Any) -> tuple[Any, Any]:
+            return observed(updates, state, params, extra_args)
+
+        return optax.GradientTransformationExtraArgs(tx.init, update)
+
+    def update_plain(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return observed(updates, state, params, {})
+
+    return optax.GradientTransformation(tx.init, update_plain)
+
+
+def _takes_extra_args(update: Any) -> bool:
+    """Whether ``update`` (of an object that is no ``GradientTransformation``, such as
+    ``optax.MultiSteps``) takes keyword arguments beyond ``params``."""
+    try:
+        parameters = inspect.signature(update).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: take extra arguments, as optax may
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import flax.linen as nn
@@ -250,8 +251,9 @@ def test_nnx_jit_outputs_and_errors() -> None:
     y, out = f(model, X, 2)
     np.testing.assert_allclose(y, model(X) * 2, rtol=1e-6)
     assert isinstance(out, nnx.Linear)
-    with pytest.raises(TypeError, match="static_argnums"):
-        sowtel.nnx.jit(lambda m: m, static_argnums=0)
+    with pytest.raises(TypeError, match="in_shardings"):
+        sowtel.nnx.jit(lambda m: m, in_shardings=jax.sharding.SingleDeviceSharding(
+            jax.devices()[0]))
     with pytest.raises(TypeError, match="nnx.Module"):
         with sowtel.nnx.capture(lambda x: x):
             pass
@@ -377,3 +379,131 @@ def test_framework_jit_repr_and_lowered_programs(framework: str) -> None:
     # Bound as a method, the wrapper gets the instance as its first argument.
     holder = type("Holder", (), {"step": f})()
     assert isinstance(holder.step, functools.partial) and holder.step.args == (holder,)
+
+
+# -- the whole calling convention of what each wrapper stands for ------------------------------
+
+
+def _main(lowered: Any) -> str:
+    """The signature line of a lowered program's entry function."""
+    return next(line for line in lowered.as_text().splitlines() if "func.func public @main" in line)
+
+
+def _donated(lowered: Any) -> list[str]:
+    """The shapes of a lowered program's donated (output-aliased) parameters."""
+    return re.findall(r"tensor<([0-9x]+)xf32> \{tf\.aliasing_output", _main(lowered))
+
+
+class _Scaled(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x, *, scale=1.0):  # type: ignore[no-untyped-def]
+        return self.linear(x) * scale
+
+    @sowtel.nnx.jit
+    def jitted_method(self, x):  # type: ignore[no-untyped-def]
+        return sowtel.sow(self(x), "method")
+
+
+def _scaled_step(model, optimizer, x, y, how="mse", *, scale=1.0):  # type: ignore[no-untyped-def]
+    def loss(model):  # type: ignore[no-untyped-def]
+        with sowtel.nnx.capture(model):
+            err = model(x, scale=scale) - y
+        return jnp.mean(err ** 2) if how == "mse" else jnp.mean(jnp.abs(err))
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    optimizer.update(model, grads)
+    return value
+
+
+@pytest.mark.parametrize("options, rest, call", [
+    ({"static_argnames": ("how",)}, (Y,), {"how": "mae"}),
+    ({"static_argnums": 4}, (Y, "mae"), {}),
+    ({"donate_argnames": ("model", "optimizer")}, (), {"y": Y}),
+    ({"donate_argnums": (0, 1), "keep_unused": True, "inline": False}, (Y,), {}),
+    ({"graph": True}, (), {"y": Y, "scale": 2.0}),
+])
+def test_nnx_jit_takes_nnx_jit_options_and_keywords(options: dict, rest: tuple,
+                                                    call: dict) -> None:
+    runs = []
+    for jitter, session in ((nnx.jit, False), (sowtel.nnx.jit, False), (sowtel.nnx.jit, True)):
+        model = _Scaled(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, sowtel.optax.watch(optax.sgd(0.1)), wrt=nnx.Param)
+        step = jitter(**options)(_scaled_step)  # the decorator form, with options
+        memory = MemoryExporter()
+        with sowtel.enable(exporter=memory) if session else _nothing():
+            losses = [float(step(model, optimizer, X, *rest, **call)) for _ in range(3)]
+            sowtel.flush()
+        runs.append((losses, nnx.state(model, nnx.Param), memory.records))
+    (want, params, _), *others = runs
+    assert want[-1] < want[0]
+    for losses, got, _ in others:
+        assert losses == want
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params),
+                        strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert {(r.name, r.step) for r in runs[2][2]} >= {("linear/__call__", 2),
+                                                      ("optim/grads/linear/kernel", 2)}
+
+
+def test_nnx_jit_static_and_donated_arguments_behave_as_under_nnx_jit() -> None:
+    model = _Scaled(nnx.Rngs(0))
+    f = sowtel.nnx.jit(lambda m, x, n: m(x) * len(n), static_argnums=2)
+    np.testing.assert_allclose(f(model, X, "abc"), model(X) * 3, rtol=1e-6)  # a str: static
+    with pytest.raises(ValueError, match="[Nn]on-hashable"):
+        f(model, X, ["a"])
+    g = sowtel.nnx.jit(lambda m, x: x + m(x), donate_argnums=1)
+    x = jnp.array(X)
+    g(model, x)
+    assert x.is_deleted() and not model.linear.kernel[...].is_deleted()
+    h = sowtel.nnx.jit(lambda m, x: m(x), donate_argnames="m")
+    h(model, X)
+    np.testing.assert_allclose(h(model, X), model(X), rtol=1e-6)  # donated, then updated
+    assert _Scaled(nnx.Rngs(0)).jitted_method(X).shape == (2, 1)  # the method form
+    with pytest.raises(TypeError, match="out_shardings"):
+        sowtel.nnx.jit(lambda m: m, out_shardings=jax.sharding.SingleDeviceSharding(
+            jax.devices()[0]))
+    with pytest.raises(TypeError, match="static_argnums"):
+        sowtel.nnx.jit(lambda m: m, static_argnums="0")
+
+
+def test_equinox_filter_jit_binds_arguments_as_eqx_filter_jit() -> None:
+    # donate="all-except-first" keeps the first parameter's buffers, given by keyword too.
+    f = sowtel.equinox.filter_jit(lambda model, x: jax.vmap(model)(x) + x,
+                                  donate="all-except-first")
+    model = _eqx_model()
+    assert _donated(f.lower(model=model, x=X)) == ["2x3"]  # x, not the model's arrays
+    assert _donated(f.lower(model, X)) == ["2x3"]
+    np.testing.assert_array_equal(f(model=model, x=jnp.array(X)), jax.vmap(model)(X) + X)
+    # A module as the function: its arrays are arguments (traced), as under eqx.filter_jit.
+    jitted = sowtel.equinox.filter_jit(model)
+    np.testing.assert_array_equal(jitted(X[0]), eqx.filter_jit(model)(X[0]))
+    main = _main(jitted.lower(X[0]))
+    assert ": tensor<4x3xf32>" in main  # the first layer's weight is a parameter
+
+
+def test_equinox_capture_keeps_stateful_layers_stateful() -> None:
+    # eqx.nn.Sequential hands the state only to layers that are StatefulLayers (isinstance).
+    net, state = eqx.nn.make_with_state(eqx.nn.Sequential)([
+        eqx.nn.Linear(3, 4, key=jax.random.key(0)), eqx.nn.BatchNorm(4, "b"),
+        eqx.nn.Lambda(jnp.tanh)])
+
+    def loss(net, state, x, capture=True):  # type: ignore[no-untyped-def]
+        net = sowtel.equinox.capture(net) if capture else net
+        y, state = jax.vmap(net, in_axes=(0, None), out_axes=(0, None), axis_name="b")(x, state)
+        return jnp.sum(y ** 2), state
+
+    (value, new_state), inter = sowtel.save_intermediates(loss)(net, state, X)
+    want, want_state = loss(net, state, X, capture=False)
+    np.testing.assert_array_equal(value, want)
+    for a, b in zip(jax.tree_util.tree_leaves(new_state), jax.tree_util.tree_leaves(want_state),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    # A stateful layer's site is its output, without the state it threads on.
+    assert set(inter) == {"layers/0/__call__", "layers/1/__call__", "layers/2/__call__",
+                          "__call__"}
+    normed = np.asarray(inter["layers/1/__call__"]["primal"])
+    assert normed.shape == (2, 4)
+    np.testing.assert_allclose(normed.mean(0), 0, atol=1e-5)  # normalised over the batch
+    np.testing.assert_allclose(inter["__call__"]["primal"], np.tanh(normed), rtol=1e-6)

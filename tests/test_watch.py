@@ -4,6 +4,7 @@ transports, checked against numbers computed by hand with numpy."""
 from __future__ import annotations
 
 import doctest
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -133,3 +134,114 @@ def test_bad_arguments(bad: dict, match: str) -> None:
 def test_docstring_examples() -> None:
     result = doctest.testmod(sowtel.optax, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# -- inside optax's own wrappers: the calling convention optax uses --------------------------
+
+
+def _adam() -> optax.GradientTransformation:
+    return optax.adam(1e-2)
+
+
+# Each wrapper, built around an optimizer made by `make` (the identity, or sowtel.optax.watch),
+# and the extra keyword arguments its update takes (a callable of the step's loss).
+WRAPPERS: dict[str, tuple[Any, Any]] = {
+    "MultiSteps": (lambda make: optax.MultiSteps(make(_adam()), every_k_schedule=2), None),
+    "MultiSteps.gradient_transformation": (
+        lambda make: optax.MultiSteps(make(_adam()), every_k_schedule=2)
+        .gradient_transformation(), None),
+    "chain": (lambda make: optax.chain(optax.clip_by_global_norm(0.5), make(_adam())), None),
+    "multi_transform": (lambda make: optax.multi_transform(
+        {"adam": make(_adam()), "sgd": optax.sgd(0.1)}, {"w": "adam", "b": "sgd"}), None),
+    "masked": (lambda make: optax.masked(make(_adam()), {"w": True, "b": False}), None),
+    "inject_hyperparams": (lambda make: optax.inject_hyperparams(
+        lambda learning_rate: make(optax.adam(learning_rate)))(learning_rate=1e-2), None),
+    "apply_if_finite": (
+        lambda make: optax.apply_if_finite(make(_adam()), max_consecutive_errors=2), None),
+    "contrib.schedule_free": (lambda make: optax.contrib.schedule_free(
+        make(optax.sgd(0.1)), learning_rate=0.1), None),
+    # An extra argument through the watched optimizer: reduce_on_plateau needs value=.
+    "contrib.reduce_on_plateau": (lambda make: optax.chain(
+        make(_adam()), optax.contrib.reduce_on_plateau(patience=1, factor=0.5)),
+        lambda loss: {"value": loss}),
+}
+
+
+def _train_wrapped(tx: Any, extra: Any, transport: str, steps: int = 4
+                   ) -> tuple[list[Any], list[sowtel.Record]]:
+    def step(p, state, x, y):  # type: ignore[no-untyped-def]
+        loss, grads = jax.value_and_grad(_loss)(p, x, y)
+        kwargs = extra(loss) if extra is not None else {}
+        updates, state = tx.update(grads, state, params=p, **kwargs)  # as optax passes params
+        return optax.apply_updates(p, updates), state, updates
+
+    compiled = sowtel.jit(step) if transport == "sowtel.jit" else jax.jit(step)
+    p = _params()
+    state = tx.init(p)
+    memory = MemoryExporter()
+    seen = []
+    session = sowtel.enable(exporter=memory) if transport != "off" else None
+    try:
+        for k in range(steps):
+            with sowtel.at_step(k):
+                p, state, u = compiled(p, state, *_batch())
+            seen.append((p, u))
+        sowtel.flush()
+    finally:
+        if session is not None:
+            sowtel.disable()
+    return seen, memory.records
+
+
+@pytest.mark.parametrize("transport", ["off", "callback", "sowtel.jit"])
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_watched_inside_optax_wrappers_is_bitwise_and_streams(wrapper: str,
+                                                             transport: str) -> None:
+    build, extra = WRAPPERS[wrapper]
+    want, _ = _train_wrapped(build(lambda tx: tx), extra, "off")
+    got, records = _train_wrapped(build(sowtel.optax.watch), extra, transport)
+    # Every site once a step (none numbered _0/_1 by optax's own traces of the update, such
+    # as MultiSteps' eval_shape of it in the branch that skips).
+    steps: dict[str, list[int]] = {}
+    for r in records:
+        steps.setdefault(r.name, []).append(r.step)
+    if transport == "off":
+        assert steps == {}
+    else:
+        assert {"optim/norm/grads", "optim/norm/updates", "optim/update_ratio/w",
+                "optim/grads/w", "optim/params/w"} <= set(steps), sorted(steps)
+    for name, seen in steps.items():
+        assert sorted(seen) == [0, 1, 2, 3], (name, seen)
+    # Streaming on or off, the updates are those of the unwatched optimizer, bit for bit.
+    for k, ((p, u), (p_ref, u_ref)) in enumerate(zip(got, want, strict=True)):
+        for a, b in zip(jax.tree_util.tree_leaves((p, u)), jax.tree_util.tree_leaves(
+                (p_ref, u_ref)), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{wrapper} {transport} step {k}")
+
+
+@pytest.mark.parametrize("make, extra_args", [
+    (lambda: optax.adam(1e-2), True), (lambda: optax.scale(-0.1), False),
+    (lambda: optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), True),
+])
+def test_watch_keeps_the_calling_convention_of_what_it_wraps(make: Any, extra_args: bool
+                                                            ) -> None:
+    tx, watched = make(), sowtel.optax.watch(make())
+    assert isinstance(watched, optax.GradientTransformationExtraArgs) is extra_args
+    assert isinstance(watched, optax.GradientTransformation)
+    p = _params()
+    g = jax.grad(_loss)(p, *_batch())
+    want, _ = tx.update(g, tx.init(p), p)
+    # params positional or by keyword, and every argument by optax's names.
+    for got, _ in (watched.update(g, watched.init(p), p),
+                   watched.update(g, watched.init(p), params=p),
+                   watched.update(updates=g, state=watched.init(p), params=p)):
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                        strict=True):
+            np.testing.assert_array_equal(a, b)
+    if extra_args:  # extra arguments reach the optimizer (and are ignored by those that may)
+        watched.update(g, watched.init(p), p, value=jnp.float32(1.0))
+    else:  # as the plain transformation itself refuses them
+        with pytest.raises(TypeError):
+            tx.update(g, tx.init(p), p, value=1.0)
+        with pytest.raises(TypeError):
+            watched.update(g, watched.init(p), p, value=1.0)
