@@ -326,21 +326,28 @@ def test_nnx_capture_follows_scan_and_remat_copies(remat: bool) -> None:
         np.testing.assert_allclose(inter[name]["primal"], want[name], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(inter[name]["cotangent"], cot[name], rtol=1e-5, atol=1e-6)
     assert nnx.graphdef(blocks) == graphdef  # the marks are gone
+    # With nothing enabled the marks change nothing in the program.
+    graphdef, state = nnx.split(blocks)
+    with_capture = _program(lambda s, x: loss(nnx.merge(graphdef, s), x), state, H)
+    without = _program(
+        lambda s, x: jnp.sum(_scan_blocks(nnx.merge(graphdef, s), x, remat) ** 2), state, H)
+    assert with_capture == without
 
 
 def test_nnx_capture_follows_vmap_and_jit_copies() -> None:
     blocks = _stacked_blocks()
 
-    def ensemble(blocks, x):  # type: ignore[no-untyped-def]
-        with sowtel.nnx.capture(blocks, filter="__call__"):
-            return nnx.vmap(lambda b, x: b(x), in_axes=(0, None))(blocks, x)
-
-    out, inter = sowtel.save_intermediates(ensemble)(blocks, H)
-    assert list(inter) == ["__call__"]  # the batch axis (the members) first
     kernel, bias = blocks.lin.kernel[...], blocks.lin.bias[...]
     want = jnp.tanh(jnp.einsum("i,kij->kj", H, kernel) + bias) + H
-    np.testing.assert_allclose(inter["__call__"]["primal"], want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    for graph in (True, False):  # NNX's graph mode, and its tree mode (modules as pytrees)
+        def ensemble(blocks, x, graph=graph):  # type: ignore[no-untyped-def]
+            with sowtel.nnx.capture(blocks, filter="__call__"):
+                return nnx.vmap(lambda b, x: b(x), in_axes=(0, None), graph=graph)(blocks, x)
+
+        out, inter = sowtel.save_intermediates(ensemble)(blocks, H)
+        assert list(inter) == ["__call__"]  # the batch axis (the members) first
+        np.testing.assert_allclose(inter["__call__"]["primal"], want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
     # Streamed through sowtel.nnx.jit, one record per layer of the scan, with its index.
     model = NnxStack(nnx.Rngs(1))
