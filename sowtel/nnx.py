@@ -110,7 +110,6 @@ def _structure(module: Any) -> tuple[Any, ...]:
                  for path, node in _nnx().iter_graph(module) if _MARK not in path)
 
 
-
 def _site_of(module: Any) -> tuple[str, str | None, dict[str, Any]] | None:
     mark = vars(module).get(_MARK)
     found = _SITES.get(mark) if isinstance(mark, str) else None
