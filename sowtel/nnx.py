@@ -39,8 +39,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import itertools
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -68,25 +70,95 @@ def _nnx() -> Any:
 # Each patched class: [its own __call__ before (or None), how many contexts hold the patch].
 _PATCHED: dict[type, list[Any]] = {}
 _patch_lock = threading.Lock()
-# Per thread, the modules of the models captured there: id -> (path, selector, options), and
-# the ids of the modules whose call is being recorded (a subclass's __call__ that calls
-# super().__call__() is one call, one site).
+
+# A captured module carries its site as an attribute, not as its id(): NNX keeps a module's
+# non-array attributes in its graph definition (and JAX's pytree metadata), so every copy NNX
+# makes (nnx.scan, nnx.vmap, nnx.remat, nnx.jit, split then merge) carries the mark, where a
+# copy's id() is new. A mark names an entry of _SITES, alive while its context is open:
+# (thread that entered it, site name or None for a module the filter leaves out, prefix,
+# options).
+_MARK = "_sowtel_capture_site"
+_marks = itertools.count()
+_SITES: dict[str, tuple[int, str | None, str | None, dict[str, Any]]] = {}
+# Per thread: the open contexts, and the ids of the modules whose call is being recorded (a
+# subclass's __call__ that calls super().__call__() is one call, one site).
 _LOCAL = threading.local()
 
 
-def _captured() -> dict[int, Any]:
-    if not hasattr(_LOCAL, "modules"):
-        _LOCAL.modules, _LOCAL.inside = {}, set()
-    return _LOCAL.modules  # type: ignore[no-any-return]
+@dataclasses.dataclass
+class _Open:
+    """An open context, for telling an unmarked module that looks like a captured one."""
+
+    classes: set[type]
+    modules: list[tuple[str, Any]]  # (site name, module)
+    shapes: dict[type, dict[Any, str]] | None = None  # by class: structure -> site name
+    told: set[str] = dataclasses.field(default_factory=set)
+
+
+def _open() -> list[_Open]:
+    if not hasattr(_LOCAL, "open"):
+        _LOCAL.open, _LOCAL.inside = [], set()
+    return _LOCAL.open  # type: ignore[no-any-return]
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _structure(module: Any) -> tuple[Any, ...]:
+    """What a module and every copy of it share: the paths and types of its graph's nodes, and
+    its plain static attributes (``in_features=4``); not the values of its arrays."""
+    return tuple((path, type(node), node if isinstance(node, _PLAIN) else None)
+                 for path, node in _nnx().iter_graph(module) if _MARK not in path)
+
+
+def _site_of(module: Any) -> tuple[str, str | None, dict[str, Any]] | None:
+    mark = vars(module).get(_MARK)
+    found = _SITES.get(mark) if isinstance(mark, str) else None
+    if found is None:
+        _tell_unmarked(module)
+        return None
+    thread, name, base, options = found
+    if name is None or thread != threading.get_ident():
+        return None  # left out by the filter; or a call in another thread, never recorded
+    return name, base, options
+
+
+def _tell_unmarked(module: Any) -> None:
+    """Warns when an open context's class is called on a module that is not marked but has
+    the structure of a captured one: a copy made before the context was entered (an
+    ``nnx.split`` outside, ``nnx.merge`` inside), or a twin model; its output is not captured."""
+    structure = None
+    for ctx in _open():
+        if type(module) not in ctx.classes:
+            continue
+        if ctx.shapes is None:
+            ctx.shapes = {}
+            for site, m in ctx.modules:
+                ctx.shapes.setdefault(type(m), {}).setdefault(_structure(m), site)
+        structure = _structure(module) if structure is None else structure
+        name = ctx.shapes.get(type(module), {}).get(structure)
+        if name is None or name in ctx.told:
+            continue
+        ctx.told.add(name)
+        warnings.warn(
+            f"sowtel.nnx.capture: a {type(module).__name__} with the structure of the captured "
+            f"module {name!r} was called inside the context, but it is neither that module nor "
+            "a copy NNX made of it while the context was open, so its output is not captured. "
+            "If it is a copy (nnx.split before the context, nnx.merge inside it), enter "
+            "sowtel.nnx.capture before splitting; if it is another model, capture it too",
+            stacklevel=4)
 
 
 def _recording_call(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        entry = _captured().get(id(self))
-        if entry is None or id(self) in _LOCAL.inside:
+        _open()
+        if id(self) in _LOCAL.inside:
             return original(self, *args, **kwargs)
-        name, base, options = entry
+        site = _site_of(self)
+        if site is None:
+            return original(self, *args, **kwargs)
+        name, base, options = site
         _LOCAL.inside.add(id(self))
         try:
             out = original(self, *args, **kwargs)
@@ -137,10 +209,15 @@ def capture(model: Any, filter: Any = None, *, tag: str = "intermediates",
     called twice gives ``..._0`` and ``..._1``, as repeated sows do; outputs that are not
     pytrees of arrays are left alone.
 
-    Enter it inside the step, around the model's call, with the model the step was given: under
-    ``nnx.jit`` (and :func:`jit`) the step sees its own copies of the modules. Only calls made in
-    the thread that entered the context are recorded. With nothing enabled it adds nothing to
-    the compiled program.
+    Enter it around the model's call (inside the step is the usual place). The context marks
+    each module of ``model`` with a static attribute (removed on exit), and NNX carries it into
+    every copy it makes while the context is open: the copies that ``nnx.jit``, ``nnx.scan``,
+    ``nnx.vmap``, ``nnx.remat`` and ``nnx.split``/``nnx.merge`` hand the code are recorded
+    under the module's own name, as a sow there would be (stacked per iteration in
+    ``nnx.scan``, the batch axis first in ``nnx.vmap``). A copy made before the context was
+    entered (``nnx.split`` outside it, ``nnx.merge`` inside) has no mark: calling one warns
+    that its output is not captured. Only calls made in the thread that entered the context
+    are recorded. With nothing enabled it adds nothing to the compiled program.
 
     Args:
       model: an ``nnx.Module``; its submodules are found with ``nnx.iter_modules``.
@@ -174,23 +251,45 @@ def capture(model: Any, filter: Any = None, *, tag: str = "intermediates",
     _module_sites.check_options(tag, every)
     base = naming.current_prefix()
     options = {"tag": tag, "summary": summary, "every": every}
-    mine: dict[int, Any] = {}
+    thread = threading.get_ident()
+    marked: dict[int, tuple[Any, str, Any]] = {}  # id -> (module, its mark, the mark before)
+    selected: list[tuple[str, Any]] = []
     for path, module in nnx.iter_modules(model):
+        if id(module) in marked:
+            continue  # shared: named after its first path
         name = _module_sites.site_name(path, "__call__")
-        if callable(module) and select(module, "__call__", name):
-            mine[id(module)] = (name, base, options)
-    classes = {type(m) for _, m in nnx.iter_modules(model) if id(m) in mine}
-    captured = _captured()
-    previous = {k: captured[k] for k in mine if k in captured}
-    captured.update(mine)
-    _patch(classes)
+        chosen = callable(module) and select(module, "__call__", name)
+        mark = f"sowtel-{next(_marks)}"
+        _SITES[mark] = (thread, name if chosen else None, base, options)
+        marked[id(module)] = (module, mark, vars(module).get(_MARK, _UNMARKED))
+        if chosen:
+            selected.append((name, module))
+    classes = {type(m) for _, m in selected}
+    context = _Open(classes, selected)
+    _open().append(context)
     try:
-        yield
+        for module, mark, _ in marked.values():
+            # Not setattr: NNX refuses it for a module of an outer trace, and the mark is no
+            # state of the module (a static attribute, the same in every copy).
+            object.__setattr__(module, _MARK, mark)
+        _patch(classes)
+        try:
+            yield
+        finally:
+            _unpatch(classes)
     finally:
-        _unpatch(classes)
-        for k in mine:
-            captured.pop(k, None)
-        captured.update(previous)
+        _open().remove(context)
+        for module, mark, before in marked.values():
+            _SITES.pop(mark, None)
+            if vars(module).get(_MARK) != mark:
+                continue  # re-marked by a context still open, or replaced
+            if before is _UNMARKED:
+                object.__delattr__(module, _MARK)
+            else:
+                object.__setattr__(module, _MARK, before)
+
+
+_UNMARKED = object()
 
 
 # -- jit --------------------------------------------------------------------------------------

@@ -376,9 +376,10 @@ class SiteStatic:
     # a while_loop. Records are indexed by where the site runs in the program instead
     # (naming.program_loops), which differs for a function traced once and evaluated elsewhere.
     loops: tuple[tuple[int, bool], ...] | None
-    # Extra operands after the leaves: "batch" (derivative sites: a zero-size slice of the
-    # primal, so vmap batches the derivative whenever it batches the primal), "step", "shard",
-    # "taken" (under vmap of a cond with a batched predicate: the rows that take the branch).
+    # Extra operands after the leaves: "batch" (derivative sites: one per leaf, a zero-size
+    # slice of its primal, so vmap batches the leaf wherever it batches its primal), "step",
+    # "shard", "taken" (under vmap of a cond with a batched predicate: the rows that take the
+    # branch).
     extras: tuple[str, ...] = ()
     # In lax.map(batch_size=b): (call key, length, b, remainder, scans around the map, vmaps
     # inside it (its own included), ndim of the first leaf as sown); capture joins the batches
@@ -542,7 +543,8 @@ def sow(
       ``jvp``, ``linearize``        primal, tangent
       ``jax.hessian``               primal, tangent, cotangent, cotangent.tangent
       ``vmap``                      the whole batch (batch axis leading the value's
-                                    own axes, after those of enclosing scans)
+                                    own axes, after those of enclosing scans); a
+                                    leaf vmap does not batch, as it is (no batch axis)
       ``scan`` / ``fori_loop``      every iteration (captured: stacked)
       ``custom_vjp`` ``bwd``        cotangent
       ============================  ==========================================
@@ -690,11 +692,17 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str, recomp
     chosen = [jc.ad.instantiate_zeros(t) for t, d in zip(leaves_t, differentiable, strict=True)
               if d]
     if "batch" not in site_t.extras:
-        # Sliced, not flattened: a value with an explicit sharding cannot always be flattened.
-        primal = jnp.atleast_1d(primals[differentiable.index(True)])
-        witness = jax.lax.slice(primal, (0,) * primal.ndim, (0,) * primal.ndim)
-        extras = [witness, *extras]
-        site_t = dataclasses.replace(site_t, extras=("batch", *site_t.extras))
+        # One witness per reported leaf: vmap batches each derivative leaf where it batches
+        # that leaf's primal, and only there. Sliced, not flattened: a value with an explicit
+        # sharding cannot always be flattened.
+        witnesses = []
+        for p, d in zip(primals[: len(leaves_t)], differentiable, strict=True):
+            if d:
+                p = jnp.atleast_1d(p)
+                witnesses.append(jax.lax.slice(p, (0,) * p.ndim, (0,) * p.ndim))
+        extras = [*witnesses, *extras]
+        site_t = dataclasses.replace(
+            site_t, extras=(*("batch",) * len(witnesses), *site_t.extras))
     reported = iter(_bind(chosen, extras, site_t, jvp_mode(mode), _SILENT_JVP[recompute]))
     return out, [next(reported) if d else t
                  for t, d in zip(leaves_t, differentiable, strict=True)]
@@ -715,6 +723,17 @@ jc.ad.primitive_transposes[sow_p] = _sow_transpose
 
 
 def _sow_batch(args: Any, dims: Any, *, site: SiteStatic, **params: Any) -> tuple[Any, Any]:
+    """A sow is the identity under ``vmap`` too: each leaf keeps its own batching.
+
+    A batched leaf gets its batch axis first (the value's own axes follow); a leaf ``vmap``
+    leaves unbatched (a closed-over parameter, a carry passed with ``in_axes=None``) stays
+    unbatched, so ``out_axes=None`` and everything downstream see what they would without the
+    sow. A derivative leaf is batched where its primal leaf is (its witness: the ``"batch"``
+    extra), so it keeps its primal's shape. Two kinds of site give every leaf the batch axis,
+    as the capture pass needs one layout for all leaves: a site with a ``"taken"`` mask (its
+    rows line up with the leaves' leading axes) and a site in ``lax.map(batch_size=b)``
+    (``SiteStatic.mapped``: the map's axis joins its scan's).
+    """
     leaves, extras = _split(args, site)
     leaf_dims, extra_dims = _split(dims, site)
     not_mapped = None
@@ -724,28 +743,30 @@ def _sow_batch(args: Any, dims: Any, *, site: SiteStatic, **params: Any) -> tupl
             f"sow {site.name!r}: the at_step step (or shard index) is batched by vmap; "
             "enter at_step outside the vmapped function"
         )
-    sizes = [x.shape[d] for x, d in zip(leaves, leaf_dims, strict=True) if d is not not_mapped]
-    for kind in ("batch", "taken"):
-        if kind in site.extras and not sizes:
-            # A derivative whose primal is batched carries the batch axis too (broadcast), as
-            # does a site whose rows take its branch or not.
-            i = site.extras.index(kind)
-            if extra_dims[i] is not not_mapped:
-                sizes = [extras[i].shape[extra_dims[i]]]
+    sizes = [x.shape[d] for x, d in zip(args, dims, strict=True) if d is not not_mapped]
     if not sizes:
         return sow_p.bind(*args, site=site, **params), list(dims[: len(leaves)])
     size = sizes[0]
+    witnessed = [d is not not_mapped
+                 for k, d in zip(site.extras, extra_dims, strict=True) if k == "batch"]
+    if "taken" in site.extras or site.mapped is not None:
+        spread = [True] * len(leaves)
+    elif len(witnessed) == len(leaves):
+        spread = [d is not not_mapped or w for d, w in zip(leaf_dims, witnessed, strict=True)]
+    else:  # no witnesses (a primal site), or not one per leaf
+        spread = [d is not not_mapped or any(witnessed) for d in leaf_dims]
 
     def leading(x: Any, d: Any) -> Any:
         return (jc.batching.moveaxis(x, d, 0) if d is not not_mapped
                 else jnp.broadcast_to(x, (size, *x.shape)))
 
-    moved = [leading(x, d) for x, d in zip(leaves, leaf_dims, strict=True)]
+    moved = [leading(x, d) if b else x
+             for x, d, b in zip(leaves, leaf_dims, spread, strict=True)]
     # The "taken" mask keeps its axes in step with the leaves' leading (batch) axes.
     extras = [leading(x, d) if k == "taken" else x
               for k, x, d in zip(site.extras, extras, extra_dims, strict=True)]
     outs = sow_p.bind(*moved, *extras, site=site, **params)
-    return outs, [0] * len(outs)
+    return outs, [0 if b else not_mapped for b in spread]
 
 
 jc.batching.primitive_batchers[sow_p] = _sow_batch
@@ -1047,7 +1068,8 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
     if stream is None or recompute:
         return leaves
     leaf_avals, _ = _split(ctx.avals_in, site)
-    sent = tuple(k for k in site.extras if k != "taken")  # the mask stays on the device
+    # The mask and the witnesses stay on the device.
+    sent = tuple(k for k in site.extras if k not in ("taken", "batch"))
     order = next(_lowering_order)
     enclosing = jc.lowering_loops(site.scan3)
     info = StreamSite(
@@ -1069,7 +1091,8 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         values = taken_rows(values, site, extras)
         if reads_copy():  # before the every=N cond, whose operands XLA must write out
             values = [apart(v) for v in values]
-        extras = [x for k, x in zip(site.extras, extras, strict=True) if k != "taken"]
+        extras = [x for k, x in zip(site.extras, extras, strict=True)
+                  if k not in ("taken", "batch")]
 
         def emit() -> None:
             arrays = _site_summary(ctx, values, summary, info.bins)

@@ -386,6 +386,150 @@ def test_vmap_inside_and_outside_put_batch_axis_first() -> None:
     np.testing.assert_allclose(inter["h"]["primal"], 2 * np.sin(xs), rtol=1e-6)
 
 
+# -- a pytree whose leaves vmap batches differently -------------------------------------------
+
+XS = np.stack([X, 2 * X, -X])
+S = np.float32(0.8)
+
+
+def mixed_row(x, s, eps=None):
+    """One row: a site holding a batched leaf (from ``x``) and an unbatched one (from ``s``)."""
+    if eps is None:
+        a, b = sow((x * 2.0, jnp.sin(s)), "pair")
+    else:
+        a, b = x * 2.0 + eps[0], jnp.sin(s) + eps[1]
+    return a * b**2
+
+
+def test_vmap_keeps_each_leaf_batched_as_it_was() -> None:
+    # The identity keeps out_axes=None valid for the unbatched leaf (it used to be batched).
+    f = jax.vmap(lambda x, s: sow((x * 2, s + 1), "pair"), in_axes=(0, None),
+                 out_axes=(0, None))
+    for wrapped in (save_intermediates(f), jax.jit(save_intermediates(f))):
+        (a, b), inter = wrapped(XS, S)
+        np.testing.assert_allclose(a, 2 * XS, rtol=1e-6)
+        np.testing.assert_allclose(b, S + 1, rtol=1e-6)
+        got_a, got_b = inter["pair"]["primal"]
+        # The unbatched leaf is captured as the program holds it: once, without a batch axis.
+        assert got_a.shape == (3, 4) and got_b.shape == ()
+        np.testing.assert_allclose(got_b, S + 1, rtol=1e-6)
+
+
+def test_mixed_pytree_cotangents_equal_grad_of_perturbation() -> None:
+    def loss(xs, s):  # vmap inside grad
+        return jnp.sum(jax.vmap(mixed_row, in_axes=(0, None))(xs, s) ** 2)
+
+    def loss_eps(ea, eb):  # the batched leaf's perturbation per row, the other's shared
+        rows = jax.vmap(lambda x, e: mixed_row(x, S, (e, eb)))(XS, ea)
+        return jnp.sum(rows**2)
+
+    _, inter = save_intermediates(jax.grad(loss, argnums=(0, 1)))(XS, S)
+    ga, gb = jax.grad(loss_eps, argnums=(0, 1))(jnp.zeros_like(XS), jnp.float32(0))
+    ca, cb = inter["pair"]["cotangent"]
+    assert ca.shape == (3, 4) and cb.shape == ()  # the unbatched leaf: the rows' sum
+    np.testing.assert_allclose(ca, ga, rtol=1e-5)
+    np.testing.assert_allclose(cb, gb, rtol=1e-5)
+
+    def row_loss(x, s):  # vmap outside grad: each row's own cotangents
+        return jnp.sum(mixed_row(x, s) ** 2)
+
+    def row_loss_eps(x, ea, eb):
+        return jnp.sum(mixed_row(x, S, (ea, eb)) ** 2)
+
+    _, inter = save_intermediates(
+        jax.vmap(jax.grad(row_loss, argnums=(0, 1)), in_axes=(0, None)))(XS, S)
+    ga, gb = jax.vmap(jax.grad(row_loss_eps, argnums=(1, 2)))(
+        XS, jnp.zeros_like(XS), jnp.zeros(3))
+    a, b = inter["pair"]["primal"]
+    ca, cb = inter["pair"]["cotangent"]
+    assert (a.shape, b.shape, ca.shape, cb.shape) == ((3, 4), (), (3, 4), (3,))
+    np.testing.assert_allclose(ca, ga, rtol=1e-5)
+    np.testing.assert_allclose(cb, gb, rtol=1e-5)
+
+    # A cotangent the same for every row of a batched primal keeps the primal's shape.
+    def linear(x, s):
+        a, b = sow((x * 2.0, s + 1.0), "lin")
+        return jnp.sum(a) + 3.0 * b
+
+    _, inter = save_intermediates(
+        jax.vmap(jax.grad(linear, argnums=(0, 1)), in_axes=(0, None)))(XS, S)
+    ca, cb = inter["lin"]["cotangent"]
+    np.testing.assert_allclose(ca, np.ones_like(XS))
+    np.testing.assert_allclose(cb, 3.0)
+
+
+def test_mixed_pytree_tangents_under_jvp_and_vmap() -> None:
+    tx, ts = np.full_like(XS, 0.3), np.float32(0.5)
+
+    def ref(xs, s):  # the sown values, with no sowtel
+        return 2.0 * xs, jnp.sin(s)
+
+    want = jax.jvp(ref, (XS, S), (tx, ts))[1]
+    fv = lambda xs, s: jax.vmap(mixed_row, in_axes=(0, None))(xs, s)  # noqa: E731
+    _, inter = save_intermediates(lambda *a: jax.jvp(fv, a[:2], a[2:]))(XS, S, tx, ts)
+    ta, tb = inter["pair"]["tangent"]
+    assert ta.shape == (3, 4) and tb.shape == ()
+    np.testing.assert_allclose(ta, want[0], rtol=1e-6)
+    np.testing.assert_allclose(tb, want[1], rtol=1e-6)
+
+    # vmap outside jvp, the unbatched leaf's tangent unbatched too: out_axes=None holds.
+    g = jax.vmap(lambda x, s, t: jax.jvp(lambda s: sow((x * 2.0, jnp.sin(s)), "p")[1], (s,),
+                                         (t,)), in_axes=(0, None, None), out_axes=None)
+    (value, tangent), inter = save_intermediates(g)(XS, S, ts)
+    np.testing.assert_allclose(tangent, np.cos(S) * ts, rtol=1e-6)
+    ta, tb = inter["p"]["tangent"]
+    assert ta.shape == (3, 4) and tb.shape == ()  # the batched primal's tangent: its shape
+    np.testing.assert_allclose(ta, 0.0)
+    np.testing.assert_allclose(tb, np.cos(S) * ts, rtol=1e-6)
+
+
+def test_mixed_pytree_in_scan_cond_and_map_under_vmap() -> None:
+    def scanned(x, s):
+        def body(c, i):
+            h, k = sow((jnp.tanh(c * x), s * (i + 1.0)), "step")
+            return c + h * k, None
+
+        return jax.lax.scan(body, jnp.full(4, 0.5), jnp.arange(2.0))[0]
+
+    out, inter = save_intermediates(jax.vmap(scanned, in_axes=(0, None)))(XS, S)
+    h, k = inter["step"]["primal"]
+    assert h.shape == (2, 3, 4) and k.shape == (2,)  # (T, B, ...) and (T, ...)
+    np.testing.assert_allclose(k, [S, 2 * S], rtol=1e-6)
+    c = np.full_like(XS, 0.5)
+    for i in range(2):
+        np.testing.assert_allclose(h[i], np.tanh(c * XS), rtol=1e-5)
+        c = c + np.tanh(c * XS) * S * (i + 1)
+    np.testing.assert_allclose(out, c, rtol=1e-5)
+
+    # A cond whose predicate vmap batches runs both branches on every row: there the site
+    # gives every leaf the batch axis, rows of the other branch filled with NaN.
+    def branchy(x, s):
+        return jax.lax.cond(x[0] > 0, lambda: sow((x + 1.0, s * 2.0), "yes")[0], lambda: x)
+
+    _, inter = save_intermediates(jax.vmap(branchy, in_axes=(0, None)))(XS, S)
+    a, b = inter["yes"]["primal"]
+    taken = XS[:, 0] > 0
+    np.testing.assert_allclose(a[taken], XS[taken] + 1.0, rtol=1e-6)
+    np.testing.assert_allclose(b, np.where(taken, 2 * S, np.nan), rtol=1e-6)
+
+    # lax.map(batch_size=...) gives every leaf the map's axis, as a lax.map without batches.
+    xs6 = np.concatenate([XS, XS[::-1]])
+
+    def mapped(batch_size):
+        def f(x):
+            a, b = sow((x * 2.0, S + 1.0), "m")
+            return a * b
+
+        return lambda xs: jax.lax.map(f, xs, batch_size=batch_size)
+
+    for size in (2, 4):
+        _, inter = save_intermediates(mapped(size))(xs6)
+        _, whole = save_intermediates(mapped(None))(xs6)
+        for got, want in zip(inter["m"]["primal"], whole["m"]["primal"], strict=True):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_checkpoint_reports_primal_once_and_keeps_no_residual() -> None:
     f = lambda x: checkpoint_fn(x, None)  # noqa: E731
     _, inter = save_intermediates(jax.grad(f))(X)

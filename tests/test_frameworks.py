@@ -12,6 +12,7 @@ import functools
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +260,147 @@ def test_nnx_jit_outputs_and_errors() -> None:
             pass
 
 
+# -- NNX graph transforms hand the code copies of the captured modules ------------------------
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):  # type: ignore[no-untyped-def]
+        return jnp.tanh(self.lin(x)) + x
+
+
+def _stacked_blocks() -> NnxBlock:
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> NnxBlock:
+        return NnxBlock(rngs)
+
+    return make(nnx.Rngs(0))  # type: ignore[no-any-return]
+
+
+H = jnp.array([0.5, -1.0, 0.25, 1.5])
+
+
+def _scan_blocks(blocks, x, remat: bool = False):  # type: ignore[no-untyped-def]
+    body = nnx.remat(lambda b, x: b(x)) if remat else (lambda b, x: b(x))
+    return nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(blocks, x)
+
+
+def _blocks_by_hand(blocks, x, eps=None):  # type: ignore[no-untyped-def]
+    """The layers' outputs from the stacked parameters; ``eps`` perturbs each site."""
+    kernel, bias = blocks.lin.kernel[...], blocks.lin.bias[...]
+    lins, outs = [], []
+    for i in range(kernel.shape[0]):
+        lin = x @ kernel[i] + bias[i] + (0 if eps is None else eps["lin/__call__"][i])
+        x = jnp.tanh(lin) + x + (0 if eps is None else eps["__call__"][i])
+        lins.append(lin)
+        outs.append(x)
+    return x, {"lin/__call__": jnp.stack(lins), "__call__": jnp.stack(outs)}
+
+
+class NnxStack(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.blocks = _stacked_blocks()
+        self.scale = nnx.Param(jnp.float32(2.0))
+
+    def __call__(self, x):  # type: ignore[no-untyped-def]
+        return _scan_blocks(self.blocks, x) * self.scale[...]
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_nnx_capture_follows_scan_and_remat_copies(remat: bool) -> None:
+    blocks = _stacked_blocks()
+    graphdef = nnx.graphdef(blocks)
+
+    def loss(blocks, x):  # type: ignore[no-untyped-def]
+        with sowtel.nnx.capture(blocks):
+            return jnp.sum(_scan_blocks(blocks, x, remat) ** 2)
+
+    _, inter = sowtel.save_intermediates(nnx.grad(loss, argnums=1))(blocks, H)
+    assert set(inter) == {"__call__", "lin/__call__"}
+    _, want = _blocks_by_hand(blocks, H)
+    zeros = {k: jnp.zeros_like(v) for k, v in want.items()}
+    cot = jax.grad(lambda e: jnp.sum(_blocks_by_hand(blocks, H, e)[0] ** 2))(zeros)
+    for name in want:  # one value per layer, stacked as a sow in a scan
+        assert inter[name]["primal"].shape == (3, 4)
+        np.testing.assert_allclose(inter[name]["primal"], want[name], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(inter[name]["cotangent"], cot[name], rtol=1e-5, atol=1e-6)
+    assert nnx.graphdef(blocks) == graphdef  # the marks are gone
+    # With nothing enabled the marks change nothing in the program.
+    graphdef, state = nnx.split(blocks)
+    with_capture = _program(lambda s, x: loss(nnx.merge(graphdef, s), x), state, H)
+    without = _program(
+        lambda s, x: jnp.sum(_scan_blocks(nnx.merge(graphdef, s), x, remat) ** 2), state, H)
+    assert with_capture == without
+
+
+def test_nnx_capture_follows_vmap_and_jit_copies() -> None:
+    blocks = _stacked_blocks()
+
+    kernel, bias = blocks.lin.kernel[...], blocks.lin.bias[...]
+    want = jnp.tanh(jnp.einsum("i,kij->kj", H, kernel) + bias) + H
+    for graph in (True, False):  # NNX's graph mode, and its tree mode (modules as pytrees)
+        def ensemble(blocks, x, graph=graph):  # type: ignore[no-untyped-def]
+            with sowtel.nnx.capture(blocks, filter="__call__"):
+                return nnx.vmap(lambda b, x: b(x), in_axes=(0, None), graph=graph)(blocks, x)
+
+        out, inter = sowtel.save_intermediates(ensemble)(blocks, H)
+        assert list(inter) == ["__call__"]  # the batch axis (the members) first
+        np.testing.assert_allclose(inter["__call__"]["primal"], want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+    # Streamed through sowtel.nnx.jit, one record per layer of the scan, with its index.
+    model = NnxStack(nnx.Rngs(1))
+
+    @sowtel.nnx.jit
+    def step(model, x):  # type: ignore[no-untyped-def]
+        with sowtel.nnx.capture(model):
+            return model(x)
+
+    memory = MemoryExporter()
+    with sowtel.enable(exporter=memory, summary="full"):
+        step(model, H)
+        sowtel.flush()
+    layers = sorted((r.index, r.value) for r in memory.records if r.name == "blocks/__call__")
+    _, want = _blocks_by_hand(model.blocks, H)
+    assert [i for i, _ in layers] == [0, 1, 2]
+    for i, value in layers:
+        np.testing.assert_allclose(value, want["__call__"][i], rtol=1e-5, atol=1e-6)
+    assert {r.name for r in memory.records} == {"blocks/__call__", "blocks/lin/__call__",
+                                                "__call__"}
+
+
+def test_nnx_capture_says_when_a_copy_cannot_be_captured() -> None:
+    blocks = _stacked_blocks()
+    graphdef, state = nnx.split(blocks)  # a copy split before the context: it has no mark
+    other = nnx.Linear(4, 2, rngs=nnx.Rngs(3))  # not the model, not its structure either
+
+    def run(blocks, state, x):  # type: ignore[no-untyped-def]
+        with sowtel.nnx.capture(blocks):
+            y = jax.lax.scan(lambda c, s: (nnx.merge(graphdef, s)(c), None), x, state)[0]
+            return other(y)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, inter = sowtel.save_intermediates(run)(blocks, state, H)
+    assert inter == {}
+    messages = [str(w.message) for w in caught]
+    said = {re.search(r"captured module '([^']*)'", m).group(1)  # type: ignore[union-attr]
+            for m in messages if "but it is neither that module nor a copy" in m}
+    assert said == {"__call__", "lin/__call__"}
+    assert any("captured nothing" in m for m in messages)
+
+    # The model's own modules, filtered out or not, and a module of another structure: silent.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sowtel.nnx.capture(blocks, filter="lin/*"):
+            _, inter = sowtel.save_intermediates(lambda b, x: other(_scan_blocks(b, x)))(
+                blocks, H)
+    assert list(inter) == ["lin/__call__"]
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None
@@ -337,6 +479,46 @@ def test_equinox_filter_jit_trains_as_eqx_filter_jit() -> None:
     assert not any(n.startswith("optim/") and s % 2 for n, _, s in got)
     with pytest.raises(ValueError, match="donate"):
         sowtel.equinox.filter_jit(step, donate="some")
+
+
+class _EqxNormed(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+
+    def __init__(self, key: jax.Array) -> None:
+        self.lin = eqx.nn.Linear(3, 4, key=key)
+        self.bn = eqx.nn.BatchNorm(4, axis_name="batch", mode="ema")
+
+    def __call__(self, x, state):  # type: ignore[no-untyped-def]
+        return self.bn(self.lin(x), state)
+
+
+def test_equinox_capture_of_a_stateful_module_keeps_the_state_unbatched() -> None:
+    # (y, state) from vmap(..., out_axes=(0, None)): the state is one value for the batch, and
+    # the captured output keeps it so (it used to get a batch axis, and the call failed).
+    model, state = eqx.nn.make_with_state(_EqxNormed)(jax.random.key(0))
+
+    def forward(model, x, state, watched):  # type: ignore[no-untyped-def]
+        call = sowtel.equinox.capture(model) if watched else model
+        return jax.vmap(call, in_axes=(0, None), out_axes=(0, None), axis_name="batch")(x, state)
+
+    y_ref, state_ref = forward(model, X, state, False)
+    (y, new_state), inter = sowtel.save_intermediates(forward)(model, X, state, True)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6)
+    bn_y, bn_state = inter["bn/__call__"]["primal"]
+    np.testing.assert_allclose(bn_y, y_ref, rtol=1e-6)
+    for got, captured, want in zip(jax.tree_util.tree_leaves(new_state),
+                                   jax.tree_util.tree_leaves(bn_state),
+                                   jax.tree_util.tree_leaves(state_ref), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_allclose(captured, want, rtol=1e-6)
+    memory = MemoryExporter()
+    with sowtel.enable(exporter=memory):
+        eqx.filter_jit(forward)(model, X, state, True)
+        sowtel.flush()
+    shapes = {r.name: r.shape for r in memory.records}
+    assert shapes["bn/__call__/0"] == (2, 4)
+    assert shapes["bn/__call__/1/1/0"] == (4,)  # the running mean: no batch axis
 
 
 @pytest.mark.parametrize("module", [sowtel.flax, sowtel.nnx, sowtel.equinox])

@@ -105,6 +105,32 @@ def test_vmap_inside_and_outside_one_record_per_batch() -> None:
         np.testing.assert_allclose(r.value, 2 * np.sin(xs), rtol=1e-6)
 
 
+def test_vmap_streams_each_leaf_batched_as_it_was() -> None:
+    # A pytree of a batched and an unbatched leaf (out_axes=None on the latter, which turning
+    # streaming on used to break): each leaf's record has the shape the program gives it.
+    xs, s = np.stack([X, X * 2, -X]), np.float32(0.8)
+    pair = jax.vmap(lambda x, s: sow((x * 2.0, jnp.sin(s)), "pair"), in_axes=(0, None),
+                    out_axes=(0, None))
+
+    def loss(xs, s, eps=None):
+        a, b = pair(xs, s) if eps is None else (xs * 2.0 + eps[0], jnp.sin(s) + eps[1])
+        return jnp.sum(a * b**2)
+
+    _, b = jit(pair)(xs, s)
+    np.testing.assert_allclose(b, np.sin(s), rtol=1e-6)
+    records = stream(jit(jax.grad(loss, argnums=(0, 1))), xs, s)
+    got = {(r.name, r.mode): r for r in records}
+    assert set(got) == {("pair/0", "primal"), ("pair/1", "primal"), ("pair/0", "cotangent"),
+                        ("pair/1", "cotangent")}
+    assert got["pair/0", "primal"].shape == (3, 4) and got["pair/1", "primal"].shape == ()
+    np.testing.assert_allclose(got["pair/0", "primal"].value, 2 * xs, rtol=1e-6)
+    np.testing.assert_allclose(got["pair/1", "primal"].value, np.sin(s), rtol=1e-6)
+    want = jax.grad(lambda e: loss(xs, s, e))((jnp.zeros_like(xs), jnp.float32(0)))
+    assert got["pair/1", "cotangent"].shape == ()  # the rows' sum, as the program holds it
+    np.testing.assert_allclose(got["pair/0", "cotangent"].value, want[0], rtol=1e-5)
+    np.testing.assert_allclose(got["pair/1", "cotangent"].value, want[1], rtol=1e-5)
+
+
 def scan_loss(x):
     def body(c, xt):
         h = sow(jnp.tanh(c * xt + 0.1), "s")
