@@ -12,6 +12,7 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -193,8 +194,25 @@ def _wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
+def wandb_finished(run_dir: Path, timeout: float = 180.0) -> Path:
+    """The offline run file once W&B wrote its exit record. Finishing a run can outlast
+    ``exporter_timeout`` on a loaded machine: ``disable()`` then returns while the exporter's
+    ``close()`` (``run.finish()``) is still writing, so the file is read only once it is whole."""
+    deadline = time.monotonic() + timeout
+    while True:
+        paths = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        try:  # a record being written reads as cut: read again
+            if len(paths) == 1 and any(r.WhichOneof("record_type") == "exit"
+                                       for r in _wandb_records(paths[0])):
+                return paths[0]
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError, struct's error
+            pass
+        assert time.monotonic() < deadline, f"no finished W&B run in {run_dir} after {timeout} s"
+        time.sleep(0.5)
+
+
 def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
-    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    path = wandb_finished(run_dir)
     rows = []
     for record in _wandb_records(path):
         if record.WhichOneof("record_type") != "history":
