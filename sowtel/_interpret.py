@@ -16,8 +16,10 @@ primitive made with ``jax.extend``. Whatever its name, a primitive with a sow in
   pass like any other code, its outputs keeping the primitive's own derivative rules.
 
 A primitive that its derivative rules bind again (the tangent or transposed solve of an
-implicit-function rule) runs the user's functions on values that are not the site's primal,
-tangent or cotangent: ``save_intermediates`` refuses to label them (:class:`Reruns`).
+implicit-function rule) runs the user's functions again, on the solution and on the tangent or
+transposed system: each such run is another occurrence of its sites (:class:`Reruns`), numbered
+under ``duplicates="number"`` as the callback transport numbers what it streams, and refused
+with a message saying so under ``duplicates="error"``.
 
 The evaluator itself lives in :mod:`sowtel.capture` (to move here); it is passed in.
 
@@ -33,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -139,15 +142,14 @@ class Reruns:
                 earlier = first
         return earlier
 
-    def ran(self, eqn: Any, caps: list[Any]) -> Any | None:
-        """Notes the sites ``eqn`` ran (``caps``); returns the first one that ran in another
-        equation (not one nested in ``eqn``, whose sites are ``eqn``'s too), or None."""
-        again = None
+    def ran(self, eqn: Any, caps: list[Any]) -> list[bool]:
+        """Notes the sites ``eqn`` ran (``caps``); returns, for each, whether it ran in another
+        equation before (not one nested in ``eqn``, whose sites are ``eqn``'s too)."""
+        again = []
         for c in caps:
             first, around = self._sites.setdefault(
                 (c.site, c.mode), (eqn, frozenset(map(id, self.running))))
-            if first is not eqn and id(eqn) not in around and again is None:
-                again = c
+            again.append(first is not eqn and id(eqn) not in around)
         return again
 
 
@@ -172,7 +174,6 @@ def library_rule(eqn: Any, invals: list[Any], *, tag: str | None, wanted: Wanted
 
     Raises:
       NotImplementedError: the primitive has no implementation to evaluate.
-      ValueError: the primitive runs again what an earlier one ran (see :class:`Reruns`).
     """
     ctx = current_context() or Context()
     names = [p["site"].name for sub in jc.sub_jaxprs(eqn) for p in site_params(sub, wanted)]
@@ -201,20 +202,10 @@ def library_rule(eqn: Any, invals: list[Any], *, tag: str | None, wanted: Wanted
         finally:
             reruns.running.pop()
         again = reruns.ran(eqn, caps)
-        if caps and earlier is not None:
-            again = caps[0]
-        if again is not None:
-            raise ValueError(
-                f"sow {again.name!r} ({again.mode}) runs again in a second {name!r} primitive "
-                "that runs the functions of an earlier one: the derivative rules of a solver "
-                "(the implicit-function theorem) run them again, on the solution and on "
-                "the tangent or transposed system, where the site's values are neither its "
-                "primal, tangent nor cotangent, so save_intermediates does not label them. "
-                "Capture it undifferentiated (save_intermediates(f), not "
-                "save_intermediates(jax.grad(f))), stream it (sowtel.enable() with jax.jit or "
-                "sowtel.jit streams every run), or sow a value computed outside the solver's "
-                "functions (its solution, or a residual after it). A solver called twice with "
-                "the same sites does the same: give each call its names with sowtel.scope.")
+        # A rerun is another occurrence of its sites, numbered as streaming numbers it; its
+        # capture says where it ran, for the error duplicates="error" gives (capture.py).
+        caps = [dataclasses.replace(c, rerun=name) if earlier is not None or rerun else c
+                for c, rerun in zip(caps, again, strict=True)]
         meta[:] = caps
         return outs, [leaf for c in caps for leaf in c.leaves]
 

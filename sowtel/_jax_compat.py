@@ -105,6 +105,8 @@ __all__ = [
     "allow_effect", "batched_branch_predicate", "callback_path", "emit_host_callback",
     "enclosing_loops", "enclosing_map", "in_custom_jvp_function", "in_custom_vjp_bwd",
     "in_transpose", "custom_vjp_bwd_role", "track_loop_lowerings", "lowering_loops",
+    "lowering_in_transpose", "track_transposed_lowerings", "eqn_transposed",
+    "backward_pass_names",
     "expanding_scan3", "trace_as",
     "requires_devices", "global_devices",
     "as_jaxpr", "branch_path", "distributed_client", "effects_barrier", "is_tracing",
@@ -287,6 +289,57 @@ def in_transpose() -> bool:
     return any(
         isinstance(s, source_info_util.Transform) and s.name == "transpose" for s in stack
     )
+
+
+def _stack_transposed(ctx: Any) -> bool:
+    stack = getattr(getattr(ctx, "name_stack", None), "stack", ())
+    return any(isinstance(s, source_info_util.Transform) and s.name == "transpose"
+               for s in stack)
+
+
+def lowering_in_transpose(ctx: Any) -> bool:
+    """True where the lowering context ``ctx`` lowers code of a backward pass: its name stack
+    (``LoweringRuleContext.name_stack``, 0.10.2 to 0.12) holds the transform ``transpose``, or
+    that of an equation lowered around it does (a jit, loop or cond body's lowering starts a
+    name stack of its own; see :func:`track_transposed_lowerings`)."""
+    return _LOOP_NOTES.transposed > 0 or _stack_transposed(ctx)
+
+
+def track_transposed_lowerings() -> None:
+    """Makes :func:`lowering_in_transpose` see through the equations whose bodies are lowered
+    with a name stack of their own: ``jit``, ``scan``, ``while`` and ``cond``, by wrapping the
+    lowering rule each has now (call it after any other wrapper of these rules), and any
+    primitive whose lowering JAX caches (``mlir._cached_lowering_miss``, 0.10.2 to 0.12, which
+    lowers it as a function of its own with an empty name stack: a library's solver, whose
+    rule traces its implementation there)."""
+    from jax._src import pjit as _pjit
+
+    miss = getattr(mlir, "_cached_lowering_miss", None)
+    if miss is not None and not getattr(miss, "_sowtel", False):
+        def cached_lowering_miss(ctx: Any, eqn: Any, *args: Any, **params: Any) -> Any:
+            transposed = eqn_transposed(eqn)
+            _LOOP_NOTES.transposed += transposed
+            try:
+                return miss(ctx, eqn, *args, **params)
+            finally:
+                _LOOP_NOTES.transposed -= transposed
+
+        cached_lowering_miss._sowtel = True  # type: ignore[attr-defined]
+        mlir._cached_lowering_miss = cached_lowering_miss
+
+    for prim in (_pjit.jit_p, _loops.scan_p, _loops.while_p, _conditionals.cond_p):
+        entry = mlir._lowerings[prim]
+
+        def lowering(ctx: Any, *args: Any, _rule: Callable[..., Any] = entry.rule,
+                     **params: Any) -> Any:
+            transposed = _stack_transposed(ctx)
+            _LOOP_NOTES.transposed += transposed
+            try:
+                return _rule(ctx, *args, **params)
+            finally:
+                _LOOP_NOTES.transposed -= transposed
+
+        mlir.register_lowering(prim, lowering, inline=entry.inline)
 
 
 def trace_as(flat_fun: Callable[..., Any], fun: Callable[..., Any], args: Sequence[Any],
@@ -970,6 +1023,9 @@ class _LoopNotes(threading.local):
         self.lowering: list[list[Any]] = []
         # The jax_scan3 loops being expanded (Scan3.expand), outermost first.
         self.expanding: list[tuple[int, bool]] = []
+        # How many equations being lowered around the current one sit in a backward pass
+        # (see track_transposed_lowerings).
+        self.transposed = 0
 
 
 _LOOP_NOTES = _LoopNotes()
@@ -1152,6 +1208,21 @@ def equation_name_stack(eqn: Any) -> list[tuple[str, str]]:
     stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
     return [("transform" if isinstance(e, source_info_util.Transform) else "scope", e.name)
             for e in stack]
+
+
+def eqn_transposed(eqn: Any) -> bool:
+    """Whether ``eqn``'s own name stack (relative to the equation around it, see
+    :func:`equation_name_stack`) holds the transform ``transpose``: JAX's backward pass made it."""
+    stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
+    return any(isinstance(e, source_info_util.Transform) and e.name == "transpose"
+               for e in stack)
+
+
+def backward_pass_names() -> Any:
+    """A context manager under which what is bound carries the transform ``transpose`` in its
+    name stack, as JAX's backward pass gives it (``source_info_util.transform_name_stack``,
+    0.10.2 to 0.12): the capture pass re-binds a backward pass's equations under it."""
+    return source_info_util.transform_name_stack("transpose")
 
 
 def explicit_sharding_of(x: Any) -> Any | None:

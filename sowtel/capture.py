@@ -12,7 +12,9 @@ construct                           what ``intermediates[name][mode]`` holds
                                     every iteration, stacked on a new leading axis
                                     (nested scans nest: ``[outer, inner, ...]``);
                                     ``lax.map(batch_size=b)``: one axis of ``len(xs)``
-``lax.while_loop`` body             the last iteration's value (NaN / 0 if it never ran)
+``lax.while_loop`` body             the last iteration's value (NaN / 0 if it never ran);
+                                    its cotangent, where a backward pass runs the loop
+                                    last iteration first, that value's
 ``lax.while_loop`` cond             not allowed: ``ValueError``
 ``lax.cond`` / ``lax.switch``       the taken branch's value; a site only in untaken
                                     branches is NaN (floating) or 0 (other dtypes);
@@ -27,7 +29,8 @@ construct                           what ``intermediates[name][mode]`` holds
 a library's primitive               what its implementation runs, under these rules
 (``custom_linear_solve``, ``cg``,   (``cg``'s matvec: its initial guess's, and its
 ``custom_root`` on JAX >= 0.12,     loop's last iteration's), primal only; differentiated
-lineax, any ``jax.extend`` one)     inside, its derivative rules rerun it: ``ValueError``
+lineax, any ``jax.extend`` one)     inside, each rerun of its derivative rules is another
+                                    occurrence (``duplicates="number"``: ``name_1``, ...)
 ==================================  ===================================================
 
 Each site's ``{mode: value}`` dict records in ``stacked`` which leading axes scans and shard_maps
@@ -137,6 +140,9 @@ class _Captured:
     leaves: list[Any]
     stacked: Stacking = ()
     site: Any = None  # the streaming site whose summary ``leaves`` are (summary passes)
+    # The library primitive that ran this site again (a solver's derivative rules rebind it,
+    # on the tangent or transposed system): another occurrence, see sowtel._interpret.
+    rerun: str | None = None
 
     def stacked_in(self, kind: str, count: int) -> _Captured:
         return dataclasses.replace(self, stacked=((kind, count), *self.stacked))
@@ -310,8 +316,16 @@ def _eval(jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured
     captured: list[_Captured] = []
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        with jc.eqn_context(eqn):
-            outs, caps = _eval_eqn(eqn, invals)
+        transposed = jc.eqn_transposed(eqn)
+        _PASS.transposed = getattr(_PASS, "transposed", 0) + transposed
+        try:
+            # Re-bound in the backward pass where JAX's made it: the lowering of what is bound
+            # as it is (a library's primitive) tells a recomputation by that (see _eval_sow).
+            with (jc.backward_pass_names() if transposed else contextlib.nullcontext()), \
+                    jc.eqn_context(eqn):
+                outs, caps = _eval_eqn(eqn, invals)
+        finally:
+            _PASS.transposed -= transposed
         captured.extend(caps)
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
@@ -362,11 +376,21 @@ def _library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capture
     return _bind_plain(eqn, invals), []
 
 
+def _recomputed_in_backward_pass(p: dict[str, Any]) -> bool:
+    """A primal site evaluated in the backward pass is forward code run again there: a
+    ``custom_vjp`` bwd re-evaluating a jaxpr traced in the forward pass, a solver's transposed
+    solve running the user's function. It is silent, as ``jax.checkpoint``'s recomputation is
+    (the lowering applies the same rule to the callback transport)."""
+    return p["mode"] == "primal" and getattr(_PASS, "transposed", 0) > 0
+
+
 def _eval_sow(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     p = eqn.params
     site = p["site"]
     n = len(invals) - len(site.extras)
     outs = invals[:n]
+    if _recomputed_in_backward_pass(p):
+        return list(outs), []
     summary_pass = _pass()
     if summary_pass is not None:
         return _summarise_sow(summary_pass, p, invals, n)
@@ -597,9 +621,20 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
     meta: list[_Captured] = []
 
     def body_fn(state: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
-        outs, caps = _eval_body(body, [*body_consts, *state[0]])
+        carry, kept = state
+        outs, caps = _eval_body(body, [*body_consts, *carry])
         meta[:] = caps
-        return outs, _flat(caps)
+        flat = _flat(caps)
+        if kept:
+            # A site's value is its last forward iteration's. A loop that runs in a backward
+            # pass (a checkpointed while_loop's bwd, as Equinox's) runs the iterations last
+            # first: there the last forward iteration's cotangent is the first one it computes
+            # (its iterations that recompute forward code fill the site, as an untaken branch
+            # does: NaN, or 0 for other dtypes; those are skipped).
+            first = [naming.runs_backward(c.mode) for c in caps for _ in c.leaves]
+            flat = [jnp.where(jnp.all(_is_fill(old)), new, old) if keep_first else new
+                    for new, old, keep_first in zip(flat, kept, first, strict=True)]
+        return outs, flat
 
     def cond_fn(state: tuple[list[Any], list[Any]]) -> Any:
         pred = _eval_body(cond, [*cond_consts, *state[0]])[0][0]
@@ -619,6 +654,11 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
         if summary_pass is not None:
             summary_pass.in_while -= 1
     return list(state[0]), _unflat(meta, state[1])
+
+
+def _is_fill(x: Any) -> Any:
+    """Where ``x`` holds :func:`_fill_like`'s value (a site whose code did not run)."""
+    return jnp.isnan(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x == 0
 
 
 def _cond_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
@@ -844,6 +884,19 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
         repeated = any(len(group) > 1 for _, group in modes)
         if repeated and duplicates == "error":
             count = max(len(group) for _, group in modes)
+            again = next((c for _, group in modes for _, c in group if c.rerun), None)
+            if again is not None:
+                raise ValueError(
+                    f"sow {name!r} ({again.mode}) runs again in a second {again.rerun!r} "
+                    "primitive that runs the functions of an earlier one: the derivative rules "
+                    "of a solver (the implicit-function theorem) run them again, on the "
+                    "solution and on the tangent or transposed system, so the site has "
+                    f"{count} occurrences, each the value of one run. Pass "
+                    "save_intermediates(..., duplicates='number') to capture every run as "
+                    f"{name}_0, {name}_1, ... (the names streaming gives them), capture the "
+                    "solver undifferentiated (save_intermediates(f), not "
+                    "save_intermediates(jax.grad(f))), or sow a value computed outside the "
+                    "solver's functions (its solution, or a residual after it).")
             raise ValueError(
                 f"sow name {name!r} is used {count} times; names must be unique under "
                 "duplicates='error': rename the sites, or pass "

@@ -1059,6 +1059,7 @@ def _cond_lowering(lowered: Callable[[], Any], ctx: Any, branches: list[Any]) ->
 
 jc.wrap_cond_lowering(_cond_lowering)
 jc.track_loop_lowerings()  # where each site sits in the program: its records' index
+jc.track_transposed_lowerings()  # which sites are lowered in a backward pass
 
 
 def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bool,
@@ -1066,6 +1067,12 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
                   recompute: bool | str) -> list[Any]:
     leaves, _ = _split(args, site)
     if stream is None or recompute:
+        return leaves
+    if mode == "primal" and jc.lowering_in_transpose(ctx):
+        # Forward code lowered in a backward pass is a recomputation, silent as under
+        # jax.checkpoint: a custom_vjp bwd re-evaluating a jaxpr traced in the forward pass
+        # (JAX's tracing caches hand a nested loop's body back as it was traced there, so
+        # the sow was not bound again in the bwd, where it would have been marked).
         return leaves
     leaf_avals, _ = _split(ctx.avals_in, site)
     # The mask and the witnesses stay on the device.

@@ -3,8 +3,9 @@
 0.12), lineax's ``linear_solve`` and a primitive defined here through ``jax.extend``.
 
 ``sowtel.jit`` runs every such program ``jax.jit`` runs, with the same results and the records
-of the callback transport; ``save_intermediates`` captures what the primitive runs, and refuses
-the reruns of a solver's derivative rules with an error naming the site.
+of the callback transport; ``save_intermediates`` captures what the primitive runs, and each
+rerun of a solver's derivative rules as another occurrence of its sites (numbered under
+``duplicates="number"``, refused with an error naming the site and the primitive otherwise).
 """
 
 from __future__ import annotations
@@ -250,20 +251,52 @@ def test_capture_of_lineax_and_jax_extend_primitives() -> None:
     assert all(list(site) == ["primal"] for site in inter.values())
 
 
-@pytest.mark.parametrize("transform", ["grad", "jvp", "vmap_grad"])
-@pytest.mark.parametrize("program, site, construct", [
+RERUN_CASES = [
     ("custom_linear_solve", "mv", "custom_linear_solve"),
     ("cg", "cgmv", "custom_linear_solve"),
     ("lineax", "lxmv", "linear_solve|vprim"),
     ("jax_extend", "inner", "opaque_call"),
-])
-def test_capture_refuses_the_reruns_of_a_differentiated_solver(program: str, site: str,
-                                                               construct: str,
-                                                               transform: str) -> None:
+]
+
+
+@pytest.mark.parametrize("transform", ["jvp"])  # a backward pass's reruns are silent (below)
+@pytest.mark.parametrize("program, site, construct", RERUN_CASES)
+def test_the_reruns_of_a_differentiated_solver_are_occurrences_named_by_the_error(
+        program: str, site: str, construct: str, transform: str) -> None:
     fn, args = transformed(PROGRAMS[program], transform)
     with pytest.raises(ValueError, match=rf"sow '{site}' \(primal\) runs again in a second "
-                                         rf"'({construct})' primitive.*sowtel.jit"):
-        sowtel.save_intermediates(fn, duplicates="number")(*args)
+                                         rf"'({construct})' primitive.*duplicates='number'"):
+        sowtel.save_intermediates(fn)(*args)
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "vmap_grad"])
+@pytest.mark.parametrize("program, site, construct", RERUN_CASES)
+def test_the_reruns_of_a_differentiated_solver_are_captured_numbered(
+        program: str, site: str, construct: str, transform: str) -> None:
+    fn, args = transformed(PROGRAMS[program], transform)
+    result, inter = sowtel.save_intermediates(fn, duplicates="number")(*args)
+    for got, want in zip(jax.tree.leaves(result), jax.tree.leaves(jax.jit(fn)(*args)),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    names = sorted(n for n in inter if n == site or n.startswith(f"{site}_"))
+    if transform == "jvp":  # the tangent solve reruns the solver's functions
+        assert len(names) >= 2, names
+    assert names == [site] or names == [f"{site}_{k}" for k in range(len(names))], names
+    assert all("primal" in inter[n] for n in names)
+    # The first occurrence is the forward solve's run: the value the undifferentiated program
+    # captures (the first of its occurrences where it has several).
+    _, forward = sowtel.save_intermediates(PROGRAMS[program], duplicates="number")(H)
+    first = forward[site if site in forward else f"{site}_0"]["primal"]
+    got = inter[names[0]]["primal"]
+    if transform == "vmap_grad":
+        got = got[0]  # the batch's first row is H
+    np.testing.assert_allclose(got, first, rtol=1e-5, atol=1e-6)
+    # The callback transport streams its runs under the same names (it numbers each sow as
+    # traced, and sends nothing for one that never runs; capture numbers each run it
+    # evaluates, a solver's linearisation included, so it may have more).
+    _, records = stream(jax.jit, fn, args, steps=(None,))
+    streamed = {r.name for r in records if r.name == site or r.name.startswith(f"{site}_")}
+    assert names[0] in streamed and streamed <= set(names), (sorted(streamed), names)
 
 
 def test_capture_without_an_implementation_names_the_site() -> None:
