@@ -21,6 +21,7 @@ Example:
     ['cotangent', 'primal']
 """
 
+from sowtel.alerts import AlertError, AlertWarning, alert
 from sowtel.capture import Intermediates, save_intermediates
 from sowtel.compare import Divergence, compare_runs
 from sowtel.dumps import dump, load
@@ -35,7 +36,8 @@ from sowtel.session import Session, disable, enable, export, flush, log, status
 __version__ = "0.1.0"
 
 __all__ = [
-    "Divergence", "Intermediates", "Record", "Session", "at_step", "compare_runs", "disable",
+    "AlertError", "AlertWarning", "Divergence", "Intermediates", "Record", "Session", "alert",
+    "at_step", "compare_runs", "disable",
     "dump", "enable", "export",
     "flush", "jit", "load", "locate_nonfinite", "log", "NonFiniteError", "NonFiniteEvent",
     "NonFiniteReport", "NonFiniteWarning",

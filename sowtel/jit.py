@@ -300,6 +300,9 @@ class Jitted:
         histogram = session.histogram_at(step)
         if guard is not None:
             guard.before_call(self, step, args, kwargs)
+        rules = session.alert_rules  # sowtel.alerts: may raise a pending AlertError
+        if rules is not None and rules.pending:
+            rules.deliver()
         while True:
             due = self._due(config, step)
             if not due and not health:

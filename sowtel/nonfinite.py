@@ -67,6 +67,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sowtel.alerts import AlertError
 from sowtel.records import Record
 from sowtel.to_records import RecordBatch, SiteColumns
 
@@ -77,8 +78,9 @@ logger = logging.getLogger("sowtel")
 POLICIES = (None, "warn", "raise", "dump")
 
 
-class NonFiniteError(FloatingPointError):
-    """A record held NaN or infinite values (``enable(on_nonfinite="raise")``).
+class NonFiniteError(AlertError, FloatingPointError):
+    """A record held NaN or infinite values (``enable(on_nonfinite="raise")``): the alert of
+    the non-finite rule, so ``except sowtel.AlertError`` catches it too.
 
     Attributes:
       record: the :class:`~sowtel.Record`; ``site``, ``mode``, ``step``, ``index``: its fields.
@@ -98,8 +100,8 @@ class NonFiniteError(FloatingPointError):
         self.site, self.mode, self.step, self.index = (
             record.name, record.mode, record.step, record.index)
         self.postmortem = postmortem
-        super().__init__(describe(record) + (f"; post-mortem in {postmortem}" if postmortem
-                                             else ""))
+        super().__init__(None, describe(record) + (f"; post-mortem in {postmortem}"
+                                                   if postmortem else ""))
 
 
 class NonFiniteWarning(RuntimeWarning):
@@ -283,9 +285,27 @@ class Guard:
             return None
 
 
+    def postmortem_of_alert(self, alert: Any) -> Path | None:
+        """The post-mortem of the step an alert rule fired at (``sowtel.alerts``, action
+        ``"dump"``), from the flight recorder; None if it no longer keeps that step."""
+        kept = next((k for k in reversed(self._kept) if k.step == alert.step), None)
+        if kept is None:
+            return None
+        try:
+            folder = write_postmortem(getattr(kept.fun, "_fun", kept.fun), kept.args,
+                                      kept.kwargs, step=kept.step, record=None,
+                                      logdir=self.logdir or os.getcwd(), tags=self.tags,
+                                      locate=False, alert=str(alert))
+            self.postmortems.append(folder)
+            return folder
+        except Exception:  # noqa: BLE001 - a failed post-mortem must not stop training
+            logger.exception("sowtel: the post-mortem of step %s failed", alert.step)
+            return None
+
+
 def write_postmortem(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
                      step: int, record: Record | None, logdir: str, tags: Sequence[str],
-                     locate: bool) -> Path:
+                     locate: bool, alert: str | None = None) -> Path:
     """Runs ``fun(*args, **kwargs)`` again through ``save_intermediates`` (streaming off) and
     writes ``<logdir>/postmortem/step_<step>/step_<step>.safetensors``; with ``locate``, also
     ``locate.txt`` / ``locate.json`` from :func:`sowtel.locate_nonfinite`. Returns the folder.
@@ -306,6 +326,8 @@ def write_postmortem(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     metadata: dict[str, Any] = {"postmortem_step": step}
     if record is not None:
         metadata["alert"] = describe(record)
+    elif alert is not None:
+        metadata["alert"] = alert
     if report is not None:
         metadata["first_nonfinite_operation"] = str(report.first) if report.first else None
         (folder / "locate.txt").write_text(str(report) + "\n")

@@ -43,6 +43,7 @@ import numpy as np
 
 from sowtel import _exit, multihost
 from sowtel import _jax_compat as jc
+from sowtel.alerts import Alert, Alerts, make_alerts
 from sowtel.build import records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
@@ -177,6 +178,7 @@ class Session:
         export_process: int = 0,
         guard: Guard | None = None,
         histogram_every: int | None = None,
+        alerts: Alerts | None = None,
     ) -> None:
         self.id = next(_ids)
         # What shapes compiled programs, and keys their cache (never the session's identity).
@@ -213,6 +215,9 @@ class Session:
         self._effect_errors = 0
         self.scoped = False  # entered as a context manager
         self.guard = guard  # on_nonfinite, health_every, flight recorder (sowtel.nonfinite)
+        self.alert_rules = alerts  # enable(alerts=...) (sowtel.alerts)
+        if alerts is not None and guard is not None:
+            alerts.postmortem = guard.postmortem_of_alert
 
     # -- host-side steps ------------------------------------------------------------------------
 
@@ -367,6 +372,8 @@ class Session:
         through :attr:`guard`."""
         if self.guard is not None:
             self.guard.observe(batch)
+        if self.alert_rules is not None:
+            self.alert_rules.observe(batch)
         if self.first_nonfinite is not None:
             return
         found = first_nonfinite(batch, with_index=True)
@@ -447,7 +454,14 @@ class Session:
         done = self.dispatcher.flush(timeout)
         if self.guard is not None:
             self.guard.deliver()  # may raise NonFiniteError
+        if self.alert_rules is not None:
+            self.alert_rules.deliver()  # may raise AlertError
         return done
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every alert the session's rules fired so far, oldest first (the last 1,000)."""
+        return [] if self.alert_rules is None else list(self.alert_rules.fired)
 
     def _effects_barrier(self) -> None:
         if self._forked:
@@ -467,7 +481,8 @@ class Session:
         s = dict(self.dispatcher.status())
         s.update(enabled=not self._closed, session=self.id, effect_errors=self._effect_errors,
                  late=self._late, split_unexported=multihost.SPLIT_UNEXPORTED[0],
-                 first_nonfinite=self.first_nonfinite)
+                 first_nonfinite=self.first_nonfinite,
+                 alerts=0 if self.alert_rules is None else self.alert_rules.count)
         # Records an exporter was handed (so counted as exported) and later let go of to stay
         # within its own bound, such as the memory exporter's max_records.
         s["evicted"] = {label: _evicted(e) for label, e in
@@ -538,6 +553,8 @@ def enable(
     histogram_every: int | None = HISTOGRAM_EVERY,
     flight_recorder: int | None = None,
     record_donated: bool = False,
+    alerts: Any = None,
+    on_alert: Any = "warn",
     **exporter_options: Any,
 ) -> Session:
     """Streams every selected sow, in every program traced from now on, to ``exporter``.
@@ -576,6 +593,12 @@ def enable(
         post-mortem of the step that made a non-finite value (default: 1 under
         ``on_nonfinite="dump"``, else off); memory: about K+1 extra copies of the arguments.
       record_donated: also record functions that donate arguments (copies them each call).
+      alerts: rules made by :func:`sowtel.alert` over the sites' statistics and the
+        :func:`sowtel.log` series (see :mod:`sowtel.alerts`).
+      on_alert: what a rule without an action of its own does when it fires: ``"warn"``,
+        ``"raise"`` (the next ``sowtel.jit`` call or ``flush()`` raises
+        :class:`sowtel.AlertError`), ``"dump"`` (a post-mortem of the step from the flight
+        recorder, on with K=1 then) or a callable taking the :class:`sowtel.alerts.Alert`.
       **exporter_options: passed to exporters named by string (``logdir=...``).
 
     Returns:
@@ -623,6 +646,9 @@ def enable(
                          exclude=exclude_fn, every=every, export_process=export_process,
                          histogram_every=histogram_every),
                     what="enable")
+    rules = make_alerts(alerts, on_alert)
+    if rules is not None and flight_recorder is None and rules.dumps:
+        flight_recorder = 1  # a post-mortem of the step an alert fired at
     guard_options = (on_nonfinite, health_every, flight_recorder, record_donated)
     make_guard(*guard_options, None, tags_t)  # checked before exporters open files
     exporters = resolve(exporter, **exporter_options)
@@ -633,6 +659,7 @@ def enable(
         exclude=exclude_fn, every=every, queue_size=queue_size, on_full=on_full,
         max_bytes=max_bytes, export_process=export_process,
         guard=make_guard(*guard_options, logdir, tags_t), histogram_every=histogram_every,
+        alerts=rules,
     )
     with _lock:
         below = _stack[-1] if _stack else None
@@ -744,7 +771,7 @@ def status() -> dict[str, Any]:
             return closed.status()
         empty: dict[str, Any] = {
             "enabled": False, "received": 0, "dropped": 0, "queued": 0, "exported": {},
-            "errors": {}, "stalled": [], "first_nonfinite": None, "effect_errors": 0,
+            "errors": {}, "stalled": [], "first_nonfinite": None, "alerts": 0, "effect_errors": 0,
             "late": 0, "evicted": {}, "failed": {}, "drop_reasons": {}, "pending": {},
             "backlog": {}, "held_bytes": 0}
         empty["accounts"] = accounts(empty)
@@ -821,4 +848,7 @@ def log(scalars: dict[str, Any], *, step: int) -> int:
     records = log_records(values, step=int(step), wall_time=time.time(),
                           process_index=session.process_index)
     session.dispatcher.put_records(records)
+    if session.alert_rules is not None:  # logged numbers skip the conversion: judged here
+        session.alert_rules.observe(records)
+        session.alert_rules.deliver()  # may raise AlertError
     return len(records)
