@@ -22,7 +22,7 @@ How the rules stay quiet when nothing is wrong:
   bound (or goes on spiking), and fires again once it came back within the rule, or when it
   crosses the other bound.
 - **History first.** A spike needs a history: the rule judges a value against at least
-  ``min(window, 8)`` earlier values of its series, so the first steps of a run never fire.
+  ``min(window, 20)`` earlier values of its series, so the first steps of a run never fire.
 - **Flat windows.** A window whose MAD is 0 (a constant series, or one that repeats one value
   more than half the time) is judged by its mean absolute deviation from the median instead
   (times 1.2533, the same scale for normal noise); a window of one value repeated throughout
@@ -77,7 +77,7 @@ STATS = (*STAT_KEYS, "value")
 #: noise.
 MAD_SCALE, MEAN_ABS_SCALE = 1.4826, 1.2533
 #: The fewest earlier values a spike is judged against (or the window, if smaller).
-MIN_HISTORY = 8
+MIN_HISTORY = 20
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-/]*")
 
 

@@ -72,11 +72,15 @@ def test_a_tenfold_spike_in_a_logged_loss_fires_at_its_step():
 
 
 def test_the_first_steps_need_a_history_before_a_spike_can_fire():
-    # 1, 2, 4, ... doubles each step: every value is far from its few predecessors' median.
-    seen, _ = _log_run([2.0 ** k for k in range(8)], [alert("train/loss", spike=3.0)])
+    # 1, 2, 4, ... doubles each step: every value is far from its predecessors' median.
+    seen, _ = _log_run([2.0 ** k for k in range(20)], [alert("train/loss", spike=3.0)])
     assert seen == []
-    seen, _ = _log_run([1.0] * 8 + [5.0], [alert("train/loss", spike=3.0)])
-    assert [a.step for a in seen] == [8]  # a flat history: any real change is a spike
+    seen, _ = _log_run([2.0 ** k for k in range(21)], [alert("train/loss", spike=3.0)])
+    assert [a.step for a in seen] == [20]
+    seen, _ = _log_run([1.0] * 20 + [1.0 + 1e-3], [alert("train/loss", spike=3.0)])
+    assert [a.step for a in seen] == [20]  # a flat history: any real change is a spike
+    seen, _ = _log_run([1.0] * 3 + [5.0], [alert("train/loss", spike=3.0, window=3)])
+    assert [a.step for a in seen] == [3]  # a window smaller than 20 needs that many values
 
 
 def test_one_alert_per_episode_and_it_rearms():
