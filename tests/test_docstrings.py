@@ -17,7 +17,7 @@ MODULES = [
     "sowtel.exporters._tensorboard_layout", "sowtel.dashboard", "sowtel.dashboards",
     "sowtel.intermediates", "sowtel.compare", "sowtel._run_read",
     "sowtel.exporters._tensorboard_order",
-    "sowtel._interpret",
+    "sowtel._interpret", "sowtel.tap",
 ]
 
 
@@ -27,5 +27,6 @@ def test_docstring_examples(name: str) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} failing example(s) in {name}"
     if name in ("sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.jit",
-                "sowtel.build", "sowtel.locate", "sowtel.compare", "sowtel._run_read"):
+                "sowtel.build", "sowtel.locate", "sowtel.compare", "sowtel._run_read",
+                "sowtel.tap"):
         assert result.attempted > 0
