@@ -416,6 +416,8 @@ def _eval_eqn(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
         # is sown inside it); everything else, a sow included, is bound as it was traced.
         if not tap.holds():
             return _bind_plain(eqn, invals), []
+        if jc.construct(eqn) in ("custom_jvp", "custom_vjp"):
+            return _tap_custom_rule(eqn, invals)
         return _RULES[jc.construct(eqn) or ""](eqn, invals)
     if prim is sow_p:
         return _eval_sow(eqn, invals)
@@ -431,6 +433,17 @@ def _eval_eqn(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     if rule is None:
         return _library_rule(eqn, invals)
     return rule(eqn, invals)
+
+
+def _tap_custom_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    """``sowtel.tap`` inside a ``custom_jvp`` / ``custom_vjp`` function: the outputs keep the
+    function's rules (it is bound as it is); its sites are those of its function run again on
+    the same operands, where no derivative reaches them (the rules define none for values
+    inside the function: a derivative there would be a zero, not the value's), so they are
+    primal sites under every transformation, as a sow there is."""
+    outs = _bind_plain(eqn, invals)
+    _eval(*jc.call_body(eqn), [jax.lax.stop_gradient(x) for x in invals])
+    return outs, []
 
 
 def _library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:

@@ -155,7 +155,7 @@ def test_constructs_inside():
     assert [r.name for r in records(session)] == ["dot_general"] * 3
 
 
-def test_custom_derivative_functions_are_tapped():
+def test_custom_derivative_functions_are_tapped_as_primal_sites():
     @jax.custom_jvp
     def cj(x):
         return jnp.tanh(x @ W1)
@@ -166,14 +166,43 @@ def test_custom_derivative_functions_are_tapped():
     def cv(x):
         return x @ W1
 
-    cv.defvjp(lambda x: (x @ W1, None), lambda _, g: (g @ W1.T,))
-    _, inter = sowtel.save_intermediates(
-        sowtel.tap(lambda x: cj(x).sum() + cv(x).sum()))(X)
+    cv.defvjp(lambda x: (x @ W1, None), lambda _, g: (2.0 * g @ W1.T,))  # a rule of its own
+
+    def f(x):
+        return cj(x).sum() + cv(x).sum()
+
+    _, inter = sowtel.save_intermediates(sowtel.tap(f))(X)
     np.testing.assert_allclose(inter["dot_general_0"]["primal"], X @ W1, rtol=1e-6)
     np.testing.assert_allclose(inter["dot_general_1"]["primal"], X @ W1, rtol=1e-6)
-    # Differentiated from outside, the rules still give the results.
-    g = jax.grad(sowtel.tap(lambda x: cj(x).sum() + cv(x).sum()))(X)
-    np.testing.assert_allclose(g, jax.grad(lambda x: cj(x).sum() + cv(x).sum())(X), rtol=1e-6)
+    # Differentiated from outside: the rules give the results (cv's doubles its gradient), the
+    # sites inside stay primal (a rule defines no derivative of a value inside its function).
+    g, inter = sowtel.save_intermediates(jax.grad(sowtel.tap(f)))(X)
+    np.testing.assert_allclose(g, jax.grad(f)(X), rtol=1e-6)
+    assert {name: list(modes) for name, modes in inter.items()} == {
+        "dot_general_0": ["primal"], "dot_general_1": ["primal"]}
+    np.testing.assert_allclose(inter["dot_general_1"]["primal"], X @ W1, rtol=1e-6)
+
+
+def test_shard_map_sites_per_shard_and_an_enclosing_scope():
+    mesh = jax.make_mesh((8,), ("i",))
+    xs = jax.device_put(jnp.linspace(-1.0, 1.0, 24).reshape(8, 3),
+                        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i")))
+    spec = jax.sharding.PartitionSpec("i")
+    product = jax.shard_map(lambda v: v @ W1, mesh=mesh, in_specs=spec, out_specs=spec)
+
+    def f(x):
+        return jnp.sum(jnp.sin(product(x)))
+
+    def scoped(x):
+        with sowtel.scope("outer"):
+            return sowtel.tap(f)(x)
+
+    _, inter = sowtel.save_intermediates(jax.grad(scoped))(xs)
+    site = inter["outer/dot_general"]
+    assert site.stacked["primal"] == (("shard", 8),)
+    np.testing.assert_allclose(np.asarray(site["primal"]).reshape(8, 4), xs @ W1, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(site["cotangent"]).reshape(8, 4), jnp.cos(xs @ W1),
+                               rtol=1e-5)
 
 
 def test_backward_pass_inside_fn_is_not_tapped():
@@ -355,6 +384,23 @@ def test_haiku_model_streamed_through_sowtel_jit_and_callbacks():
         for r in got:
             np.testing.assert_allclose(r.stats["l2"], float(jnp.linalg.norm(inter[r.name][r.mode])),
                                        rtol=1e-4)
+
+
+def test_a_tapped_program_is_the_hand_sown_program():
+    from benchmarks import hlo_structure
+
+    def hand_sown(ws, x):
+        def layer(h, w):
+            with jax.named_scope("layer"):
+                return jnp.tanh(sowtel.sow(h @ w, "layer/dot_general")), None
+
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+    with sowtel.enable(exporter="memory"):
+        tapped = jax.jit(jax.grad(sowtel.tap(scanned))).lower(WS, X).compile().as_text()
+        by_hand = jax.jit(jax.grad(hand_sown)).lower(WS, X).compile().as_text()
+    assert "callback" in tapped  # streaming: the sites are in the program
+    assert hlo_structure(tapped) == hlo_structure(by_hand)  # up to how XLA named things
 
 
 def test_filters_of_the_session_apply_to_tapped_sites():
