@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import sowtel
-from benchmarks import Table, fmt_ratio, fmt_time, interleave, module_main
+from benchmarks import Table, fmt_ratio, fmt_time, hlo_structure, interleave, module_main
 from sowtel.exporters.memory import MemoryExporter
 
 __all__ = ["run", "main"]
@@ -170,9 +170,15 @@ def steps_table(*, layers: int, width: int, batch: int, rounds: int, steps: int)
                   fmt_ratio(statistics.median(ratios),
                             (min(ratios), max(ratios)) if len(ratios) > 1 else None),
                   fmt_ratio(t.per_step() / hand), counted.get(name, 0))
+        same = (hlo_structure(fns["sowtel.jit, tapped"].lower_logging(params, x)
+                              .compile().as_text())
+                == hlo_structure(fns["sowtel.jit, hand-placed sows"].lower_logging(params, x)
+                                 .compile().as_text()))
     table.notes.append(f"{rounds} rounds of {steps} steps, each variant bracketed by the "
                        "jax.jit step; the tapped step and the hand-sown one have the same "
                        "sites and names, so their records are the same")
+    table.notes.append("the tapped step's logging program is the hand-sown one's (compiled "
+                       f"HLO, up to XLA's instruction names): {'yes' if same else 'NO'}")
     return table
 
 

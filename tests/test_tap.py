@@ -399,8 +399,14 @@ def test_a_tapped_program_is_the_hand_sown_program():
     with sowtel.enable(exporter="memory"):
         tapped = jax.jit(jax.grad(sowtel.tap(scanned))).lower(WS, X).compile().as_text()
         by_hand = jax.jit(jax.grad(hand_sown)).lower(WS, X).compile().as_text()
+        # sowtel.jit's logging program: the summaries returned as outputs, no callback.
+        tapped_jit = sowtel.jit(jax.grad(sowtel.tap(scanned))).lower_logging(WS, X)
+        by_hand_jit = sowtel.jit(jax.grad(hand_sown)).lower_logging(WS, X)
     assert "callback" in tapped  # streaming: the sites are in the program
     assert hlo_structure(tapped) == hlo_structure(by_hand)  # up to how XLA named things
+    tapped_jit, by_hand_jit = tapped_jit.compile().as_text(), by_hand_jit.compile().as_text()
+    assert "callback" not in tapped_jit and len(tapped_jit) > len(_program(scanned, WS, X))
+    assert hlo_structure(tapped_jit) == hlo_structure(by_hand_jit)
 
 
 def test_filters_of_the_session_apply_to_tapped_sites():
