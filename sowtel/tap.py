@@ -121,6 +121,15 @@ def _scopes(eqn: Any) -> tuple[list[str], bool]:
     return scopes, transposed
 
 
+def _enclosing_scopes() -> list[str]:
+    """The scopes around the tapped call (a ``jax.named_scope``, the Linen module calling it),
+    which the equations of its own trace do not carry. Not ``sowtel.scope``'s: its prefix names
+    the sites already (as it names a sow)."""
+    return [name for kind, name in jc.current_name_stack()
+            if kind == "scope" and not name.startswith(naming.SCOPE_MARK)
+            and name not in _JAX_SCOPES]
+
+
 def _bodies(eqn: Any) -> list[Any]:
     """The jaxprs the evaluator's rule for ``eqn`` evaluates (those a site can be sown in)."""
     kind = jc.construct(eqn)
@@ -136,13 +145,13 @@ def _bodies(eqn: Any) -> list[Any]:
 class _Plan:
     """Where the sites of one traced call are: found once, before the jaxpr is evaluated."""
 
-    def __init__(self, jaxpr: Any, chosen: Callable[[Any], bool]) -> None:
+    def __init__(self, jaxpr: Any, chosen: Callable[[Any], bool], scopes: list[str]) -> None:
         self.found: list[tuple[tuple[int, ...], str]] = []  # (path, unnumbered name)
         self.holding: set[tuple[int, ...]] = set()
         self.sown: set[str] = set()  # the names of the user's own sows
         self.seen: set[str] = set()  # primitive names present, for messages
         self._chosen = chosen
-        self._walk(jaxpr, (), [], False)
+        self._walk(jaxpr, (), scopes, False)
 
     def _walk(self, jaxpr: Any, path: tuple[int, ...], scopes: list[str],
               transposed: bool) -> bool:
@@ -339,7 +348,7 @@ def tap(fn: Callable[..., Any], *,
 
         with naming.scopes_in_name_stack():
             jaxpr, consts, out_tree = capture.trace_flat(merged, dyn, (fn, args, kwargs, dynamic))
-        plan = _Plan(jaxpr, chosen)
+        plan = _Plan(jaxpr, chosen, _enclosing_scopes())
         names = _names(plan)
         kept = {path: name for path, name in names.items()
                 if (keep_in is None or keep_in(name)) and not (keep_out is not None

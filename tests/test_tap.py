@@ -262,6 +262,25 @@ def test_names_sanitised_numbered_and_scoped():
     assert site_name(["a:b", "", "."], "dot_general") == "a_b/_/dot_general"
 
 
+def test_a_tap_inside_a_module_or_named_scope_is_named_under_it():
+    class Tapped(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", lambda key: W1)
+            return sowtel.tap(lambda v: jnp.tanh(v @ w))(x)
+
+    model = Tapped()
+    params = model.init(jax.random.key(0), X)
+
+    def f(x):
+        with jax.named_scope("outer"):
+            return model.apply(params, x).sum()
+
+    _, inter = sowtel.save_intermediates(f)(X)
+    assert list(inter) == ["outer/Tapped/dot_general"]
+    np.testing.assert_allclose(inter["outer/Tapped/dot_general"]["primal"], X @ W1, rtol=1e-6)
+
+
 def test_user_sows_keep_their_names_and_taps_do_not_collide():
     def f(x):
         h = sowtel.sow(x @ W1, "dot_general")
