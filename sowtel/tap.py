@@ -38,8 +38,8 @@ What is not tapped (documented in docs/watch.md):
 
 - equations of a backward pass that ``fn`` itself runs (``tap(train_step)`` where the step
   calls ``jax.grad``): its forward products are primal sites, but their cotangents were taken
-  before the tap saw them. Tap the function that is differentiated, ``jax.grad(tap(loss))``,
-  to get them;
+  before the tap saw them (a warning says so). Tap the function that is differentiated,
+  ``jax.grad(tap(loss))``, to get them;
 - a ``while_loop`` cond function (a site can never stream from there) and the functions of a
   library's primitive that has no construct rule (``custom_linear_solve``, lineax's solves):
   they run as they are;
@@ -150,6 +150,7 @@ class _Plan:
         self.holding: set[tuple[int, ...]] = set()
         self.sown: set[str] = set()  # the names of the user's own sows
         self.seen: set[str] = set()  # primitive names present, for messages
+        self.backward = 0  # chosen equations of a backward pass the function runs itself
         self._chosen = chosen
         self._walk(jaxpr, (), scopes, False)
 
@@ -164,9 +165,12 @@ class _Plan:
             if eqn.primitive is sow_p:
                 self.sown.add(eqn.params["site"].name)
                 continue
-            if not back and self._chosen(eqn):
-                self.found.append((here, site_name(inner, str(eqn.primitive.name))))
-                holds = True
+            if self._chosen(eqn):
+                if back:
+                    self.backward += 1
+                else:
+                    self.found.append((here, site_name(inner, str(eqn.primitive.name))))
+                    holds = True
             if any([self._walk(body, here, inner, back) for body in _bodies(eqn)]):
                 self.holding.add(here)
                 holds = True
@@ -373,6 +377,14 @@ def _warn_unmatched(fn: Any, plan: _Plan, names: dict[tuple[int, ...], str], inc
     available = list(dict.fromkeys(names.values()))
     shown = ", ".join(map(repr, available[:8])) + (", ..." if len(available) > 8 else "")
     where = getattr(fn, "__name__", repr(fn))
+    if plan.backward and "backward" not in warned:
+        warned.add("backward")
+        warnings.warn(
+            f"sowtel.tap({where}) taps a function that differentiates inside: its "
+            f"{plan.backward} chosen equations of the backward pass are not sites, and its "
+            "sites get no cotangent (the derivatives were taken before the tap saw them). To "
+            "stream cotangents, tap the function that is differentiated, e.g. "
+            "jax.grad(sowtel.tap(loss)) inside the step", stacklevel=3)
     if not plan.found and "nothing" not in warned:
         warned.add("nothing")
         warnings.warn(

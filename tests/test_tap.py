@@ -206,7 +206,9 @@ def test_shard_map_sites_per_shard_and_an_enclosing_scope():
 
 
 def test_backward_pass_inside_fn_is_not_tapped():
-    _, inter = sowtel.save_intermediates(sowtel.tap(jax.grad(mlp)))(W1, W2, X)
+    with pytest.warns(UserWarning, match=r"differentiates inside: its 2 chosen equations of "
+                                         r"the backward pass.*jax.grad\(sowtel.tap\(loss\)\)"):
+        _, inter = sowtel.save_intermediates(sowtel.tap(jax.grad(mlp)))(W1, W2, X)
     # Forward products only (the transposed ones are the backward pass's), as primal sites.
     assert list(inter) == ["hidden/dot_general", "head/dot_general"]
     assert all(list(modes) == ["primal"] for modes in inter.values())
@@ -374,7 +376,8 @@ def test_linen_scan_remat_streamed_through_sowtel_jit():
                     strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     # sowtel.jit(tap(step)) with the gradient taken inside: the forward products, primal.
-    with sowtel.enable(exporter="memory") as session:
+    with sowtel.enable(exporter="memory") as session, pytest.warns(UserWarning,
+                                                                   match="differentiates"):
         sowtel.jit(sowtel.tap(lambda p, x: jax.grad(loss)(p, x)))(params, x)
         sowtel.flush()
     assert {(r.name, r.mode) for r in records(session)} == {(n, "primal") for n in inter}
