@@ -229,13 +229,15 @@ class TapPass:
     does, gives the same path twice). ``names[path]`` is the site name of the equation at
     ``path`` (absent: not a site); ``holding`` holds the paths of constructs whose bodies hold
     a site, the only ones whose construct rules run (every other equation is bound as it is,
-    the user's own sows included). ``sow(outputs, name)`` sows them and returns what to use.
+    the user's own sows included). ``sow(outputs, name)`` sows them and returns what to use;
+    ``placed`` collects the names sown, so that a site planned but never met is an error.
     """
 
     names: dict[tuple[int, ...], str]
     holding: set[tuple[int, ...]]
     sow: Callable[[list[Any], str], list[Any]]
     path: list[int] = dataclasses.field(default_factory=list)
+    placed: set[str] = dataclasses.field(default_factory=set)  # the names sown so far
 
     def holds(self) -> bool:
         """Whether the equation evaluated now is a construct whose body holds a site."""
@@ -244,7 +246,10 @@ class TapPass:
     def after(self, outs: list[Any]) -> list[Any]:
         """The outputs of the equation evaluated now, sown if it is a site."""
         name = self.names.get(tuple(self.path))
-        return outs if name is None else self.sow(outs, name)
+        if name is None:
+            return outs
+        self.placed.add(name)
+        return self.sow(outs, name)
 
 
 def _pass() -> SummaryPass | None:

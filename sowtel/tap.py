@@ -360,6 +360,13 @@ def tap(fn: Callable[..., Any], *,
         _warn_unmatched(fn, plan, names, include, exclude, warned)
         tap_pass = capture.TapPass(names=kept, holding=_holding(plan, kept), sow=sow_outputs)
         outs = capture.eval_taps(jaxpr, consts, dyn, tap_pass)
+        lost = [name for name in kept.values() if name not in tap_pass.placed]
+        if lost:  # never silently: a construct whose rule evaluated another body than planned
+            raise NotImplementedError(
+                f"sowtel.tap({getattr(fn, '__name__', fn)!r}) could not place the site "
+                f"{lost[0]!r} ({len(lost)} in all): the construct around it was evaluated from "
+                "another jaxpr than the one read. Exclude it (exclude=...) and sow it by hand, "
+                "or report it with the construct's primitive")
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return tapped
