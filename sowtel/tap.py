@@ -130,6 +130,15 @@ def _enclosing_scopes() -> list[str]:
             and name not in _JAX_SCOPES]
 
 
+def _unread(eqn: Any) -> list[Any]:
+    """The jaxprs of ``eqn`` that run as they are, never a site: a ``while_loop``'s cond
+    function, and those of a library's primitive (``custom_linear_solve``, lineax's solves)."""
+    kind = jc.construct(eqn)
+    if kind == "while":
+        return [jc.loop_parts(eqn)["cond"][0]]
+    return jc.sub_jaxprs(eqn) if kind is None else []
+
+
 def _bodies(eqn: Any) -> list[Any]:
     """The jaxprs the evaluator's rule for ``eqn`` evaluates (those a site can be sown in)."""
     kind = jc.construct(eqn)
@@ -151,6 +160,7 @@ class _Plan:
         self.sown: set[str] = set()  # the names of the user's own sows
         self.seen: set[str] = set()  # primitive names present, for messages
         self.backward = 0  # chosen equations of a backward pass the function runs itself
+        self.inside: dict[str, int] = {}  # chosen equations in a primitive run as it is
         self._chosen = chosen
         self._walk(jaxpr, (), scopes, False)
 
@@ -174,7 +184,19 @@ class _Plan:
             if any([self._walk(body, here, inner, back) for body in _bodies(eqn)]):
                 self.holding.add(here)
                 holds = True
+            unread = _unread(eqn)
+            if unread and not back:
+                count = sum(self._count(j) for j in unread)
+                if count:
+                    why = "cond function" if jc.construct(eqn) else "primitive with no rule"
+                    where = f"{jc.eqn_name(eqn)} {why}"
+                    self.inside[where] = self.inside.get(where, 0) + count
         return holds
+
+    def _count(self, jaxpr: Any) -> int:
+        """The chosen equations in ``jaxpr`` and the jaxprs it holds."""
+        return sum(bool(self._chosen(e)) + sum(self._count(j) for j in jc.sub_jaxprs(e))
+                   for e in jaxpr.eqns)
 
 
 def _clashes(base: str, sown: set[str]) -> bool:
@@ -392,7 +414,14 @@ def _warn_unmatched(fn: Any, plan: _Plan, names: dict[tuple[int, ...], str], inc
             "sites get no cotangent (the derivatives were taken before the tap saw them). To "
             "stream cotangents, tap the function that is differentiated, e.g. "
             "jax.grad(sowtel.tap(loss)) inside the step", stacklevel=3)
-    if not plan.found and "nothing" not in warned:
+    for inside, count in plan.inside.items():
+        if inside not in warned:
+            warned.add(inside)
+            warnings.warn(
+                f"sowtel.tap({where}): {count} chosen equation(s) inside a {inside} are not "
+                "tapped: it runs as it is (see sowtel.tap's docstring). Sow a value there by "
+                "hand to watch it", stacklevel=3)
+    if not plan.found and not plan.inside and not plan.backward and "nothing" not in warned:
         warned.add("nothing")
         warnings.warn(
             f"sowtel.tap({where}) found no equation to tap: the primitives it holds are "

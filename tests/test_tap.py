@@ -123,6 +123,7 @@ def test_tangents_under_jvp_and_batch_under_vmap():
 # Constructs inside the tapped function.
 
 
+@pytest.mark.filterwarnings("ignore:save_intermediates.*captured nothing")
 def test_constructs_inside():
     def f(x, flag):
         y = jax.lax.cond(flag > 0, lambda v: v @ W1, lambda v: jnp.zeros((5, 4)), x)
@@ -147,6 +148,15 @@ def test_constructs_inside():
                                   (0, x))[1]
 
     _, inter = sowtel.save_intermediates(sowtel.tap(loop))(X)
+    # A product in the cond function: not a site, and said so.
+    in_cond = sowtel.tap(lambda x: jax.lax.while_loop(
+        lambda s: jnp.sum(s @ WS[0]) < 100.0, lambda s: 2.0 * s, x))
+    with pytest.warns(UserWarning, match=r"1 chosen equation\(s\) inside a while cond function"):
+        sowtel.save_intermediates(in_cond, duplicates="number")(X)
+    solve = sowtel.tap(lambda b: jax.lax.custom_linear_solve(
+        lambda v: WS[0] @ v, b, lambda mv, r: jnp.linalg.inv(WS[0]) @ r))
+    with pytest.warns(UserWarning, match="inside a custom_linear_solve primitive with no rule"):
+        sowtel.save_intermediates(solve)(X[0])
     np.testing.assert_allclose(inter["dot_general"]["primal"], X @ WS[0] @ WS[0] @ WS[0],
                                rtol=1e-5, atol=1e-6)
     with sowtel.enable(exporter="memory") as session:  # streamed: every iteration
