@@ -42,9 +42,10 @@ What is not tapped (documented in docs/watch.md):
   ``jax.grad(tap(loss))``, to get them;
 - a ``while_loop`` cond function (a site can never stream from there) and the functions of a
   library's primitive that has no construct rule (``custom_linear_solve``, lineax's solves):
-  they run as they are;
+  they run as they are (a warning gives the count);
 - ``custom_vjp``'s ``fwd`` and ``bwd`` and ``custom_jvp``'s rule: the primal function is
-  tapped; under differentiation its sites get their derivatives by differentiating it.
+  tapped, and its sites are primal sites under every transformation (the rules, which still
+  give the function's derivatives, define none for values inside it).
 """
 
 from __future__ import annotations
@@ -312,6 +313,8 @@ def tap(fn: Callable[..., Any], *,
     inside ``fn``: ``while_loop``       every iteration (captured: the last)
     inside ``fn``: ``cond``             the branch taken
     inside ``fn``: ``checkpoint``       the primal once, not per recomputation
+    inside ``fn``: a ``custom_jvp`` /   primal only
+    ``custom_vjp`` function
     inside ``fn``: ``grad``             primal only (see the module's docstring)
     ==================================  ==========================================
 
