@@ -70,6 +70,9 @@ def test_disabled_program_is_fns_own():
     assert _program(sowtel.tap(mlp), W1, W2, X) == _program(mlp, W1, W2, X)
     assert (_program(jax.grad(sowtel.tap(scanned)), WS, X)
             == _program(jax.grad(scanned), WS, X))
+    model, x = Model(), jnp.ones((2, 4))
+    params = model.init(jax.random.key(0), x)
+    assert _program(sowtel.tap(model.apply), params, x) == _program(model.apply, params, x)
     # A session that streams another tag leaves the program alone too.
     with sowtel.enable(exporter="memory", tags=("other",)):
         assert _program(sowtel.tap(mlp), W1, W2, X) == _program(mlp, W1, W2, X)
@@ -446,6 +449,20 @@ def test_filters_of_the_session_apply_to_tapped_sites():
         jax.jit(jax.grad(sowtel.tap(mlp)))(W1, W2, X)
         sowtel.flush()
     assert [(r.name, r.mode) for r in records(session)] == [("head/dot_general", "cotangent")]
+
+
+def test_tag_selects_the_pass_that_sees_the_sites():
+    acts = sowtel.tap(mlp, tag="acts")
+    _, inter = sowtel.save_intermediates(acts, tag="acts")(W1, W2, X)
+    assert list(inter) == ["hidden/dot_general", "head/dot_general"]
+    with pytest.warns(UserWarning, match="captured nothing"):  # another tag: fn's own trace
+        _, inter = sowtel.save_intermediates(acts)(W1, W2, X)
+    assert inter == {}
+    with sowtel.enable(exporter="memory", tags=("acts",)) as session:
+        jax.jit(acts)(W1, W2, X)
+        sowtel.flush()
+    assert {(r.name, r.tag) for r in records(session)} == {
+        ("hidden/dot_general", "acts"), ("head/dot_general", "acts")}
 
 
 def test_no_warnings_from_a_plain_tap():
