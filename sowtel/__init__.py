@@ -32,6 +32,7 @@ from sowtel.nonfinite import NonFiniteError, NonFiniteWarning
 from sowtel.primitive import at_step, sow
 from sowtel.records import Record
 from sowtel.session import Session, disable, enable, export, flush, log, status
+from sowtel.tap import tap
 
 __version__ = "0.1.0"
 
@@ -41,7 +42,7 @@ __all__ = [
     "dump", "enable", "export",
     "flush", "jit", "load", "locate_nonfinite", "log", "NonFiniteError", "NonFiniteEvent",
     "NonFiniteReport", "NonFiniteWarning",
-    "save_intermediates", "scope", "sow", "status",
+    "save_intermediates", "scope", "sow", "status", "tap",
 ]
 
 # Integrations whose frameworks are optional: imported on first use, so `sowtel.optax.watch`

@@ -106,6 +106,7 @@ __all__ = [
     "enclosing_loops", "enclosing_map", "in_custom_jvp_function", "in_custom_vjp_bwd",
     "in_transpose", "custom_vjp_bwd_role", "track_loop_lowerings", "lowering_loops",
     "lowering_in_transpose", "track_transposed_lowerings", "eqn_transposed",
+    "current_name_stack",
     "backward_pass_names",
     "expanding_scan3", "trace_as",
     "requires_devices", "global_devices",
@@ -1208,6 +1209,14 @@ def equation_name_stack(eqn: Any) -> list[tuple[str, str]]:
     stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
     return [("transform" if isinstance(e, source_info_util.Transform) else "scope", e.name)
             for e in stack]
+
+
+def current_name_stack() -> list[tuple[str, str]]:
+    """The name stack code traced now gets, as :func:`equation_name_stack` gives an equation's
+    (``source_info_util.current_name_stack``, 0.10.2 to 0.12): the scopes entered around a
+    call that is traced to a jaxpr of its own, whose equations do not carry them."""
+    return [("transform" if isinstance(e, source_info_util.Transform) else "scope", e.name)
+            for e in source_info_util.current_name_stack().stack]
 
 
 def eqn_transposed(eqn: Any) -> bool:

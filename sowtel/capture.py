@@ -74,7 +74,7 @@ from sowtel.primitive import (
     taken_rows,
 )
 
-__all__ = ["Intermediates", "save_intermediates", "trace_flat"]
+__all__ = ["Intermediates", "TapPass", "eval_taps", "save_intermediates", "trace_flat"]
 
 
 #: How a value was stacked: ``(("scan", length) | ("shard", count), ...)``, outermost first.
@@ -219,8 +219,47 @@ CALLS_BACK, NOT_DUE = "calls back", "not due"
 _PASS = threading.local()  # .stack: the summary passes this thread is tracing, innermost last
 
 
+@dataclasses.dataclass
+class TapPass:
+    """A pass that sows the outputs of chosen equations (``sowtel.tap``) as it re-binds a jaxpr.
+
+    Equations are told apart by their path: the ``id`` of each equation evaluated around them,
+    outermost first, then their own (a jaxpr evaluated from two places, as a jitted function
+    called twice, gives two paths; a construct rule that traces a body twice, as the cond rule
+    does, gives the same path twice). ``names[path]`` is the site name of the equation at
+    ``path`` (absent: not a site); ``holding`` holds the paths of constructs whose bodies hold
+    a site, the only ones whose construct rules run (every other equation is bound as it is,
+    the user's own sows included). ``sow(outputs, name)`` sows them and returns what to use;
+    ``placed`` collects the names sown, so that a site planned but never met is an error.
+    """
+
+    names: dict[tuple[int, ...], str]
+    holding: set[tuple[int, ...]]
+    sow: Callable[[list[Any], str], list[Any]]
+    path: list[int] = dataclasses.field(default_factory=list)
+    placed: set[str] = dataclasses.field(default_factory=set)  # the names sown so far
+
+    def holds(self) -> bool:
+        """Whether the equation evaluated now is a construct whose body holds a site."""
+        return tuple(self.path) in self.holding
+
+    def after(self, outs: list[Any]) -> list[Any]:
+        """The outputs of the equation evaluated now, sown if it is a site."""
+        name = self.names.get(tuple(self.path))
+        if name is None:
+            return outs
+        self.placed.add(name)
+        return self.sow(outs, name)
+
+
 def _pass() -> SummaryPass | None:
     stack = getattr(_PASS, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _tap() -> TapPass | None:
+    """The tap pass running now, unless a capture or summary pass runs inside it."""
+    stack = getattr(_PASS, "taps", None)
     return stack[-1] if stack else None
 
 
@@ -235,13 +274,34 @@ def eval_capture(jaxpr: Any, consts: list[Any], args: list[Any],
     """Evaluates ``jaxpr`` with the sows captured for ``tag`` turned into extra outputs."""
     stack = _PASS.__dict__.setdefault("tags", [])
     reruns = _PASS.__dict__.setdefault("reruns", [])
+    taps = _PASS.__dict__.setdefault("taps", [])
     stack.append(tag)
     reruns.append(_interpret.Reruns())
+    taps.append(None)
     try:
         return _eval(jaxpr, consts, args)
     finally:
         stack.pop()
         reruns.pop()
+        taps.pop()
+
+
+def eval_taps(jaxpr: Any, consts: list[Any], args: list[Any], tap_pass: TapPass) -> list[Any]:
+    """Evaluates ``jaxpr`` on ``args`` (values or tracers of the trace calling it), sowing the
+    outputs of the equations ``tap_pass`` names (``sowtel.tap``): everything else is bound as
+    it was traced, so the sows go through the transformations around the call."""
+    summaries = _PASS.__dict__.setdefault("stack", [])
+    tags = _PASS.__dict__.setdefault("tags", [])
+    taps = _PASS.__dict__.setdefault("taps", [])
+    summaries.append(None)  # no summary or capture pass inside this one
+    tags.append(None)
+    taps.append(tap_pass)
+    try:
+        return _eval(jaxpr, consts, args)[0]
+    finally:
+        summaries.pop()
+        tags.pop()
+        taps.pop()
 
 
 def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
@@ -253,7 +313,9 @@ def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
     with NaN / 0 in the branches not taken) and whose ``site`` is the streaming site.
     """
     stack = _PASS.__dict__.setdefault("stack", [])
+    taps = _PASS.__dict__.setdefault("taps", [])
     stack.append(summary_pass)
+    taps.append(None)
     try:
         streams = functools.partial(_wanted, summaries=True)
         summary_pass.fallback = frozenset(
@@ -261,6 +323,7 @@ def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
         return _eval(jaxpr, consts, args)
     finally:
         stack.pop()
+        taps.pop()
 
 
 def _wanted(params: dict[str, Any], summaries: bool) -> bool:
@@ -314,18 +377,25 @@ def _eval(jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
     captured: list[_Captured] = []
+    tap = _tap()
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         transposed = jc.eqn_transposed(eqn)
         _PASS.transposed = getattr(_PASS, "transposed", 0) + transposed
+        if tap is not None:
+            tap.path.append(id(eqn))
         try:
             # Re-bound in the backward pass where JAX's made it: the lowering of what is bound
             # as it is (a library's primitive) tells a recomputation by that (see _eval_sow).
             with (jc.backward_pass_names() if transposed else contextlib.nullcontext()), \
                     jc.eqn_context(eqn):
                 outs, caps = _eval_eqn(eqn, invals)
+                if tap is not None:
+                    outs = tap.after(outs)
         finally:
             _PASS.transposed -= transposed
+            if tap is not None:
+                tap.path.pop()
         captured.extend(caps)
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
@@ -345,6 +415,15 @@ def _bind_plain(eqn: Any, invals: list[Any]) -> list[Any]:
 
 def _eval_eqn(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     prim = eqn.primitive
+    tap = _tap()
+    if tap is not None:
+        # sowtel.tap: a construct holding a site runs its rule (its body evaluated, so the site
+        # is sown inside it); everything else, a sow included, is bound as it was traced.
+        if not tap.holds():
+            return _bind_plain(eqn, invals), []
+        if jc.construct(eqn) in ("custom_jvp", "custom_vjp"):
+            return _tap_custom_rule(eqn, invals)
+        return _RULES[jc.construct(eqn) or ""](eqn, invals)
     if prim is sow_p:
         return _eval_sow(eqn, invals)
     subs = jc.sub_jaxprs(eqn)
@@ -359,6 +438,17 @@ def _eval_eqn(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     if rule is None:
         return _library_rule(eqn, invals)
     return rule(eqn, invals)
+
+
+def _tap_custom_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    """``sowtel.tap`` inside a ``custom_jvp`` / ``custom_vjp`` function: the outputs keep the
+    function's rules (it is bound as it is); its sites are those of its function run again on
+    the same operands, where no derivative reaches them (the rules define none for values
+    inside the function: a derivative there would be a zero, not the value's), so they are
+    primal sites under every transformation, as a sow there is."""
+    outs = _bind_plain(eqn, invals)
+    _eval(*jc.call_body(eqn), [jax.lax.stop_gradient(x) for x in invals])
+    return outs, []
 
 
 def _library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:

@@ -80,3 +80,12 @@ def test_debugging_nans_example_goes_from_the_alert_to_the_line(tmp_path: Path) 
     assert "bf16 loss: nan" in out
     assert (f"locate_nonfinite: exp at {script}:{line} (attention), forward pass, scope block2"
             in out)
+
+
+def test_tap_example_streams_haiku_and_linen_scan_products() -> None:
+    out = _run(str(EXAMPLES / "tap_models.py"))
+    assert "haiku: 18 records, 6 series" in out  # 3 products x 2 modes x 3 steps
+    assert "mlp/linear_2/dot_general                 cotangent" in out
+    assert "linen nn.scan(nn.remat): 36 records, 6 series" in out  # 4 scanned layers
+    assert "ScanModel/layers/Dense_0/dot_general     primal    l2" in out
+    assert "(layer 3)" in out
