@@ -308,8 +308,10 @@ def lowering_in_transpose(ctx: Any) -> bool:
 
 def track_transposed_lowerings() -> None:
     """Makes :func:`lowering_in_transpose` see through the equations whose bodies are lowered
-    with a name stack of their own: ``jit``, ``scan``, ``while`` and ``cond``, by wrapping the
-    lowering rule each has now (call it after any other wrapper of these rules), and any
+    with a name stack of their own: ``jit``, ``scan``, ``while``, ``cond`` and the call
+    primitives lowered by ``mlir.core_call_lowering`` (0.12's ``eval_jaxpr``, ``closed_call``),
+    by wrapping the lowering rule each has now (call it after any other wrapper of these
+    rules), and any
     primitive whose lowering JAX caches (``mlir._cached_lowering_miss``, 0.10.2 to 0.12, which
     lowers it as a function of its own with an empty name stack: a library's solver, whose
     rule traces its implementation there)."""
@@ -328,7 +330,9 @@ def track_transposed_lowerings() -> None:
         cached_lowering_miss._sowtel = True  # type: ignore[attr-defined]
         mlir._cached_lowering_miss = cached_lowering_miss
 
-    for prim in (_pjit.jit_p, _loops.scan_p, _loops.while_p, _conditionals.cond_p):
+    calls = [p for p, e in mlir._lowerings.items()
+             if getattr(e.rule, "func", None) is getattr(mlir, "core_call_lowering", None)]
+    for prim in (_pjit.jit_p, _loops.scan_p, _loops.while_p, _conditionals.cond_p, *calls):
         entry = mlir._lowerings[prim]
 
         def lowering(ctx: Any, *args: Any, _rule: Callable[..., Any] = entry.rule,

@@ -467,11 +467,12 @@ def _library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capture
 
 
 def _recomputed_in_backward_pass(p: dict[str, Any]) -> bool:
-    """A primal site evaluated in the backward pass is forward code run again there: a
+    """A primal site (or a tangent of one, under ``jvp`` of ``grad``) evaluated in the
+    backward pass is forward code run again there: a
     ``custom_vjp`` bwd re-evaluating a jaxpr traced in the forward pass, a solver's transposed
     solve running the user's function. It is silent, as ``jax.checkpoint``'s recomputation is
     (the lowering applies the same rule to the callback transport)."""
-    return p["mode"] == "primal" and getattr(_PASS, "transposed", 0) > 0
+    return naming.forward_mode(p["mode"]) and getattr(_PASS, "transposed", 0) > 0
 
 
 def _eval_sow(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:

@@ -151,6 +151,12 @@ def runs_backward(mode: str) -> bool:
     return "cotangent" in mode.split(".")
 
 
+def forward_mode(mode: str) -> bool:
+    """A mode of forward code: the primal and its tangents (no cotangent in it). Such a site
+    run in a backward pass is a recomputation, silent (see ``sowtel.capture``)."""
+    return not runs_backward(mode)
+
+
 def numbered(name: str, occurrence: int) -> str:
     """The name of occurrence ``occurrence`` of a repeated ``name``."""
     return f"{name}_{occurrence}"

@@ -1068,7 +1068,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
     leaves, _ = _split(args, site)
     if stream is None or recompute:
         return leaves
-    if mode == "primal" and jc.lowering_in_transpose(ctx):
+    if naming.forward_mode(mode) and jc.lowering_in_transpose(ctx):
         # Forward code lowered in a backward pass is a recomputation, silent as under
         # jax.checkpoint: a custom_vjp bwd re-evaluating a jaxpr traced in the forward pass
         # (JAX's tracing caches hand a nested loop's body back as it was traced there, so
