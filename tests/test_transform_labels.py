@@ -546,47 +546,6 @@ def test_checkpointed_while_loop_streams_each_iteration_once(transport: str, loo
     np.testing.assert_allclose(_rows(cotangent), _ordered(cotangents), rtol=1e-5)
 
 
-def _loop_body(c):
-    i, h = c
-    return i + 1, sow(jnp.sin(h) * 1.5, "h")
-
-
-def _three(c):
-    return c[0] < 3
-
-
-@jax.custom_vjp
-def _reruns_its_loop(x):
-    return jax.lax.while_loop(_three, _loop_body, (0, x))[1]
-
-
-def _rerun_fwd(x):
-    return _reruns_its_loop(x), x
-
-
-def _rerun_bwd(x, g):
-    # Forward code again in the bwd, the same body function as the forward pass's.
-    h = jax.lax.while_loop(_three, _loop_body, (0, x))[1]
-    slope, h_k = jnp.ones_like(x), x
-    for _ in range(3):  # the derivative of three steps of sin(h) * 1.5, by hand
-        slope, h_k = slope * jnp.cos(h_k) * 1.5, jnp.sin(h_k) * 1.5
-    return (g * slope + 0.0 * h,)
-
-
-_reruns_its_loop.defvjp(_rerun_fwd, _rerun_bwd)
-
-
-def test_a_bwd_that_reruns_the_forward_loop_streams_its_primal_once(transport: str) -> None:
-    f = lambda x: jnp.sum(_reruns_its_loop(x) ** 2)  # noqa: E731
-    records = stream(jit(jax.grad(f)), XS[:2])
-    values = np.stack(unrolled(XS[:2], jnp.zeros((3, 2)), 3)[1])
-    primal = by_mode(records, "primal")
-    assert len(primal) == 3, [r.name for r in records]  # the forward pass's, not again
-    np.testing.assert_allclose(_rows(primal), _ordered(values), rtol=1e-5)
-    np.testing.assert_allclose(jax.jit(jax.grad(f))(XS[:2]), jax.grad(lambda x: unrolled(
-        x, jnp.zeros((3, 2)), 3)[0])(XS[:2]), rtol=1e-5)
-
-
 def by_mode(records: list[Record], mode: str) -> list[Record]:
     return [r for r in records if r.mode == mode]
 
