@@ -274,7 +274,12 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ctx = current_context()
-        if ctx is None or ctx.stream is None or ctx.quiet or ctx.capture is not None:
+        step = host_step()
+        # A host-side at_step at which no site logs runs quiet; this call still decides for
+        # itself (its health check, its alerts, its flight recorder), as without at_step.
+        quiet_step = ctx is not None and ctx.quiet and step is not None
+        if (ctx is None or ctx.stream is None or (ctx.quiet and not quiet_step)
+                or ctx.capture is not None):
             return self._plain(*args, **kwargs)
         if jc.is_tracing():
             # Called inside another traced function: its sows belong to that program.
@@ -285,8 +290,15 @@ class Jitted:
         if session is None:
             with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                 return self._plain(*args, **kwargs)
+        if quiet_step:
+            ctx = dataclasses.replace(ctx, quiet=False)
+            with CONTEXT(ctx):
+                return self._call(ctx, session, step, args, kwargs)
+        return self._call(ctx, session, step, args, kwargs)
+
+    def _call(self, ctx: Context, session: Any, step: int | None, args: Any,
+              kwargs: Any) -> Any:
         calls = self._next_step(session.id)  # calls since enable(), at_step or not
-        step = host_step()
         if step is None:
             step = calls
         config = ctx.stream

@@ -23,7 +23,8 @@ that raises is the first one after that (usually the second after the faulty ste
 ``health_every=k`` adds a cheap check to ``sowtel.jit`` steps at which no site logs: every
 ``k`` steps each site sends its ``"health"`` summary (size and NaN / +inf / -inf counts) instead
 of nothing, so with ``every=100, health_every=1`` a NaN of step 57 is caught at step 57, not at
-step 100. Health records go to the exporters like any other (``summary="health"``).
+step 100, also inside a host-side ``with sowtel.at_step(i):`` around the call. Health records
+go to the exporters like any other (``summary="health"``).
 
 The flight recorder (``flight_recorder=K``, on with K=1 by default under ``on_nonfinite="dump"``)
 keeps references to the arguments of each ``sowtel.jit`` call: those of the last K calls whose

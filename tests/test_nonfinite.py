@@ -4,6 +4,7 @@ post-mortems of the step that made a NaN."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import warnings
@@ -108,6 +109,42 @@ def test_health_every_step_catches_the_nan_at_its_step() -> None:
     # A scanned site's health is per iteration, as its statistics are.
     assert sorted(r.index for r in records if r.step == 3 and r.name == "act"
                   and r.mode == "primal") == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_health_every_step_under_a_host_at_step(every: int) -> None:
+    # The README's loop: `with sowtel.at_step(i): step(...)` around a sowtel.jit step. A step
+    # at which no site logs still checks every site's health, and the NaN of step 3 is
+    # reported as step 3 (it was reported at step 10, the next logging step).
+    step = sowtel.jit(_step)
+    w = jnp.ones((4, 3))
+    raised: list[sowtel.NonFiniteError] = []
+    ran: set[int] = set()
+    with sowtel.enable(exporter="memory", every=every, health_every=1,
+                       on_nonfinite="raise") as session:
+        for i in range(12):
+            try:
+                with sowtel.at_step(i):
+                    step(w, BAD if i >= 3 else GOOD)
+                ran.add(i)
+            except sowtel.NonFiniteError as err:  # raised before the step ran
+                raised.append(err)
+            if i == 5:  # every record so far checked, the alert delivered at this flush
+                try:
+                    sowtel.flush()
+                except sowtel.NonFiniteError as err:
+                    raised.append(err)
+        with contextlib.suppress(sowtel.NonFiniteError):
+            sowtel.flush()
+        records = session.exporters[0].records
+    assert raised[0].step == 3
+    assert "site 'logh' (primal) at step 3" in str(raised[0])
+    kinds = {(r.step, r.summary) for r in records if r.name == "logh" and r.mode == "primal"}
+    logging_steps = {0, 10} if every == 10 else set(range(12))
+    assert kinds == {(k, "stats" if k in logging_steps else "health") for k in ran}
+    assert {1, 2, 3, 9} <= ran
+    at3 = [r for r in records if r.step == 3 and r.name == "logh" and r.mode == "primal"]
+    assert at3[0].stats["nan"] == 1.0
 
 
 def test_flight_recorder_dump_writes_a_postmortem(tmp_path: Path,
