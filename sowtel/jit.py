@@ -311,7 +311,7 @@ class Jitted:
         health = guard is not None and guard.health_at(step)
         histogram = session.histogram_at(step)
         if guard is not None:
-            guard.before_call(self, step, args, kwargs)
+            guard.before_call(self, step, args, kwargs)  # staged; kept once its records left
         while True:
             due = self._due(config, step)
             if not due and not health:
@@ -360,6 +360,8 @@ class Jitted:
                 self._strides[config].add(new.every)
                 continue
             session.receive_compiled(summaries, step)
+            if guard is not None and (summaries.sites or self._callbacks.get(config)):
+                guard.sent(step)  # its records are on their way: kept until checked
             return out
 
     def _next_step(self, session_id: int) -> int:

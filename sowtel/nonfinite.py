@@ -2,7 +2,8 @@
 
 ``sowtel.enable(..., on_nonfinite=..., health_every=..., flight_recorder=...)`` sets a
 :class:`Guard` on the session. It sees every record the session converts (both transports) and
-acts on the first one holding a non-finite value from each step on:
+acts once on each failure episode (from a step whose records hold a NaN or an infinity to the
+next step whose records are all finite), on its first non-finite record:
 
 ==================  ==========================================================================
 ``on_nonfinite``    what happens
@@ -27,14 +28,16 @@ step 100, also inside a host-side ``with sowtel.at_step(i):`` around the call. H
 go to the exporters like any other (``summary="health"``).
 
 The flight recorder (``flight_recorder=K``, on with K=1 by default under ``on_nonfinite="dump"``)
-keeps references to the arguments of each ``sowtel.jit`` call: those of the last K calls whose
-records were checked, and of the calls whose records are still on their way. Keeping a reference
-costs no device time, but it keeps the arrays alive: about K+1 extra copies of the arguments
-(for ``step(params, opt_state, batch)``: of the parameters, optimizer state and batch) stay in
-device memory. Arguments a function donates (``donate_argnums``) are deleted by the call, so
-such functions are not recorded unless ``record_donated=True``, which copies them before each
-call (device time and memory). When a non-finite record of a kept step arrives, the step is run
-again through :func:`sowtel.save_intermediates` and written to
+keeps references to the arguments of each ``sowtel.jit`` call that sends records: those of the
+last K calls whose records were checked, and of every call whose records are still on their way
+(up to :data:`HOLD`; the call after waits for the checks), so the first bad step is always there
+to dump. Keeping a reference costs no device time, but it keeps the arrays alive: K+1 to K+8
+extra copies of the arguments (for ``step(params, opt_state, batch)``: of the parameters,
+optimizer state and batch) stay in device memory. Arguments a function donates
+(``donate_argnums``) are deleted by the call, so such functions are not recorded unless
+``record_donated=True``, which copies them before each call (device time and memory). When an
+episode's first step is kept (and fewer than ``max_postmortems``, default 3, were written), the
+step is run again through :func:`sowtel.save_intermediates` and written to
 ``<logdir>/postmortem/step_<k>/step_<k>.safetensors`` (``logdir``: the first exporter's, else the
 working directory), with every site's full value and derivatives: ``sowtel inspect`` of that
 folder names the first non-finite site in program order. Under ``on_nonfinite="dump"`` the same
@@ -131,8 +134,11 @@ def is_nonfinite(record: Record) -> bool:
     return not bool(np.isfinite(value).all())
 
 
-def _check_int(value: Any, what: str, least: int) -> int:
+def _check_int(value: Any, what: str, least: int, meaning: str | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        if meaning is not None:
+            raise ValueError(f"enable {what}={value!r} must be an int >= {least} (the most "
+                             f"{meaning})")
         raise ValueError(f"enable {what}={value!r} must be None or an int >= {least}")
     return int(value)
 
@@ -145,69 +151,109 @@ class _Kept:
     kwargs: dict[str, Any]
 
 
+#: ``enable(max_postmortems=...)``'s default: post-mortems a session writes at most (one per
+#: failure episode, for its first step).
+MAX_POSTMORTEMS = 3
+
+#: Logging steps whose records are still on their way that the flight recorder holds at most:
+#: beyond it, the next ``sowtel.jit`` call waits for the dispatcher to check the oldest one
+#: (so that the first bad step is never let go unchecked), for :data:`HOLD_TIMEOUT` s at most.
+HOLD = 8
+HOLD_TIMEOUT = 30.0
+
+
 class Guard:
     """A session's policy for non-finite records, its health stride and its flight recorder.
 
     The session calls :meth:`observe` on the dispatcher thread with the records it converted,
-    ``sowtel.jit`` calls :meth:`before_call` on the training thread before each step, and
-    ``flush()`` calls :meth:`deliver`. Make one with :func:`make_guard`.
+    ``sowtel.jit`` calls :meth:`before_call` on the training thread before each step (and
+    :meth:`sent` once the step's records are on their way), and ``flush()`` calls
+    :meth:`deliver`. Make one with :func:`make_guard`.
+
+    **Episodes.** A failure episode begins at the first step whose records hold a NaN or an
+    infinity and lasts until a step's records are all finite again. It gives one alert (its
+    first step's first non-finite record) and one post-mortem (of that step, while fewer than
+    ``max_postmortems`` were written in the session): a run that stays NaN from step 10 on
+    gives one warning and one folder, ``step_10``.
     """
 
     def __init__(self, on_nonfinite: Any, health_every: int | None, keep: int,
-                 record_donated: bool, logdir: str | None, tags: Sequence[str]) -> None:
+                 record_donated: bool, logdir: str | None, tags: Sequence[str],
+                 max_postmortems: int = MAX_POSTMORTEMS) -> None:
         self.on_nonfinite = on_nonfinite
         self.health_every = health_every
         self.keep = keep
         self.record_donated = record_donated
         self.logdir = logdir
         self.tags = tuple(tags)
+        self.max_postmortems = max_postmortems
         self._lock = threading.Lock()
-        # Alerts not delivered yet, oldest first: a later step's alert never replaces an
+        self._checked = threading.Condition(self._lock)  # notified when _checked_step grows
+        # Alerts not delivered yet, oldest first: a later episode's alert never replaces an
         # earlier one that the training thread has not seen.
         self._pending: collections.deque[Record] = collections.deque()
         self._alerted_step = -1  # alerts are for steps after this one
         self._checked_step = -1  # the highest step whose records were seen
+        self._episode = False  # the last step checked held a non-finite value
         self._kept: collections.deque[_Kept] = collections.deque()
+        self._staged: _Kept | None = None  # this call's arguments, until its records leave
+        self._said: set[str] = set()  # advice given once a session
+        #: Asks the dispatcher to convert what waits now (set by the session).
+        self.hurry: Callable[[], None] = lambda: None
         self.callback_errors = 0
+        self.episodes = 0
         self.postmortems: list[Path] = []
 
     # -- the dispatcher thread ----------------------------------------------------------------
 
     def observe(self, records: Sequence[Record] | RecordBatch) -> None:
-        """Looks for the first non-finite record of each step not alerted yet. Never raises.
+        """Looks for the first non-finite record of each step checked; alerts on the first
+        step of each failure episode. Never raises.
 
         Of a :class:`~sowtel.to_records.RecordBatch`, only the tables that hold a NaN or an
         infinity are turned into records."""
         try:
-            firsts: dict[int, Record] = {}
+            firsts: dict[int, Record | None] = {}
             if isinstance(records, RecordBatch):
-                records = self._candidates(records)
+                records = self._candidates(records, firsts)
             for r in records:
-                if r.step > self._checked_step:
-                    self._checked_step = r.step
-                if r.step > self._alerted_step and r.step not in firsts and is_nonfinite(r):
-                    firsts[r.step] = r
-            for step in sorted(firsts):
-                with self._lock:
-                    if step <= self._alerted_step:
-                        continue
-                    self._alerted_step = step
-                    if not callable(self.on_nonfinite):
-                        self._pending.append(firsts[step])
-                        continue
-                self.on_nonfinite(firsts[step])
+                if is_nonfinite(r):
+                    if firsts.get(r.step) is None:
+                        firsts[r.step] = r
+                else:
+                    firsts.setdefault(r.step, None)
+            alerts = []
+            with self._lock:
+                for step in sorted(firsts):
+                    first = firsts[step]
+                    if first is None:
+                        self._episode = False  # every record of this step was finite
+                    elif not self._episode:
+                        self._episode = True
+                        if step > self._alerted_step:
+                            self._alerted_step = step
+                            self.episodes += 1
+                            alerts.append(first)
+                if firsts and max(firsts) > self._checked_step:
+                    self._checked_step = max(firsts)
+                if not callable(self.on_nonfinite):
+                    self._pending.extend(alerts)
+                self._checked.notify_all()
+            if callable(self.on_nonfinite):
+                for record in alerts:
+                    self.on_nonfinite(record)
         except Exception:  # noqa: BLE001 - a user's callable must not stop the dispatcher
             self.callback_errors += 1
             if self.callback_errors == 1:
                 logger.exception("sowtel: the on_nonfinite callable raised (counted; logged "
                                  "once)")
 
-    def _candidates(self, batch: RecordBatch) -> list[Record]:
+    def _candidates(self, batch: RecordBatch, firsts: dict[int, Record | None]) -> list[Record]:
         out: list[Record] = []
         for part in batch.parts:
             if isinstance(part, SiteColumns):
                 if not part.any_nonfinite and part.values is None:  # full values: look inside
-                    self._checked_step = max(self._checked_step, part.step)
+                    firsts.setdefault(part.step, None)
                     continue
                 out.extend(part.records())
             else:
@@ -222,12 +268,55 @@ class Guard:
 
     def before_call(self, fun: Any, step: int, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> None:
-        """Delivers a pending alert (may raise :class:`NonFiniteError`), then keeps the call's
-        arguments if the flight recorder is on."""
+        """Delivers a pending alert (may raise :class:`NonFiniteError`), then stages the call's
+        arguments if the flight recorder is on (kept by :meth:`sent`)."""
+        self._staged = None
         if self._pending:
             self.deliver()
         if self.keep:
-            self._record(fun, step, args, kwargs)
+            self._stage(fun, step, args, kwargs)
+
+    def sent(self, step: int) -> None:
+        """The staged call's records are on their way: its arguments are kept until they are
+        checked. Holds at most :data:`HOLD` such steps: beyond, waits for the dispatcher."""
+        staged, self._staged = self._staged, None
+        if staged is None or staged.step != step:
+            return
+        kept = self._kept
+        kept.append(staged)
+        unchecked = sum(1 for k in kept if k.step > self._checked_step)
+        if unchecked > HOLD // 2:
+            self.hurry()
+        if unchecked > HOLD:
+            oldest = next(k.step for k in kept if k.step > self._checked_step)
+            with self._lock:
+                waited = self._checked.wait_for(lambda: self._checked_step >= oldest,
+                                                HOLD_TIMEOUT)
+            if not waited:
+                self._once("hold", "sowtel: the flight recorder waited %.0f s for the records "
+                           "of step %s to be checked; it lets go of the oldest steps it holds "
+                           "unchecked (logged once)", HOLD_TIMEOUT, oldest)
+        self._trim()
+
+    def _trim(self) -> None:
+        # Keep the K newest steps whose records were checked, every step still unchecked (at
+        # most HOLD + 1 of them, see sent), and the steps whose alert waits for delivery.
+        kept = self._kept
+        checked = self._checked_step
+        pinned = {r.step for r in list(self._pending)}
+        n_checked = sum(1 for k in kept if k.step <= checked)
+        unchecked = len(kept) - n_checked
+        out: list[_Kept] = []
+        while kept and (n_checked > self.keep or unchecked > HOLD + 1):
+            k = kept.popleft()
+            if k.step in pinned:
+                out.append(k)
+                continue
+            if k.step <= checked:
+                n_checked -= 1
+            else:
+                unchecked -= 1
+        kept.extendleft(reversed(out))
 
     def deliver(self) -> None:
         """Acts on the pending non-finite records, oldest first: post-mortem, then warn or
@@ -236,8 +325,10 @@ class Guard:
             with self._lock:
                 if not self._pending:
                     return
-                record = self._pending.popleft()
+                record = self._pending[0]
             folder = self._postmortem(record) if self.keep else None
+            with self._lock:
+                self._pending.popleft()
             if self.on_nonfinite == "raise":
                 raise NonFiniteError(record, folder)
             if self.on_nonfinite in ("warn", "dump"):
@@ -246,8 +337,8 @@ class Guard:
 
     # -- the flight recorder -------------------------------------------------------------------
 
-    def _record(self, fun: Any, step: int, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> None:
+    def _stage(self, fun: Any, step: int, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> None:
         options = getattr(fun, "_options", {})
         if options.get("donate_argnums") is not None or options.get("donate_argnames"):
             if not self.record_donated:
@@ -255,22 +346,24 @@ class Guard:
             # The call deletes donated buffers: keep copies (device time, documented).
             args, kwargs = jax.tree_util.tree_map(
                 lambda x: x.copy() if isinstance(x, jax.Array) else x, (args, kwargs))
-        kept = self._kept
-        kept.append(_Kept(fun, step, args, kwargs))
-        # Keep the K newest steps whose records were checked, and every step still unchecked
-        # (its records are on their way); at most K + 8 calls in all.
-        checked = self._checked_step
-        n_checked = sum(1 for k in kept if k.step <= checked)
-        while kept and (n_checked > self.keep or len(kept) > self.keep + 8):
-            n_checked -= kept.popleft().step <= checked
+        self._staged = _Kept(fun, step, args, kwargs)
+
+    def _once(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            logger.warning(message, *args)
 
     def _postmortem(self, record: Record) -> Path | None:
+        if len(self.postmortems) >= self.max_postmortems:
+            self._once("cap", "sowtel: %d post-mortems written (max_postmortems=%d): no more "
+                       "in this session (logged once)", len(self.postmortems),
+                       self.max_postmortems)
+            return None
         kept = next((k for k in reversed(self._kept) if k.step == record.step), None)
         if kept is None:
-            logger.warning(
-                "sowtel: no post-mortem for step %s: the flight recorder no longer keeps its "
-                "arguments (it keeps %d); check health every step (health_every=1) or keep "
-                "more steps (flight_recorder=K)", record.step, self.keep)
+            self._once("gone", "sowtel: no post-mortem for step %s: the flight recorder does "
+                       "not hold its arguments (a function that donates them is recorded "
+                       "with record_donated=True; logged once)", record.step)
             return None
         try:
             folder = write_postmortem(getattr(kept.fun, "_fun", kept.fun), kept.args,
@@ -326,7 +419,8 @@ def _event_json(event: Any) -> dict[str, Any]:
 
 
 def make_guard(on_nonfinite: Any, health_every: Any, flight_recorder: Any, record_donated: Any,
-               logdir: str | None, tags: Sequence[str]) -> Guard | None:
+               logdir: str | None, tags: Sequence[str],
+               max_postmortems: Any = MAX_POSTMORTEMS) -> Guard | None:
     """Checks ``enable``'s non-finite options and returns the session's guard (None if unused).
 
     Example:
@@ -346,6 +440,7 @@ def make_guard(on_nonfinite: Any, health_every: Any, flight_recorder: Any, recor
         keep = _check_int(flight_recorder, "flight_recorder", 0)
     if not isinstance(record_donated, bool):
         raise ValueError(f"enable record_donated={record_donated!r} must be True or False")
+    most = _check_int(max_postmortems, "max_postmortems", 0, "post-mortems a session writes")
     if on_nonfinite is None and health is None and keep == 0:
         return None
-    return Guard(on_nonfinite, health, keep, record_donated, logdir, tags)
+    return Guard(on_nonfinite, health, keep, record_donated, logdir, tags, most)

@@ -47,7 +47,7 @@ from sowtel.build import records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
-from sowtel.nonfinite import Guard, make_guard
+from sowtel.nonfinite import MAX_POSTMORTEMS, Guard, make_guard
 from sowtel.primitive import (
     CONTEXT,
     RECEIVERS,
@@ -213,6 +213,8 @@ class Session:
         self._effect_errors = 0
         self.scoped = False  # entered as a context manager
         self.guard = guard  # on_nonfinite, health_every, flight recorder (sowtel.nonfinite)
+        if guard is not None:
+            guard.hurry = self.dispatcher.convert_now
 
     # -- host-side steps ------------------------------------------------------------------------
 
@@ -538,6 +540,7 @@ def enable(
     histogram_every: int | None = HISTOGRAM_EVERY,
     flight_recorder: int | None = None,
     record_donated: bool = False,
+    max_postmortems: int = MAX_POSTMORTEMS,
     **exporter_options: Any,
 ) -> Session:
     """Streams every selected sow, in every program traced from now on, to ``exporter``.
@@ -576,6 +579,8 @@ def enable(
         post-mortem of the step that made a non-finite value (default: 1 under
         ``on_nonfinite="dump"``, else off); memory: about K+1 extra copies of the arguments.
       record_donated: also record functions that donate arguments (copies them each call).
+      max_postmortems: post-mortems the session writes at most (default 3): one per failure
+        episode (from a non-finite step to the next all-finite one), of its first step.
       **exporter_options: passed to exporters named by string (``logdir=...``).
 
     Returns:
@@ -624,7 +629,7 @@ def enable(
                          histogram_every=histogram_every),
                     what="enable")
     guard_options = (on_nonfinite, health_every, flight_recorder, record_donated)
-    make_guard(*guard_options, None, tags_t)  # checked before exporters open files
+    make_guard(*guard_options, None, tags_t, max_postmortems)  # before exporters open files
     exporters = resolve(exporter, **exporter_options)
     logdirs = [getattr(e, "logdir", None) for e in exporters]  # where post-mortems go
     logdir = next((os.fspath(d) for d in logdirs if isinstance(d, str | os.PathLike)), None)
@@ -632,7 +637,8 @@ def enable(
         exporters, summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
         exclude=exclude_fn, every=every, queue_size=queue_size, on_full=on_full,
         max_bytes=max_bytes, export_process=export_process,
-        guard=make_guard(*guard_options, logdir, tags_t), histogram_every=histogram_every,
+        guard=make_guard(*guard_options, logdir, tags_t, max_postmortems),
+        histogram_every=histogram_every,
     )
     with _lock:
         below = _stack[-1] if _stack else None
