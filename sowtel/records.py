@@ -297,6 +297,18 @@ class StatChoice:
         #: The series whose counts are written (from their first non-zero count on).
         self.counting: set[tuple[str, str, Any]] = set()
 
+    def writes_count(self, stat: str) -> bool:
+        """Whether the count ``stat`` (one of :data:`COUNT_STATS`) may be written: always
+        under ``"all"`` or a list naming it; under ``"default"`` from a series' first non-zero
+        count on (the caller keeps that series' state, as :meth:`chosen` does in
+        :attr:`counting`).
+
+        Example:
+            >>> StatChoice("default").writes_count("nan"), StatChoice(["mean"]).writes_count("nan")
+            (True, False)
+        """
+        return self._counts_once_nonzero or self.stats is None or stat in self.stats
+
     def chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
                nonfinite: bool, single: bool = False) -> list[str]:
         """The statistics of ``stats`` to write for the series ``key`` now; ``single``: the

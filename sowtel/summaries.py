@@ -4,7 +4,8 @@ The same definitions run in two places: :func:`device_summary` inside the compil
 ops, before the host callback) and :func:`host_summary` on numpy arrays (for
 :func:`sowtel.export` of captured intermediates). Both follow the rules of the ``"stats"``
 summary: statistics ignore non-finite elements and count them apart; ``std`` has ddof=0; ``l2``
-is the Euclidean norm of the finite elements; integers and bools are summarised as floats.
+is the Euclidean norm of the finite elements (a value with none has NaN ``mean``, ``std``,
+``min``, ``max``, ``l2`` and ``mean_abs``); integers and bools are summarised as floats.
 
 Example:
     >>> import numpy as np
@@ -78,9 +79,8 @@ def host_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> dict[str, An
         mn, mx = float(finite.min()), float(finite.max())
         l2 = float(np.sqrt(np.sum(finite.astype(np.float64) ** 2)))
         mean_abs = float(np.mean(np.abs(finite), dtype=np.float64))
-    else:
-        mean = std = mn = mx = mean_abs = float("nan")
-        l2 = 0.0
+    else:  # no finite element: a statistic of no element is NaN, never 0
+        mean = std = mn = mx = l2 = mean_abs = float("nan")
     zeros = float((xf == 0).sum())
     stats = dict(
         zip(STAT_KEYS, (size, mean, std, mn, mx, l2, mean_abs, nan, posinf, neginf, zeros),
@@ -456,7 +456,7 @@ def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> n
     ``moments`` ``(N, 6)`` are what :func:`device_summary` sends for ``stats``: the mean, the
     sum of squares about it, the minimum and maximum, the number and the sum of absolute values
     of the finite elements; ``counts`` ``(N, 4)`` the NaN, +inf, -inf and zero counts; ``sizes``
-    the values' sizes. A value with no finite element has NaN statistics and ``l2`` 0.
+    the values' sizes. A value with no finite element has NaN statistics, ``l2`` included.
 
     Example:
         >>> stats_table(np.array([[2.0, 8.0, 0.0, 4.0, 2.0, 4.0]]), np.array([[1, 0, 0, 1]]),
@@ -478,9 +478,7 @@ def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> n
         table[:, 6] = a / safe
     empty = n == 0
     if empty.any():
-        table[empty, 1:5] = np.nan
-        table[empty, 6] = np.nan
-        table[empty, 5] = 0.0
+        table[empty, 1:7] = np.nan  # mean std min max l2 mean_abs: none of no element
     table[:, 7:11] = counts
     return table
 

@@ -192,3 +192,32 @@ def test_float64_values_are_summarised_in_float64() -> None:
     assert mean == pytest.approx(0.5e300)
     assert mean_abs == pytest.approx(1.5e300)
     assert stats[7:].tolist() == [1, 1, 0, 1]
+
+
+NO_FINITE = {
+    "all_nan": np.full(5, np.nan, np.float32),
+    "infinities": np.array([np.inf, -np.inf, np.nan, np.inf], np.float32),
+    "empty": np.zeros((0, 3), np.float32),
+}
+UNDEFINED = ("mean", "std", "min", "max", "l2", "mean_abs")
+
+
+@pytest.mark.parametrize("form", ["separate", "variadic"])
+@pytest.mark.parametrize("kind", list(NO_FINITE))
+def test_a_value_with_no_finite_element_has_nan_statistics_l2_included(
+        kind: str, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DESIGN "Contract changes accepted": NaN mean/std/min/max/l2/mean_abs, never 0, on the
+    # device (both reduction forms, decoded one by one and as a table) and on the host.
+    monkeypatch.setenv("SOWTEL_SUMMARY_FORM", form)
+    value = NO_FINITE[kind]
+    arrays = [np.asarray(a) for a in jax.jit(lambda v: device_summary(v, "stats"))(value)]
+    decoded = decode_device_summary(arrays, "stats", value.size)["stats"]
+    row = dict(zip(STAT_KEYS, _stats(jnp.asarray(value)).tolist(), strict=True))
+    host = host_summary(value, "stats")["stats"]
+    for stats in (decoded, row, host):
+        assert [k for k in UNDEFINED if not np.isnan(stats[k])] == [], (kind, stats)
+        assert stats["size"] == value.size
+    counts = {k: host[k] for k in ("nan", "posinf", "neginf")}
+    assert counts == {"all_nan": {"nan": 5.0, "posinf": 0.0, "neginf": 0.0},
+                      "infinities": {"nan": 1.0, "posinf": 2.0, "neginf": 1.0},
+                      "empty": {"nan": 0.0, "posinf": 0.0, "neginf": 0.0}}[kind]
