@@ -57,10 +57,12 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 import warnings
@@ -71,7 +73,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sowtel.records import Record
+from sowtel.records import Record, is_nonfinite
 from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = ["Guard", "NonFiniteError", "NonFiniteWarning", "POLICIES", "make_guard"]
@@ -89,7 +91,7 @@ class NonFiniteError(FloatingPointError):
       postmortem: the post-mortem folder written for the step, if the flight recorder kept it.
 
     Example:
-        >>> from sowtel.records import Record
+        >>> from sowtel.records import Record, is_nonfinite
         >>> r = Record(name="h", mode="cotangent", tag="intermediates", step=3, index=2,
         ...            wall_time=0.0, summary="health", shape=(4,), dtype="float32",
         ...            stats={"size": 4.0, "nan": 1.0, "posinf": 0.0, "neginf": 0.0})
@@ -122,16 +124,6 @@ def describe(record: Record) -> str:
     else:
         counts = "non-finite elements in its full value"
     return f"non-finite value in {where}: {counts}"
-
-
-def is_nonfinite(record: Record) -> bool:
-    """Whether ``record`` counts a NaN or an infinity (statistics, or its full value)."""
-    if record.nonfinite:
-        return True
-    value = record.value
-    if value is None or value.dtype.kind not in "fc":
-        return False
-    return not bool(np.isfinite(value).all())
 
 
 def _check_int(value: Any, what: str, least: int, meaning: str | None = None) -> int:
@@ -193,6 +185,7 @@ class Guard:
         # earlier one that the training thread has not seen.
         self._pending: collections.deque[Record] = collections.deque()
         self._alerted_step = -1  # alerts are for steps after this one
+        self._earliest: float = math.inf  # the earliest step alerted
         self._checked_step = -1  # the highest step whose records were seen
         self._episode = False  # the last step checked held a non-finite value
         self._kept: collections.deque[_Kept] = collections.deque()
@@ -224,20 +217,32 @@ class Guard:
                     firsts.setdefault(r.step, None)
             alerts = []
             with self._lock:
+                latest = self._checked_step
                 for step in sorted(firsts):
                     first = firsts[step]
-                    if first is None:
+                    if step < latest:
+                        # Records that came after a later step's by another path (a step
+                        # streamed before one sowtel.export-ed, converted after it): an alert
+                        # if earlier than every alert so far, so that the earliest one wins.
+                        if first is not None and step < self._earliest:
+                            self._earliest = step
+                            self.episodes += 1
+                            alerts.append(first)
+                    elif first is None:
                         self._episode = False  # every record of this step was finite
                     elif not self._episode:
                         self._episode = True
                         if step > self._alerted_step:
                             self._alerted_step = step
+                            self._earliest = min(self._earliest, step)
                             self.episodes += 1
                             alerts.append(first)
                 if firsts and max(firsts) > self._checked_step:
                     self._checked_step = max(firsts)
                 if not callable(self.on_nonfinite):
-                    self._pending.extend(alerts)
+                    for record in alerts:  # in step order: the earliest is delivered first
+                        at = bisect.bisect([r.step for r in self._pending], record.step)
+                        self._pending.insert(at, record)
                 self._checked.notify_all()
             if callable(self.on_nonfinite):
                 for record in alerts:

@@ -369,15 +369,21 @@ class Session:
         through :attr:`guard`."""
         if self.guard is not None:
             self.guard.observe(batch)
-        if self.first_nonfinite is not None:
-            return
         found = first_nonfinite(batch, with_index=True)
-        if found is not None:
-            step, name, mode, index = found
+        if found is None:
+            return
+        step, name, mode, index = found
+        with self._late_lock:
+            # The earliest step wins, whatever path it came by: sowtel.export notices its
+            # records at once, a streamed step's once the dispatcher converts them.
+            known = self.first_nonfinite
+            if known is not None and known[0] <= step:
+                return
             self.first_nonfinite = (step, name, mode)
-            # The index is the layer (scan iteration) or shard the dashboard shows.
-            logger.warning("sowtel: first non-finite value at step %s in %s (%s%s)", step, name,
-                           mode, "" if index is None else f", index {index}")
+        # The index is the layer (scan iteration) or shard the dashboard shows.
+        logger.warning("sowtel: %s non-finite value at step %s in %s (%s%s)",
+                       "first" if known is None else "an earlier", step, name, mode,
+                       "" if index is None else f", index {index}")
 
     def _callback_records(self, items: list[Any]) -> list[Record]:
         """Records of host callbacks, in the order they were received: the callbacks of one

@@ -343,3 +343,38 @@ def test_postmortems_are_capped_per_session(tmp_path: Path) -> None:
     assert ["post-mortem in" in a for a in alerts] == [True, True, False, False]
     with pytest.raises(ValueError, match="max_postmortems=-1 must be an int >= 0"):
         sowtel.enable(exporter="memory", on_nonfinite="dump", max_postmortems=-1)
+
+
+def test_the_earliest_alert_wins_whatever_path_it_came_by(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    # A NaN streamed at step 5 is checked when the dispatcher converts it (held back here
+    # until the export is done); one sowtel.export-ed at step 30 is noticed at once. Step 5
+    # must still be the first non-finite, and the first NonFiniteError; step 30's comes after.
+    import threading
+
+    from sowtel.session import Session
+
+    gate = threading.Event()
+    convert = Session._convert
+
+    def gated(self: Session, items: list[object]) -> object:
+        gate.wait(60.0)
+        return convert(self, items)
+
+    monkeypatch.setattr(Session, "_convert", gated)
+    step = sowtel.jit(_step)
+    w = jnp.ones((4, 3))
+    with sowtel.enable(exporter="memory", on_nonfinite="raise") as session:
+        with sowtel.at_step(5):
+            step(w, BAD)
+        sowtel.export({"late": {"primal": np.array([1.0, np.nan])}}, step=30)
+        assert session.status()["first_nonfinite"] == (30, "late", "primal")
+        gate.set()
+        with pytest.raises(sowtel.NonFiniteError) as first:
+            sowtel.flush()
+        assert (first.value.step, first.value.site) == (5, "logh")
+        assert session.status()["first_nonfinite"] == (5, "logh", "primal")
+        with pytest.raises(sowtel.NonFiniteError) as second:
+            sowtel.flush()
+        assert (second.value.step, second.value.site) == (30, "late")
+        assert sowtel.flush() is True
