@@ -302,6 +302,7 @@ class Jitted:
         if step is None:
             step = calls
         config = ctx.stream
+        assert config is not None, "checked by __call__"
         if config not in self._strides:
             self._strides[config] = {config.every}
             self._callbacks[config] = False
