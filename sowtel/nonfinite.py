@@ -184,10 +184,10 @@ class Guard:
         # Alerts not delivered yet, oldest first: a later episode's alert never replaces an
         # earlier one that the training thread has not seen.
         self._pending: collections.deque[Record] = collections.deque()
-        self._alerted_step = -1  # alerts are for steps after this one
+        self._last_bad = -1  # the latest step that held a non-finite record
+        self._finite: list[int] = []  # steps after it seen all finite (the first 16)
         self._earliest: float = math.inf  # the earliest step alerted
         self._checked_step = -1  # the highest step whose records were seen
-        self._episode = False  # the last step checked held a non-finite value
         self._kept: collections.deque[_Kept] = collections.deque()
         self._staged: _Kept | None = None  # this call's arguments, until its records leave
         self._said: set[str] = set()  # advice given once a session
@@ -217,26 +217,33 @@ class Guard:
                     firsts.setdefault(r.step, None)
             alerts = []
             with self._lock:
-                latest = self._checked_step
                 for step in sorted(firsts):
                     first = firsts[step]
-                    if step < latest:
-                        # Records that came after a later step's by another path (a step
-                        # streamed before one sowtel.export-ed, converted after it): an alert
-                        # if earlier than every alert so far, so that the earliest one wins.
-                        if first is not None and step < self._earliest:
-                            self._earliest = step
-                            self.episodes += 1
-                            alerts.append(first)
-                    elif first is None:
-                        self._episode = False  # every record of this step was finite
-                    elif not self._episode:
-                        self._episode = True
-                        if step > self._alerted_step:
-                            self._alerted_step = step
-                            self._earliest = min(self._earliest, step)
-                            self.episodes += 1
-                            alerts.append(first)
+                    if first is None:
+                        if step > self._last_bad and step not in self._finite:
+                            # All finite so far (a callback step's records may come in
+                            # several batches): it ends the episode once a later step is bad.
+                            bisect.insort(self._finite, step)
+                            del self._finite[16:]
+                        continue
+                    if step in self._finite:
+                        self._finite.remove(step)
+                    if step <= self._last_bad:
+                        # An earlier step than the latest bad one, come by another path (a
+                        # step streamed before one sowtel.export-ed, converted after it):
+                        # an alert if earlier than every alert so far: the earliest wins.
+                        new = step < self._earliest
+                    else:
+                        # A later step: a new episode unless it continues the last one (no
+                        # all-finite step between them).
+                        new = self._last_bad < 0 or bool(self._finite and
+                                                         self._finite[0] < step)
+                        self._last_bad = step
+                        self._finite = [f for f in self._finite if f > step]
+                    if new:
+                        self._earliest = min(self._earliest, step)
+                        self.episodes += 1
+                        alerts.append(first)
                 if firsts and max(firsts) > self._checked_step:
                     self._checked_step = max(firsts)
                 if not callable(self.on_nonfinite):

@@ -581,9 +581,10 @@ def enable(
         ``"stats"``; the other logging steps send stats only (default 100: histograms cost
         more than stats, see docs/tensorboard.md). ``None``: never. The callback transport
         (``enable()`` + ``jax.jit``) keeps each site's own summary.
-      flight_recorder: keep the arguments of the last K ``sowtel.jit`` calls to write a
-        post-mortem of the step that made a non-finite value (default: 1 under
-        ``on_nonfinite="dump"``, else off); memory: about K+1 extra copies of the arguments.
+      flight_recorder: keep the arguments of the last K checked ``sowtel.jit`` calls, and of
+        those whose records are still being checked (8 at most), to write a post-mortem of
+        the step that made a non-finite value (default: 1 under ``on_nonfinite="dump"``, else
+        off); memory: K+1 to K+8 extra copies of the arguments.
       record_donated: also record functions that donate arguments (copies them each call).
       max_postmortems: post-mortems the session writes at most (default 3): one per failure
         episode (from a non-finite step to the next all-finite one), of its first step.

@@ -378,3 +378,29 @@ def test_the_earliest_alert_wins_whatever_path_it_came_by(monkeypatch: pytest.Mo
             sowtel.flush()
         assert (second.value.step, second.value.site) == (30, "late")
         assert sowtel.flush() is True
+
+
+def test_episodes_on_the_callback_transport() -> None:
+    # enable() + jax.jit: the same rule, one alert a failure episode (steps 1-2, then 4).
+    step = jax.jit(_step)
+    w = jnp.ones((4, 3))
+    seen: list[sowtel.Record] = []
+    with sowtel.enable(exporter="memory", on_nonfinite=seen.append):
+        for i, x in enumerate((GOOD, BAD, BAD, GOOD, BAD)):
+            with sowtel.at_step(i):
+                step(w, x)
+        sowtel.flush()
+    assert [(r.name, r.step) for r in seen] == [("logh", 1), ("logh", 4)]
+
+
+def test_a_step_whose_records_come_in_several_batches_continues_its_episode() -> None:
+    from sowtel.nonfinite import make_guard
+
+    # Host callbacks deliver a step's records in several batches: the finite first part of
+    # step 2 must not end the episode that step 1 began; steps 3 and 4, all finite, do.
+    seen: list[sowtel.Record] = []
+    guard = make_guard(seen.append, None, None, False, None, ("intermediates",))
+    for step, nan in ((1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0), (3, 0.0), (4, 0.0), (5, 1.0),
+                      (6, 1.0)):
+        guard.observe([_nan_record(step, nan=nan)])
+    assert [r.step for r in seen] == [1, 5] and guard.episodes == 2
