@@ -299,15 +299,16 @@ class Guard:
         unchecked = sum(1 for k in kept if k.step > self._checked_step)
         if unchecked > HOLD // 2:
             self.hurry()
-        if unchecked > HOLD:
+        if unchecked > HOLD and "hold" not in self._said:  # after one timeout, never again
             oldest = next(k.step for k in kept if k.step > self._checked_step)
             with self._lock:
                 waited = self._checked.wait_for(lambda: self._checked_step >= oldest,
                                                 HOLD_TIMEOUT)
             if not waited:
                 self._once("hold", "sowtel: the flight recorder waited %.0f s for the records "
-                           "of step %s to be checked; it lets go of the oldest steps it holds "
-                           "unchecked (logged once)", HOLD_TIMEOUT, oldest)
+                           "of step %s to be checked; from now on it lets go of the oldest "
+                           "steps it holds unchecked without waiting (logged once)",
+                           HOLD_TIMEOUT, oldest)
         self._trim()
 
     def _trim(self) -> None:

@@ -404,3 +404,38 @@ def test_a_step_whose_records_come_in_several_batches_continues_its_episode() ->
                       (6, 1.0)):
         guard.observe([_nan_record(step, nan=nan)])
     assert [r.step for r in seen] == [1, 5] and guard.episodes == 2
+
+
+def test_the_flight_recorder_waits_for_checks_once_then_lets_go(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # A dispatcher that never checks (its conversion blocked): the call beyond HOLD unchecked
+    # steps waits HOLD_TIMEOUT once, says so once, and the calls after it never wait.
+    import threading
+    import time
+
+    from sowtel import nonfinite
+    from sowtel.session import Session
+
+    gate = threading.Event()
+    convert = Session._convert
+
+    def blocked(self: Session, items: list[object]) -> object:
+        gate.wait(60.0)
+        return convert(self, items)
+
+    monkeypatch.setattr(Session, "_convert", blocked)
+    monkeypatch.setattr(nonfinite, "HOLD_TIMEOUT", 2.0)
+    step = sowtel.jit(_step)
+    w = jnp.ones((4, 3))
+    with sowtel.enable(exporter="memory", flight_recorder=1) as session:
+        step(w, GOOD)  # compiled before timing
+        took = []
+        for _ in range(nonfinite.HOLD + 4):
+            t = time.perf_counter()
+            step(w, GOOD)
+            took.append(time.perf_counter() - t)
+        assert sum(t >= 2.0 for t in took) == 1  # one wait, of HOLD_TIMEOUT
+        assert len(session.guard._kept) <= nonfinite.HOLD + 1
+        gate.set()
+    said = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(said) == 1 and "without waiting" in said[0]
