@@ -72,8 +72,8 @@ def host_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> dict[str, An
         vals = dict(zip(HEALTH_KEYS, (size, nan, posinf, neginf), strict=True))
         return {"stats": vals, "histogram": None}
     if is_float:
-        # Subnormal elements are zeros, as the device sees them: XLA flushes them to zero
-        # (they count in "zeros" and add nothing to the statistics).
+        # Subnormal elements are zeros, as the device sees them: XLA:CPU flushes them to
+        # zero (they count in "zeros" and add nothing to the statistics).
         tiny = np.finfo(xf.dtype).tiny
         sub = (np.abs(xf) < tiny) & (xf != 0)
         if sub.any():
