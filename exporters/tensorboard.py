@@ -21,9 +21,11 @@ Each record becomes, in the run's event file:
   (TensorBoard's text plugin appends ``/text_summary`` to :data:`ALERT_TAG`);
 - where each series ran in its step: a depth tensor's metadata, else :data:`ORDER_TAG`.
 
-A site inside a scan is one tensor a step for the ``sowtel`` plugin (``depth="tensor"``) or a
-series per iteration, ``{name}[3]/{mode}/{stat}`` (``depth="scalars"``); site names may not
-contain brackets, so these tags never collide with another site's.
+A site inside a scan is one tensor a step for the ``sowtel`` plugin (``depth="tensor"``), with
+the l2 norm of the whole stacked value as a scalar and, from its first non-zero one on, its
+counts over all positions (``blocks/h/primal/nan``), or a series per iteration,
+``{name}[3]/{mode}/{stat}`` (``depth="scalars"``); site names may not contain brackets, so
+these tags never collide with another site's.
 
 Site names are only ever tags inside an event file, never file or folder names: whatever a name
 holds, everything is written inside ``logdir``. With several JAX processes each process writes
@@ -319,6 +321,10 @@ class TensorBoardExporter:
         self._last_depth: dict[tuple[int, str, str],
                                tuple[int, list[tuple[Any, tuple[str, ...], np.ndarray]]]] = {}
         self._last_nonfinite: dict[int, tuple[int, list[list[Any]]]] = {}
+        # Scanned sites (process, name, mode) whose depth tensors' counts are written as
+        # scalars: from their first non-zero count on.
+        self._depth_counting: set[tuple[int, str, str]] = set()
+        self._depth_counted: dict[tuple[int, str, str], tuple[int, list[float]]] = {}
         self._orders = SeriesOrders(_tensor_metadata)  # where series of scalars ran
         self._last_sync = time.monotonic()
         self._closed = False
@@ -637,15 +643,34 @@ class TensorBoardExporter:
                                                                              rows.order,
                                                                              rows.scans),
                                     tensor=_float_tensor(table)))
-        written: frozenset[str] = frozenset()
+        written: set[str] = set()
+        prefix = series_tag(name, mode)
         if "l2" in stats:
-            # The l2 norm of the whole stacked value: of every position's finite elements.
+            # The l2 norm of the whole stacked value: of every position's finite elements;
+            # NaN when no position has one (a NaN position has no finite element).
             l2 = table[rank + stats.index("l2")].astype(np.float64)
-            values.append(Summary.Value(tag=f"{series_tag(name, mode)}/l2",
-                                        simple_value=float(np.sqrt(np.nansum(l2 * l2)))))
-            written = frozenset({"l2"})
+            some = ~np.isnan(l2)
+            total = float(np.sqrt(np.sum(l2[some] ** 2))) if some.any() else float("nan")
+            values.append(Summary.Value(tag=f"{prefix}/l2", simple_value=total))
+            written.add("l2")
+        counts = [k for k in COUNT_STATS if k in stats and self._choice.writes_count(k)]
+        if counts:
+            # The non-finite counts of the whole stacked value, a scalar series each, from the
+            # site's first non-zero count on (always for a health site): the Scalars tab
+            # shows a NaN in a scanned site as it does in any other.
+            sums = [float(np.nansum(table[rank + stats.index(k)])) for k in counts]
+            if any(sums) or "mean" not in stats:
+                self._depth_counting.add(key)
+            if key in self._depth_counting:
+                written.update(counts)
+                # A step cut over batches: its counts again only if they changed.
+                if self._depth_counted.get(key) != (step, sums):
+                    self._depth_counted[key] = (step, sums)
+                    values.extend(Summary.Value(tag=f"{prefix}/{k}", simple_value=v)
+                                  for k, v in zip(counts, sums, strict=True))
         site = layout.setdefault(name, _Site())
-        if site.learn(mode, written, False, False, order=rows.order):
+        if site.learn(mode, frozenset(written), False, bool(written & set(COUNT_STATS)),
+                      order=rows.order):
             layout_due.add(process_index)
 
     def _nonfinite_value(self, process_index: int, step: int,

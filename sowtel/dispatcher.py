@@ -562,6 +562,20 @@ class Dispatcher:
         tokens = [(w, w.request("flush")) for w in self._workers if not w.stalled()]
         return all(w.wait(t, deadline) != "timeout" for w, t in tokens)
 
+    def convert_now(self) -> None:
+        """Asks the dispatcher thread to take what waits in the queue now, without waiting for
+        it (as :meth:`flush` does before it waits): the guard of ``on_nonfinite`` uses it so
+        that a step's records are checked soon after the step.
+
+        Example:
+            >>> d = Dispatcher([], convert=lambda items: [], flush_interval=60.0)
+            >>> d.convert_now()
+            >>> d.close()
+        """
+        with self._lock:
+            self._urgent = True
+            self._wake_cond.notify()
+
     def close(self, timeout: float | None = 30.0) -> None:
         """Stops accepting items, flushes everything accepted, then closes every exporter.
 

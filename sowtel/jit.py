@@ -274,7 +274,12 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ctx = current_context()
-        if ctx is None or ctx.stream is None or ctx.quiet or ctx.capture is not None:
+        step = host_step()
+        # A host-side at_step at which no site logs runs quiet; this call still decides for
+        # itself (its health check, its alerts, its flight recorder), as without at_step.
+        quiet_step = ctx is not None and ctx.quiet and step is not None
+        if (ctx is None or ctx.stream is None or (ctx.quiet and not quiet_step)
+                or ctx.capture is not None):
             return self._plain(*args, **kwargs)
         if jc.is_tracing():
             # Called inside another traced function: its sows belong to that program.
@@ -285,11 +290,19 @@ class Jitted:
         if session is None:
             with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                 return self._plain(*args, **kwargs)
+        if quiet_step:
+            ctx = dataclasses.replace(ctx, quiet=False)
+            with CONTEXT(ctx):
+                return self._call(ctx, session, step, args, kwargs)
+        return self._call(ctx, session, step, args, kwargs)
+
+    def _call(self, ctx: Context, session: Any, step: int | None, args: Any,
+              kwargs: Any) -> Any:
         calls = self._next_step(session.id)  # calls since enable(), at_step or not
-        step = host_step()
         if step is None:
             step = calls
         config = ctx.stream
+        assert config is not None, "checked by __call__"
         if config not in self._strides:
             self._strides[config] = {config.every}
             self._callbacks[config] = False
@@ -299,7 +312,7 @@ class Jitted:
         health = guard is not None and guard.health_at(step)
         histogram = session.histogram_at(step)
         if guard is not None:
-            guard.before_call(self, step, args, kwargs)
+            guard.before_call(self, step, args, kwargs)  # staged; kept once its records left
         rules = session.alert_rules  # sowtel.alerts: may raise a pending AlertError
         if rules is not None and rules.pending:
             rules.deliver()
@@ -351,6 +364,8 @@ class Jitted:
                 self._strides[config].add(new.every)
                 continue
             session.receive_compiled(summaries, step)
+            if guard is not None and (summaries.sites or self._callbacks.get(config)):
+                guard.sent(step)  # its records are on their way: kept until checked
             return out
 
     def _next_step(self, session_id: int) -> int:

@@ -353,9 +353,10 @@ def partial_summaries(leaves: Sequence[Any], summary: str, bins: int,
 
 def merge_partials(partial: Any) -> tuple[Any, Any]:
     """The ``stats`` arrays ``[moments(6), counts(4)]`` of ``P`` block summaries
-    ``(..., P, 10)`` (:func:`sowtel.summaries.device_summary`'s, side by side): counts and sums
-    add, extrema take the extremum over the blocks with finite elements, means and sums of
-    squares merge (Chan et al.).
+    ``(..., P, 10)`` (:func:`sowtel.summaries.device_summary`'s, side by side): counts add,
+    extrema take the extremum over the blocks with finite elements, means (of the value and of
+    ``|x|``) and variances merge weighted by the blocks' counts (Chan et al.), the variances
+    divided by the power of two below the largest magnitude so that no square overflows.
 
     Example (the blocks [1, 3] and [5, 7] of [1, 3, 5, 7]):
         >>> import jax, jax.numpy as jnp
@@ -364,22 +365,27 @@ def merge_partials(partial: Any) -> tuple[Any, Any]:
         >>> moments, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats", 8)))(rows)
         >>> merged, _ = merge_partials(jnp.concatenate([moments, counts.astype(moments.dtype)],
         ...                                            1))
-        >>> [round(float(v), 4) for v in merged]  # mean, sum of squares, min, max, n, sum |x|
-        [4.0, 20.0, 1.0, 7.0, 4.0, 16.0]
+        >>> [round(float(v), 4) for v in merged]  # mean, std, min, max, n, mean |x|
+        [4.0, 2.2361, 1.0, 7.0, 4.0, 4.0]
     """
     import jax.numpy as jnp
 
     ftype = partial.dtype
-    mean_r, m2_r, min_r, max_r, n_r, abs_r = (partial[..., i] for i in range(6))
+    mean_r, std_r, min_r, max_r, n_r, abs_r = (partial[..., i] for i in range(6))
     has = n_r > 0
     n = jnp.sum(n_r, axis=-1)
-    mean = jnp.sum(jnp.where(has, n_r * mean_r, 0), axis=-1) / jnp.maximum(n, 1)
-    dev = jnp.where(has, mean_r - mean[..., None], 0)
-    m2 = jnp.sum(jnp.where(has, m2_r + n_r * dev * dev, 0), axis=-1)
+    w = jnp.where(has, n_r / jnp.maximum(n, 1)[..., None], 0)
+    mean = jnp.sum(jnp.where(has, w * mean_r, 0), axis=-1)
+    big = jnp.max(jnp.where(has, jnp.maximum(jnp.abs(min_r), jnp.abs(max_r)), 0), axis=-1)
+    _, exponent = jnp.frexp(jnp.where(big > 0, big, 1))
+    scale = jnp.ldexp(jnp.ones((), ftype), exponent - 1)[..., None]
+    dev = jnp.where(has, (mean_r - mean[..., None]) / scale, 0)
+    sd = jnp.where(has, std_r / scale, 0)
+    std = jnp.sqrt(jnp.sum(w * (sd * sd + dev * dev), axis=-1)) * scale[..., 0]
     moments = jnp.stack([
-        mean, m2, jnp.min(jnp.where(has, min_r, jnp.inf), axis=-1),
+        mean, std, jnp.min(jnp.where(has, min_r, jnp.inf), axis=-1),
         jnp.max(jnp.where(has, max_r, -jnp.inf), axis=-1), n,
-        jnp.sum(jnp.where(has, abs_r, 0), axis=-1)], axis=-1).astype(ftype)
+        jnp.sum(jnp.where(has, w * abs_r, 0), axis=-1)], axis=-1).astype(ftype)
     counts = jnp.sum(partial[..., 6:10], axis=-2).astype(jnp.int32)
     return moments, counts
 

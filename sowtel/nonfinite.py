@@ -2,7 +2,8 @@
 
 ``sowtel.enable(..., on_nonfinite=..., health_every=..., flight_recorder=...)`` sets a
 :class:`Guard` on the session. It sees every record the session converts (both transports) and
-acts on the first one holding a non-finite value from each step on:
+acts once on each failure episode (from a step whose records hold a NaN or an infinity to the
+next step whose records are all finite), on its first non-finite record:
 
 ==================  ==========================================================================
 ``on_nonfinite``    what happens
@@ -23,17 +24,20 @@ that raises is the first one after that (usually the second after the faulty ste
 ``health_every=k`` adds a cheap check to ``sowtel.jit`` steps at which no site logs: every
 ``k`` steps each site sends its ``"health"`` summary (size and NaN / +inf / -inf counts) instead
 of nothing, so with ``every=100, health_every=1`` a NaN of step 57 is caught at step 57, not at
-step 100. Health records go to the exporters like any other (``summary="health"``).
+step 100, also inside a host-side ``with sowtel.at_step(i):`` around the call. Health records
+go to the exporters like any other (``summary="health"``).
 
 The flight recorder (``flight_recorder=K``, on with K=1 by default under ``on_nonfinite="dump"``)
-keeps references to the arguments of each ``sowtel.jit`` call: those of the last K calls whose
-records were checked, and of the calls whose records are still on their way. Keeping a reference
-costs no device time, but it keeps the arrays alive: about K+1 extra copies of the arguments
-(for ``step(params, opt_state, batch)``: of the parameters, optimizer state and batch) stay in
-device memory. Arguments a function donates (``donate_argnums``) are deleted by the call, so
-such functions are not recorded unless ``record_donated=True``, which copies them before each
-call (device time and memory). When a non-finite record of a kept step arrives, the step is run
-again through :func:`sowtel.save_intermediates` and written to
+keeps references to the arguments of each ``sowtel.jit`` call that sends records: those of the
+last K calls whose records were checked, and of every call whose records are still on their way
+(up to :data:`HOLD`; the call after waits for the checks), so the first bad step is always there
+to dump. Keeping a reference costs no device time, but it keeps the arrays alive: K+1 to K+8
+extra copies of the arguments (for ``step(params, opt_state, batch)``: of the parameters,
+optimizer state and batch) stay in device memory. Arguments a function donates
+(``donate_argnums``) are deleted by the call, so such functions are not recorded unless
+``record_donated=True``, which copies them before each call (device time and memory). When an
+episode's first step is kept (and fewer than ``max_postmortems``, default 3, were written), the
+step is run again through :func:`sowtel.save_intermediates` and written to
 ``<logdir>/postmortem/step_<k>/step_<k>.safetensors`` (``logdir``: the first exporter's, else the
 working directory), with every site's full value and derivatives: ``sowtel inspect`` of that
 folder names the first non-finite site in program order. Under ``on_nonfinite="dump"`` the same
@@ -53,10 +57,12 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 import warnings
@@ -68,7 +74,7 @@ import jax
 import numpy as np
 
 from sowtel.alerts import AlertError
-from sowtel.records import Record
+from sowtel.records import Record, is_nonfinite
 from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = ["Guard", "NonFiniteError", "NonFiniteWarning", "POLICIES", "make_guard"]
@@ -87,7 +93,7 @@ class NonFiniteError(AlertError, FloatingPointError):
       postmortem: the post-mortem folder written for the step, if the flight recorder kept it.
 
     Example:
-        >>> from sowtel.records import Record
+        >>> from sowtel.records import Record, is_nonfinite
         >>> r = Record(name="h", mode="cotangent", tag="intermediates", step=3, index=2,
         ...            wall_time=0.0, summary="health", shape=(4,), dtype="float32",
         ...            stats={"size": 4.0, "nan": 1.0, "posinf": 0.0, "neginf": 0.0})
@@ -122,18 +128,11 @@ def describe(record: Record) -> str:
     return f"non-finite value in {where}: {counts}"
 
 
-def is_nonfinite(record: Record) -> bool:
-    """Whether ``record`` counts a NaN or an infinity (statistics, or its full value)."""
-    if record.nonfinite:
-        return True
-    value = record.value
-    if value is None or value.dtype.kind not in "fc":
-        return False
-    return not bool(np.isfinite(value).all())
-
-
-def _check_int(value: Any, what: str, least: int) -> int:
+def _check_int(value: Any, what: str, least: int, meaning: str | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        if meaning is not None:
+            raise ValueError(f"enable {what}={value!r} must be an int >= {least} (the most "
+                             f"{meaning})")
         raise ValueError(f"enable {what}={value!r} must be None or an int >= {least}")
     return int(value)
 
@@ -146,69 +145,129 @@ class _Kept:
     kwargs: dict[str, Any]
 
 
+#: ``enable(max_postmortems=...)``'s default: post-mortems a session writes at most (one per
+#: failure episode, for its first step).
+MAX_POSTMORTEMS = 3
+
+#: Logging steps whose records are still on their way that the flight recorder holds at most:
+#: beyond it, the next ``sowtel.jit`` call waits for the dispatcher to check the oldest one
+#: (so that the first bad step is never let go unchecked), for :data:`HOLD_TIMEOUT` s at most.
+HOLD = 8
+HOLD_TIMEOUT = 30.0
+
+
 class Guard:
     """A session's policy for non-finite records, its health stride and its flight recorder.
 
     The session calls :meth:`observe` on the dispatcher thread with the records it converted,
-    ``sowtel.jit`` calls :meth:`before_call` on the training thread before each step, and
-    ``flush()`` calls :meth:`deliver`. Make one with :func:`make_guard`.
+    ``sowtel.jit`` calls :meth:`before_call` on the training thread before each step (and
+    :meth:`sent` once the step's records are on their way), and ``flush()`` calls
+    :meth:`deliver`. Make one with :func:`make_guard`.
+
+    **Episodes.** A failure episode begins at the first step whose records hold a NaN or an
+    infinity and lasts until a step's records are all finite again. It gives one alert (its
+    first step's first non-finite record) and one post-mortem (of that step, while fewer than
+    ``max_postmortems`` were written in the session): a run that stays NaN from step 10 on
+    gives one warning and one folder, ``step_10``.
     """
 
     def __init__(self, on_nonfinite: Any, health_every: int | None, keep: int,
-                 record_donated: bool, logdir: str | None, tags: Sequence[str]) -> None:
+                 record_donated: bool, logdir: str | None, tags: Sequence[str],
+                 max_postmortems: int = MAX_POSTMORTEMS) -> None:
         self.on_nonfinite = on_nonfinite
         self.health_every = health_every
         self.keep = keep
         self.record_donated = record_donated
         self.logdir = logdir
         self.tags = tuple(tags)
+        self.max_postmortems = max_postmortems
         self._lock = threading.Lock()
-        # Alerts not delivered yet, oldest first: a later step's alert never replaces an
+        self._checked = threading.Condition(self._lock)  # notified when _checked_step grows
+        # Alerts not delivered yet, oldest first: a later episode's alert never replaces an
         # earlier one that the training thread has not seen.
         self._pending: collections.deque[Record] = collections.deque()
-        self._alerted_step = -1  # alerts are for steps after this one
+        self._last_bad = -1  # the latest step that held a non-finite record
+        self._finite: list[int] = []  # steps after it seen all finite (the first 16)
+        self._earliest: float = math.inf  # the earliest step alerted
         self._checked_step = -1  # the highest step whose records were seen
         self._kept: collections.deque[_Kept] = collections.deque()
+        self._staged: _Kept | None = None  # this call's arguments, until its records leave
+        self._said: set[str] = set()  # advice given once a session
+        #: Asks the dispatcher to convert what waits now (set by the session).
+        self.hurry: Callable[[], None] = lambda: None
         self.callback_errors = 0
+        self.episodes = 0
         self.postmortems: list[Path] = []
 
     # -- the dispatcher thread ----------------------------------------------------------------
 
     def observe(self, records: Sequence[Record] | RecordBatch) -> None:
-        """Looks for the first non-finite record of each step not alerted yet. Never raises.
+        """Looks for the first non-finite record of each step checked; alerts on the first
+        step of each failure episode. Never raises.
 
         Of a :class:`~sowtel.to_records.RecordBatch`, only the tables that hold a NaN or an
         infinity are turned into records."""
         try:
-            firsts: dict[int, Record] = {}
+            firsts: dict[int, Record | None] = {}
             if isinstance(records, RecordBatch):
-                records = self._candidates(records)
+                records = self._candidates(records, firsts)
             for r in records:
-                if r.step > self._checked_step:
-                    self._checked_step = r.step
-                if r.step > self._alerted_step and r.step not in firsts and is_nonfinite(r):
-                    firsts[r.step] = r
-            for step in sorted(firsts):
-                with self._lock:
-                    if step <= self._alerted_step:
+                if is_nonfinite(r):
+                    if firsts.get(r.step) is None:
+                        firsts[r.step] = r
+                else:
+                    firsts.setdefault(r.step, None)
+            alerts = []
+            with self._lock:
+                for step in sorted(firsts):
+                    first = firsts[step]
+                    if first is None:
+                        if step > self._last_bad and step not in self._finite:
+                            # All finite so far (a callback step's records may come in
+                            # several batches): it ends the episode once a later step is bad.
+                            bisect.insort(self._finite, step)
+                            del self._finite[16:]
                         continue
-                    self._alerted_step = step
-                    if not callable(self.on_nonfinite):
-                        self._pending.append(firsts[step])
-                        continue
-                self.on_nonfinite(firsts[step])
+                    if step in self._finite:
+                        self._finite.remove(step)
+                    if step <= self._last_bad:
+                        # An earlier step than the latest bad one, come by another path (a
+                        # step streamed before one sowtel.export-ed, converted after it):
+                        # an alert if earlier than every alert so far: the earliest wins.
+                        new = step < self._earliest
+                    else:
+                        # A later step: a new episode unless it continues the last one (no
+                        # all-finite step between them).
+                        new = self._last_bad < 0 or bool(self._finite and
+                                                         self._finite[0] < step)
+                        self._last_bad = step
+                        self._finite = [f for f in self._finite if f > step]
+                    if new:
+                        self._earliest = min(self._earliest, step)
+                        self.episodes += 1
+                        alerts.append(first)
+                if firsts and max(firsts) > self._checked_step:
+                    self._checked_step = max(firsts)
+                if not callable(self.on_nonfinite):
+                    for record in alerts:  # in step order: the earliest is delivered first
+                        at = bisect.bisect([r.step for r in self._pending], record.step)
+                        self._pending.insert(at, record)
+                self._checked.notify_all()
+            if callable(self.on_nonfinite):
+                for record in alerts:
+                    self.on_nonfinite(record)
         except Exception:  # noqa: BLE001 - a user's callable must not stop the dispatcher
             self.callback_errors += 1
             if self.callback_errors == 1:
                 logger.exception("sowtel: the on_nonfinite callable raised (counted; logged "
                                  "once)")
 
-    def _candidates(self, batch: RecordBatch) -> list[Record]:
+    def _candidates(self, batch: RecordBatch, firsts: dict[int, Record | None]) -> list[Record]:
         out: list[Record] = []
         for part in batch.parts:
             if isinstance(part, SiteColumns):
                 if not part.any_nonfinite and part.values is None:  # full values: look inside
-                    self._checked_step = max(self._checked_step, part.step)
+                    firsts.setdefault(part.step, None)
                     continue
                 out.extend(part.records())
             else:
@@ -223,12 +282,56 @@ class Guard:
 
     def before_call(self, fun: Any, step: int, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> None:
-        """Delivers a pending alert (may raise :class:`NonFiniteError`), then keeps the call's
-        arguments if the flight recorder is on."""
+        """Delivers a pending alert (may raise :class:`NonFiniteError`), then stages the call's
+        arguments if the flight recorder is on (kept by :meth:`sent`)."""
+        self._staged = None
         if self._pending:
             self.deliver()
         if self.keep:
-            self._record(fun, step, args, kwargs)
+            self._stage(fun, step, args, kwargs)
+
+    def sent(self, step: int) -> None:
+        """The staged call's records are on their way: its arguments are kept until they are
+        checked. Holds at most :data:`HOLD` such steps: beyond, waits for the dispatcher."""
+        staged, self._staged = self._staged, None
+        if staged is None or staged.step != step:
+            return
+        kept = self._kept
+        kept.append(staged)
+        unchecked = sum(1 for k in kept if k.step > self._checked_step)
+        if unchecked > HOLD // 2:
+            self.hurry()
+        if unchecked > HOLD and "hold" not in self._said:  # after one timeout, never again
+            oldest = next(k.step for k in kept if k.step > self._checked_step)
+            with self._lock:
+                waited = self._checked.wait_for(lambda: self._checked_step >= oldest,
+                                                HOLD_TIMEOUT)
+            if not waited:
+                self._once("hold", "sowtel: the flight recorder waited %.0f s for the records "
+                           "of step %s to be checked; from now on it lets go of the oldest "
+                           "steps it holds unchecked without waiting (logged once)",
+                           HOLD_TIMEOUT, oldest)
+        self._trim()
+
+    def _trim(self) -> None:
+        # Keep the K newest steps whose records were checked, every step still unchecked (at
+        # most HOLD + 1 of them, see sent), and the steps whose alert waits for delivery.
+        kept = self._kept
+        checked = self._checked_step
+        pinned = {r.step for r in list(self._pending)}
+        n_checked = sum(1 for k in kept if k.step <= checked)
+        unchecked = len(kept) - n_checked
+        out: list[_Kept] = []
+        while kept and (n_checked > self.keep or unchecked > HOLD + 1):
+            k = kept.popleft()
+            if k.step in pinned:
+                out.append(k)
+                continue
+            if k.step <= checked:
+                n_checked -= 1
+            else:
+                unchecked -= 1
+        kept.extendleft(reversed(out))
 
     def deliver(self) -> None:
         """Acts on the pending non-finite records, oldest first: post-mortem, then warn or
@@ -237,8 +340,10 @@ class Guard:
             with self._lock:
                 if not self._pending:
                     return
-                record = self._pending.popleft()
+                record = self._pending[0]
             folder = self._postmortem(record) if self.keep else None
+            with self._lock:
+                self._pending.popleft()
             if self.on_nonfinite == "raise":
                 raise NonFiniteError(record, folder)
             if self.on_nonfinite in ("warn", "dump"):
@@ -247,8 +352,8 @@ class Guard:
 
     # -- the flight recorder -------------------------------------------------------------------
 
-    def _record(self, fun: Any, step: int, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> None:
+    def _stage(self, fun: Any, step: int, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> None:
         options = getattr(fun, "_options", {})
         if options.get("donate_argnums") is not None or options.get("donate_argnames"):
             if not self.record_donated:
@@ -256,22 +361,24 @@ class Guard:
             # The call deletes donated buffers: keep copies (device time, documented).
             args, kwargs = jax.tree_util.tree_map(
                 lambda x: x.copy() if isinstance(x, jax.Array) else x, (args, kwargs))
-        kept = self._kept
-        kept.append(_Kept(fun, step, args, kwargs))
-        # Keep the K newest steps whose records were checked, and every step still unchecked
-        # (its records are on their way); at most K + 8 calls in all.
-        checked = self._checked_step
-        n_checked = sum(1 for k in kept if k.step <= checked)
-        while kept and (n_checked > self.keep or len(kept) > self.keep + 8):
-            n_checked -= kept.popleft().step <= checked
+        self._staged = _Kept(fun, step, args, kwargs)
+
+    def _once(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            logger.warning(message, *args)
 
     def _postmortem(self, record: Record) -> Path | None:
+        if len(self.postmortems) >= self.max_postmortems:
+            self._once("cap", "sowtel: %d post-mortems written (max_postmortems=%d): no more "
+                       "in this session (logged once)", len(self.postmortems),
+                       self.max_postmortems)
+            return None
         kept = next((k for k in reversed(self._kept) if k.step == record.step), None)
         if kept is None:
-            logger.warning(
-                "sowtel: no post-mortem for step %s: the flight recorder no longer keeps its "
-                "arguments (it keeps %d); check health every step (health_every=1) or keep "
-                "more steps (flight_recorder=K)", record.step, self.keep)
+            self._once("gone", "sowtel: no post-mortem for step %s: the flight recorder does "
+                       "not hold its arguments (a function that donates them is recorded "
+                       "with record_donated=True; logged once)", record.step)
             return None
         try:
             folder = write_postmortem(getattr(kept.fun, "_fun", kept.fun), kept.args,
@@ -347,7 +454,8 @@ def _event_json(event: Any) -> dict[str, Any]:
 
 
 def make_guard(on_nonfinite: Any, health_every: Any, flight_recorder: Any, record_donated: Any,
-               logdir: str | None, tags: Sequence[str]) -> Guard | None:
+               logdir: str | None, tags: Sequence[str],
+               max_postmortems: Any = MAX_POSTMORTEMS) -> Guard | None:
     """Checks ``enable``'s non-finite options and returns the session's guard (None if unused).
 
     Example:
@@ -367,6 +475,7 @@ def make_guard(on_nonfinite: Any, health_every: Any, flight_recorder: Any, recor
         keep = _check_int(flight_recorder, "flight_recorder", 0)
     if not isinstance(record_donated, bool):
         raise ValueError(f"enable record_donated={record_donated!r} must be True or False")
+    most = _check_int(max_postmortems, "max_postmortems", 0, "post-mortems a session writes")
     if on_nonfinite is None and health is None and keep == 0:
         return None
-    return Guard(on_nonfinite, health, keep, record_donated, logdir, tags)
+    return Guard(on_nonfinite, health, keep, record_donated, logdir, tags, most)

@@ -43,7 +43,7 @@ from sowtel.dumps import (
     open_dump,
     program_order,
 )
-from sowtel.records import STAT_KEYS
+from sowtel.records import STAT_KEYS, inexact
 from sowtel.summaries import host_summary
 
 __all__ = [
@@ -204,7 +204,7 @@ def inspect_dump(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
     rows = []
     for e, arr in _iter_arrays(f, info.entries):
         row = EntryStats(e, host_summary(arr, "stats")["stats"])
-        if row.nonfinite and e.stacked and np.issubdtype(arr.dtype, np.inexact):
+        if row.nonfinite and e.stacked and inexact(arr.dtype):
             lengths = tuple(n for _, n in e.stacked)
             bad = ~np.isfinite(arr).reshape(*lengths, -1).all(axis=-1)
             at = tuple(tuple(int(i) for i in ix) for ix in np.argwhere(bad))

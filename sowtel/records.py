@@ -134,6 +134,52 @@ def loop_entries(enclosing: Sequence[Sequence[Any]], order: int) -> tuple[int, .
     return tuple(cell[0] for cell in cells)
 
 
+def inexact(dtype: Any) -> bool:
+    """Whether values of ``dtype`` can be NaN or infinite: numpy's floating and complex types,
+    and those of ml_dtypes that JAX computes in (``bfloat16``, the ``float8`` types...), which
+    numpy files as kind ``"V"``, so that ``np.issubdtype(bfloat16, np.floating)`` is False.
+
+    Example:
+        >>> import ml_dtypes
+        >>> inexact(np.float32), inexact(ml_dtypes.bfloat16), inexact(ml_dtypes.int4)
+        (True, True, False)
+    """
+    dt = np.dtype(dtype)
+    if dt.kind in "fc":
+        return True
+    if dt.kind != "V":
+        return False
+    try:
+        import ml_dtypes
+
+        ml_dtypes.finfo(dt)
+    except (ImportError, ValueError, TypeError):
+        return False
+    return True
+
+
+def is_nonfinite(record: Record) -> bool:
+    """THE non-finite rule: whether ``record`` holds a NaN or an infinity, by the counts
+    ``nan``/``posinf``/``neginf`` of its statistics or, for a full value without them, by its
+    elements (of any :func:`inexact` dtype, bfloat16 and float8 included).
+
+    Example:
+        >>> import ml_dtypes
+        >>> r = Record(name="h", mode="primal", tag="t", step=0, index=None, wall_time=0.0,
+        ...            summary="full", shape=(2,), dtype="bfloat16",
+        ...            value=np.array([1.0, np.inf], ml_dtypes.bfloat16))
+        >>> is_nonfinite(r)
+        True
+    """
+    stats = record.stats
+    if "nan" in stats:
+        return bool(stats["nan"] or stats.get("posinf", 0) or stats.get("neginf", 0))
+    value = record.value
+    if value is None or getattr(value, "dtype", None) is None or not inexact(value.dtype):
+        return False
+    return not bool(np.isfinite(value).all())
+
+
 @dataclasses.dataclass(frozen=True)
 class Record:
     """One observation of one sow site, as handed to exporters.
@@ -296,6 +342,18 @@ class StatChoice:
         self._by_mode = by_mode if stats == "default" else None
         #: The series whose counts are written (from their first non-zero count on).
         self.counting: set[tuple[str, str, Any]] = set()
+
+    def writes_count(self, stat: str) -> bool:
+        """Whether the count ``stat`` (one of :data:`COUNT_STATS`) may be written: always
+        under ``"all"`` or a list naming it; under ``"default"`` from a series' first non-zero
+        count on (the caller keeps that series' state, as :meth:`chosen` does in
+        :attr:`counting`).
+
+        Example:
+            >>> StatChoice("default").writes_count("nan"), StatChoice(["mean"]).writes_count("nan")
+            (True, False)
+        """
+        return self._counts_once_nonzero or self.stats is None or stat in self.stats
 
     def chosen(self, key: tuple[str, str, Any], summary: str, stats: dict[str, float],
                nonfinite: bool, single: bool = False) -> list[str]:

@@ -48,7 +48,7 @@ from sowtel.build import records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
-from sowtel.nonfinite import Guard, make_guard
+from sowtel.nonfinite import MAX_POSTMORTEMS, Guard, make_guard
 from sowtel.primitive import (
     CONTEXT,
     RECEIVERS,
@@ -215,6 +215,8 @@ class Session:
         self._effect_errors = 0
         self.scoped = False  # entered as a context manager
         self.guard = guard  # on_nonfinite, health_every, flight recorder (sowtel.nonfinite)
+        if guard is not None:
+            guard.hurry = self.dispatcher.convert_now
         self.alert_rules = alerts  # enable(alerts=...) (sowtel.alerts)
         if alerts is not None and guard is not None:
             alerts.postmortem = guard.postmortem_of_alert
@@ -374,15 +376,21 @@ class Session:
             self.guard.observe(batch)
         if self.alert_rules is not None:
             self.alert_rules.observe(batch)
-        if self.first_nonfinite is not None:
-            return
         found = first_nonfinite(batch, with_index=True)
-        if found is not None:
-            step, name, mode, index = found
+        if found is None:
+            return
+        step, name, mode, index = found
+        with self._late_lock:
+            # The earliest step wins, whatever path it came by: sowtel.export notices its
+            # records at once, a streamed step's once the dispatcher converts them.
+            known = self.first_nonfinite
+            if known is not None and known[0] <= step:
+                return
             self.first_nonfinite = (step, name, mode)
-            # The index is the layer (scan iteration) or shard the dashboard shows.
-            logger.warning("sowtel: first non-finite value at step %s in %s (%s%s)", step, name,
-                           mode, "" if index is None else f", index {index}")
+        # The index is the layer (scan iteration) or shard the dashboard shows.
+        logger.warning("sowtel: %s non-finite value at step %s in %s (%s%s)",
+                       "first" if known is None else "an earlier", step, name, mode,
+                       "" if index is None else f", index {index}")
 
     def _callback_records(self, items: list[Any]) -> list[Record]:
         """Records of host callbacks, in the order they were received: the callbacks of one
@@ -553,6 +561,7 @@ def enable(
     histogram_every: int | None = HISTOGRAM_EVERY,
     flight_recorder: int | None = None,
     record_donated: bool = False,
+    max_postmortems: int = MAX_POSTMORTEMS,
     alerts: Any = None,
     on_alert: Any = "warn",
     **exporter_options: Any,
@@ -589,10 +598,13 @@ def enable(
         ``"stats"``; the other logging steps send stats only (default 100: histograms cost
         more than stats, see docs/tensorboard.md). ``None``: never. The callback transport
         (``enable()`` + ``jax.jit``) keeps each site's own summary.
-      flight_recorder: keep the arguments of the last K ``sowtel.jit`` calls to write a
-        post-mortem of the step that made a non-finite value (default: 1 under
-        ``on_nonfinite="dump"``, else off); memory: about K+1 extra copies of the arguments.
+      flight_recorder: keep the arguments of the last K checked ``sowtel.jit`` calls, and of
+        those whose records are still being checked (8 at most), to write a post-mortem of
+        the step that made a non-finite value (default: 1 under ``on_nonfinite="dump"``, else
+        off); memory: K+1 to K+8 extra copies of the arguments.
       record_donated: also record functions that donate arguments (copies them each call).
+      max_postmortems: post-mortems the session writes at most (default 3): one per failure
+        episode (from a non-finite step to the next all-finite one), of its first step.
       alerts: rules made by :func:`sowtel.alert` over the sites' statistics and the
         :func:`sowtel.log` series (see :mod:`sowtel.alerts`).
       on_alert: what a rule without an action of its own does when it fires: ``"warn"``,
@@ -650,7 +662,7 @@ def enable(
     if rules is not None and flight_recorder is None and rules.dumps:
         flight_recorder = 1  # a post-mortem of the step an alert fired at
     guard_options = (on_nonfinite, health_every, flight_recorder, record_donated)
-    make_guard(*guard_options, None, tags_t)  # checked before exporters open files
+    make_guard(*guard_options, None, tags_t, max_postmortems)  # before exporters open files
     exporters = resolve(exporter, **exporter_options)
     logdirs = [getattr(e, "logdir", None) for e in exporters]  # where post-mortems go
     logdir = next((os.fspath(d) for d in logdirs if isinstance(d, str | os.PathLike)), None)
@@ -658,8 +670,8 @@ def enable(
         exporters, summary=summary, tags=tags_t, modes=modes_t, include=include_fn,
         exclude=exclude_fn, every=every, queue_size=queue_size, on_full=on_full,
         max_bytes=max_bytes, export_process=export_process,
-        guard=make_guard(*guard_options, logdir, tags_t), histogram_every=histogram_every,
-        alerts=rules,
+        guard=make_guard(*guard_options, logdir, tags_t, max_postmortems),
+        histogram_every=histogram_every, alerts=rules,
     )
     with _lock:
         below = _stack[-1] if _stack else None

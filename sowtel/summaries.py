@@ -4,7 +4,8 @@ The same definitions run in two places: :func:`device_summary` inside the compil
 ops, before the host callback) and :func:`host_summary` on numpy arrays (for
 :func:`sowtel.export` of captured intermediates). Both follow the rules of the ``"stats"``
 summary: statistics ignore non-finite elements and count them apart; ``std`` has ddof=0; ``l2``
-is the Euclidean norm of the finite elements; integers and bools are summarised as floats.
+is the Euclidean norm of the finite elements (a value with none has NaN ``mean``, ``std``,
+``min``, ``max``, ``l2`` and ``mean_abs``); integers and bools are summarised as floats.
 
 Example:
     >>> import numpy as np
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from sowtel.records import HEALTH_KEYS, STAT_KEYS, SUMMARIES
+from sowtel.records import HEALTH_KEYS, STAT_KEYS, SUMMARIES, inexact
 
 #: Default number of histogram buckets.
 DEFAULT_BINS = 30
@@ -56,7 +57,7 @@ def host_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> dict[str, An
     x = np.asarray(x)
     if summary == "shape":
         return {"stats": {}, "histogram": None}
-    is_float = np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.complexfloating)
+    is_float = inexact(x.dtype)  # bfloat16 and float8 too (numpy files them as kind "V")
     if np.issubdtype(x.dtype, np.complexfloating):
         x = np.abs(x)
     xf = x.astype(_float_dtype(x.dtype) if is_float else np.float64).ravel()
@@ -70,17 +71,30 @@ def host_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> dict[str, An
     if summary == "health":
         vals = dict(zip(HEALTH_KEYS, (size, nan, posinf, neginf), strict=True))
         return {"stats": vals, "histogram": None}
+    if is_float:
+        # Subnormal elements are zeros, as the device sees them: XLA:CPU flushes them to
+        # zero (they count in "zeros" and add nothing to the statistics).
+        tiny = np.finfo(xf.dtype).tiny
+        sub = (np.abs(xf) < tiny) & (xf != 0)
+        if sub.any():
+            xf = np.where(sub, xf.dtype.type(0), xf)
     finite = xf[np.isfinite(xf)]
     n = finite.size
     if n:
-        mean = float(finite.mean(dtype=np.float64))
-        std = float(np.sqrt(np.mean((finite.astype(np.float64) - mean) ** 2)))
+        wide = finite.astype(np.float64)
+        # Divided by the power of two below the largest magnitude (exact), so that no square
+        # or sum overflows where the statistics do not (float64 values near 1e300).
+        big = float(np.max(np.abs(wide)))
+        scale = float(np.ldexp(1.0, np.frexp(big)[1] - 1)) if big > 0 else 1.0
+        scaled = wide / scale
+        mean_s = float(scaled.mean())
+        mean = mean_s * scale
+        std = float(np.sqrt(np.mean((scaled - mean_s) ** 2))) * scale
         mn, mx = float(finite.min()), float(finite.max())
-        l2 = float(np.sqrt(np.sum(finite.astype(np.float64) ** 2)))
-        mean_abs = float(np.mean(np.abs(finite), dtype=np.float64))
-    else:
-        mean = std = mn = mx = mean_abs = float("nan")
-        l2 = 0.0
+        l2 = float(np.sqrt(np.sum(scaled * scaled))) * scale
+        mean_abs = float(np.mean(np.abs(scaled))) * scale
+    else:  # no finite element: a statistic of no element is NaN, never 0
+        mean = std = mn = mx = l2 = mean_abs = float("nan")
     zeros = float((xf == 0).sum())
     stats = dict(
         zip(STAT_KEYS, (size, mean, std, mn, mx, l2, mean_abs, nan, posinf, neginf, zeros),
@@ -235,9 +249,13 @@ def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
         count = p[0] + q[0]
         delta = q[1] - p[1]
         w = jnp.where(count > 0, q[0] / jnp.where(count > 0, count, 1), 0)
-        return (count, p[1] + delta * w, p[2] + q[2] + delta * delta * p[0] * w,
-                jnp.minimum(p[3], q[3]), jnp.maximum(p[4], q[4]),
-                *(a + b for a, b in zip(p[5:], q[5:], strict=True)))
+        v = 1 - w
+        # Means of the variance and of |x|, not sums: no partial result exceeds the value's
+        # largest magnitude (or the variance itself), so none overflows where the statistics
+        # do not. delta^2 w v as (delta w)(delta v): a quarter of delta^2 at most.
+        return (count, p[1] + delta * w, p[2] * v + q[2] * w + (delta * w) * (delta * v),
+                jnp.minimum(p[3], q[3]), jnp.maximum(p[4], q[4]), p[5] * v + q[5] * w,
+                *(a + b for a, b in zip(p[6:], q[6:], strict=True)))
 
     inits = (zero, zero, zero, jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype),
              zero, i32(0)) + (i32(0),) * (3 * counts)
@@ -259,8 +277,30 @@ def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
                       for o, i in zip(operands, inits, strict=True))
     if parts[0].ndim >= 2:
         parts = jax.lax.reduce(parts, inits, merge, (parts[0].ndim - 1,))
-    k, m, m2, mn, mx, a, z, *bad = jax.lax.reduce(parts, inits, merge, _all_axes(parts[0]))
-    return k, m, m2, mn, mx, a, z, (tuple(bad) if counts else (i32(0),) * 3)
+    k, m, var, mn, mx, mean_abs, z, *bad = jax.lax.reduce(parts, inits, merge,
+                                                          _all_axes(parts[0]))
+    return k, m, var, mn, mx, mean_abs, z, (tuple(bad) if counts else (i32(0),) * 3)
+
+
+def _scaled(x: Any) -> tuple[Any, ...]:
+    """:func:`_variadic` of the finite elements of ``x`` divided by the power of two at most
+    their largest magnitude (exact: only the exponent changes; the largest becomes 1 to 2), the
+    moments multiplied back: statistics of finite values that are finite and correct however
+    close to the dtype's largest their squares or sums come. The zeros are counted in ``x``
+    itself (a tiny element may round to zero once divided). The path of the values that hold a
+    NaN or an infinity, or whose sums overflowed (see :func:`device_summary`)."""
+    import jax
+    import jax.numpy as jnp
+
+    mask = jnp.isfinite(x)
+    big = jnp.max(jnp.where(mask, jnp.abs(x), 0))
+    _, exponent = jnp.frexp(jnp.where(big > 0, big, 1))
+    scale = jnp.ldexp(jnp.ones((), x.dtype), exponent - 1)
+    k, m, var, mn, mx, mean_abs, _, bad = _variadic(x / scale, mask)
+    zeros = jax.lax.reduce((x == 0).astype(jnp.int32), jnp.int32(0), jax.lax.add,
+                           _all_axes(x))
+    return (k, m * scale, var, mn * scale, mx * scale, mean_abs * scale, zeros, bad,
+            scale)
 
 
 def apart(x: Any) -> Any:
@@ -332,17 +372,22 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
     ``stats`` reduces over every axis of ``x`` without reshaping it (so a value with an
     explicit sharding is summarised where it lies), in one of two forms (``form``, else
     :func:`summary_form`): ``"variadic"`` reads the value once, masking the non-finite elements
-    and counting them in the same reduce, with no conditional; ``"separate"`` takes the sums as
-    sibling reductions and the extrema with the zero count in one more, and tests their sum of
-    squares for being finite: only when it is not (the value holds a NaN or an infinity, or the
-    sum overflowed), under a ``lax.cond``, are the statistics taken again with those elements
-    masked out and counted.
+    and counting them in the same reduce, with no conditional, merging means (of the value, of
+    its variance, of ``|x|``) rather than sums, so that no partial result overflows unless the
+    variance itself does (a standard deviation above about 1.8e19 in float32, 1.3e154 in
+    float64); ``"separate"`` takes the sums as sibling reductions and the extrema with the zero
+    count in one more, and tests the sum of squares for being finite: only when it is not (the
+    value holds a NaN or an infinity, or a sum overflowed), under a ``lax.cond``, are the
+    statistics taken again with those elements masked out and counted, of the value divided by
+    the power of two below its largest magnitude (:func:`_scaled`): finite and correct for
+    every finite value. Either way the moments sent are the mean, the standard
+    deviation and the mean of ``|x|``, which never exceed the largest finite magnitude.
 
     Example:
         >>> import jax.numpy as jnp
         >>> moments, counts = device_summary(jnp.array([[1.0, 0.0], [3.0, jnp.nan]]), "stats")
-        >>> [round(v, 5) for v in moments.tolist()]  # mean m2 min max n sum|x| (finite)
-        [1.33333, 4.66667, 0.0, 3.0, 3.0, 4.0]
+        >>> [round(v, 5) for v in moments.tolist()]  # mean std min max n mean|x| (finite)
+        [1.33333, 1.24722, 0.0, 3.0, 3.0, 1.33333]
         >>> counts.tolist()  # nan +inf -inf zeros
         [1, 0, 0, 1]
     """
@@ -383,27 +428,39 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
         return out
 
     if variadic:
-        raw = _variadic(xf, jnp.isfinite(xf) if is_float else None)
+        n, mean, var, mn, mx, mean_abs, zeros, bad = _variadic(
+            xf, jnp.isfinite(xf) if is_float else None)
+        std = jnp.sqrt(var)
     else:
         raw = _separate(xf)
+        n, _, m2, _, _, a, _, _ = raw
+        # Sent as a standard deviation and a mean of |x| (no larger than the value's largest
+        # magnitude), never as sums, which overflow where the statistics do not.
+        inv = 1.0 / size  # a constant: the multiplies fuse into the reductions' outputs
+        fast = (*raw[:2], jnp.sqrt(m2 * inv), *raw[3:5], a * inv, *raw[6:])
         if is_float:
-            m2 = raw[2]
-            fast = raw
             from sowtel import _jax_compat as jc
 
             if jc.manual_axes():
                 # Inside shard_map the branches' outputs must vary alike: the size and the
                 # counts, constants here, plus zeros derived from the data.
                 vary = (m2 != m2).astype(cdtype) * 0
-                fast = (raw[0] + vary.astype(ftype), *raw[1:7], tuple(b + vary for b in raw[7]))
-            # The value holds a NaN or an infinity (or its sum of squares overflowed): its
-            # finite elements' statistics, and the others counted, in one variadic reduce.
-            raw = jax.lax.cond(jnp.isfinite(m2), lambda: fast,
-                               lambda: _variadic(xf, jnp.isfinite(xf)))
-    n, mean, m2, mn, mx, a, zeros, bad = raw
-    # The moments as they are: the host derives the statistics (stats_table), so that no
-    # scalar arithmetic is compiled a site (it took six kernels a site on XLA:CPU).
-    out = [jnp.stack([mean, m2, mn, mx, n, a]).astype(ftype),
+                fast = (fast[0] + vary.astype(ftype), *fast[1:7],
+                        tuple(b + vary for b in fast[7]))
+
+            def masked() -> tuple[Any, ...]:
+                k, m, var, lo, hi, mabs, z, counted, scale = _scaled(xf)
+                return k, m, jnp.sqrt(var) * scale, lo, hi, mabs, z, counted
+
+            # The value holds a NaN or an infinity, or a sum overflowed: its finite elements'
+            # statistics, scaled, and the others counted, in one variadic reduce.
+            # (A sum of |x| overflows only where the sum of squares does, or the sum itself,
+            # which makes the sum of squares NaN: one test for both.)
+            fast = jax.lax.cond(jnp.isfinite(m2), lambda: fast, masked)
+        n, mean, std, mn, mx, mean_abs, zeros, bad = fast
+    # The host derives the rest (stats_table), so that little scalar arithmetic is compiled a
+    # site (six kernels a site on XLA:CPU when it all was).
+    out = [jnp.stack([mean, std, mn, mx, n, mean_abs]).astype(ftype),
            jnp.stack([*bad, zeros]).astype(cdtype)]
     if summary == "histogram":
         empty = n == 0
@@ -441,8 +498,8 @@ def site_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> list[Any]:
         >>> import jax, jax.numpy as jnp
         >>> out = jax.jit(lambda a, b: site_summary(a, "stats") + site_summary(b, "stats"))(
         ...     jnp.arange(4.0), jnp.ones(4))
-        >>> [round(float(v), 4) for v in out[0][:2]], out[2][:2].tolist()  # mean, m2
-        ([1.5, 5.0], [1.0, 0.0])
+        >>> [round(float(v), 4) for v in out[0][:2]], out[2][:2].tolist()  # mean, std
+        ([1.5, 1.118], [1.0, 0.0])
     """
     global _SUMMARY_JIT
     if _SUMMARY_JIT is None:
@@ -454,33 +511,37 @@ def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> n
     """``stats`` of ``N`` device summaries as a float64 table ``(N, len(STAT_KEYS))``.
 
     ``moments`` ``(N, 6)`` are what :func:`device_summary` sends for ``stats``: the mean, the
-    sum of squares about it, the minimum and maximum, the number and the sum of absolute values
-    of the finite elements; ``counts`` ``(N, 4)`` the NaN, +inf, -inf and zero counts; ``sizes``
-    the values' sizes. A value with no finite element has NaN statistics and ``l2`` 0.
+    standard deviation, the minimum and maximum, the number and the mean of absolute values of
+    the finite elements (none larger than the largest finite magnitude, so none overflows);
+    ``counts`` ``(N, 4)`` the NaN, +inf, -inf and zero counts; ``sizes`` the values' sizes.
+    ``l2`` is ``sqrt(n (mean^2 + std^2))``, in float64. A value with no finite element has NaN
+    statistics, ``l2`` included.
 
     Example:
-        >>> stats_table(np.array([[2.0, 8.0, 0.0, 4.0, 2.0, 4.0]]), np.array([[1, 0, 0, 1]]),
+        >>> stats_table(np.array([[2.0, 2.0, 0.0, 4.0, 2.0, 2.0]]), np.array([[1, 0, 0, 1]]),
         ...             np.array([3.0])).tolist()  # the finite elements 0 and 4, and a NaN
         [[3.0, 2.0, 2.0, 0.0, 4.0, 4.0, 2.0, 1.0, 0.0, 0.0, 1.0]]
     """
     moments = np.asarray(moments, np.float64)
-    mean, m2, mn, mx, n, a = moments.T
+    mean, std, mn, mx, n, mean_abs = moments.T
     table = np.empty((len(moments), len(STAT_KEYS)))
     table[:, 0] = sizes
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        safe = np.maximum(n, 1)
+    with np.errstate(invalid="ignore", over="ignore"):
         table[:, 1] = mean
-        table[:, 2] = np.sqrt(np.maximum(m2 / safe, 0))
+        table[:, 2] = std
         table[:, 3] = mn
         table[:, 4] = mx
-        # sum x^2 = sum (x - mean)^2 + n mean^2, both terms positive: no cancellation.
-        table[:, 5] = np.sqrt(np.maximum(m2, 0) + n * mean * mean)
-        table[:, 6] = a / safe
+        # sum x^2 = n (std^2 + mean^2), both terms positive: no cancellation; where the
+        # squares overflow float64 (values near 1e300), scaled by hypot.
+        l2 = np.sqrt(n * (mean * mean + std * std))
+        over = np.isinf(l2) & np.isfinite(mean) & np.isfinite(std)
+        if over.any():
+            l2[over] = np.sqrt(n[over]) * np.hypot(mean[over], std[over])
+        table[:, 5] = l2
+        table[:, 6] = mean_abs
     empty = n == 0
     if empty.any():
-        table[empty, 1:5] = np.nan
-        table[empty, 6] = np.nan
-        table[empty, 5] = 0.0
+        table[empty, 1:7] = np.nan  # mean std min max l2 mean_abs: none of no element
     table[:, 7:11] = counts
     return table
 

@@ -38,6 +38,7 @@ from sowtel.records import (
     SCALAR_SUMMARY,
     STAT_KEYS,
     Record,
+    is_nonfinite,
     record_index,
 )
 from sowtel.summaries import host_summary, stats_table
@@ -632,8 +633,8 @@ def first_nonfinite(batch: RecordBatch, *, with_index: bool = False) -> tuple[An
     """``(step, name, mode)`` of the first record of ``batch`` holding a NaN or infinity, and
     its ``index`` (scan iteration or shard, else None) fourth with ``with_index=True``.
 
-    THE place a non-finite record is detected: counts of ``nan``/``posinf``/``neginf`` in its
-    stats, or, for a full value without them, its elements.
+    Where a batch's non-finite record is found: tables by their count columns, records by
+    :func:`sowtel.records.is_nonfinite` (THE rule).
 
     Example:
       >>> from sowtel.records import Record
@@ -655,17 +656,9 @@ def first_nonfinite(batch: RecordBatch, *, with_index: bool = False) -> tuple[An
                 return (*found, part.index[p]) if with_index else found
             continue
         for r in part:
-            if _is_nonfinite(r):
+            if is_nonfinite(r):
                 return (r.step, r.name, r.mode, r.index) if with_index else (
                     r.step, r.name, r.mode)
     return None
 
 
-def _is_nonfinite(record: Record) -> bool:
-    stats = record.stats
-    if "nan" in stats:
-        return bool(stats["nan"] or stats.get("posinf", 0) or stats.get("neginf", 0))
-    value = record.value
-    if value is not None and getattr(value, "dtype", None) is not None and value.dtype.kind in "fc":
-        return not bool(np.isfinite(value).all())
-    return False

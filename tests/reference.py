@@ -18,7 +18,7 @@ def numpy_stats(x: np.ndarray) -> dict[str, float]:
         "std": float(np.std(fin)) if fin.size else math.nan,
         "min": float(np.min(fin)) if fin.size else math.nan,
         "max": float(np.max(fin)) if fin.size else math.nan,
-        "l2": float(np.linalg.norm(fin)),
+        "l2": float(np.linalg.norm(fin)) if fin.size else math.nan,  # no finite element
         "mean_abs": float(np.mean(np.abs(fin))) if fin.size else math.nan,
         "nan": float(np.isnan(v).sum()),
         "posinf": float(np.isposinf(v).sum()),

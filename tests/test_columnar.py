@@ -115,9 +115,9 @@ def test_tables_decode_as_the_per_record_decoder_does_nonfinite_and_constant_row
     site = StreamSite(name="h", mode="primal", tag="intermediates", leaf_names=("h",),
                       shapes=((5,),), dtypes=("float32",), summary="histogram", every=1,
                       bins=4, loops=((3, False),), extras=())
-    # mean, sum of squares about it, min, max, finite count, sum |x|
-    floats = np.array([[0.5, 0.2, -1.0, 2.0, 5.0, 3.5],     # ordinary
-                       [1.0, 0.0, 1.0, 1.0, 5.0, 5.0],     # constant: min == max
+    # mean, standard deviation, min, max, finite count, mean |x|
+    floats = np.array([[0.5, 0.2, -1.0, 2.0, 5.0, 0.7],     # ordinary
+                       [1.0, 0.0, 1.0, 1.0, 5.0, 1.0],     # constant: min == max
                        [0.0, 0.0, np.inf, -np.inf, 0.0, 0.0]], np.float32)  # all NaN
     counts = np.array([[0, 0, 0, 1], [0, 0, 0, 0], [5, 0, 0, 0]], np.float32)
     buckets = np.array([[1, 2, 1, 1], [0, 0, 0, 5], [0, 0, 0, 0]], np.float32)
@@ -132,10 +132,12 @@ def test_tables_decode_as_the_per_record_decoder_does_nonfinite_and_constant_row
         np.testing.assert_array_equal(got.histogram[0], want["histogram"][0])
         np.testing.assert_array_equal(got.histogram[1], want["histogram"][1])
     ordinary, _, all_nan = table.records()
-    assert ordinary.stats["std"] == pytest.approx(0.2, rel=1e-6)  # sqrt(0.2 / 5)
+    assert ordinary.stats["std"] == pytest.approx(0.2, rel=1e-6)  # as sent
     assert ordinary.stats["l2"] == pytest.approx(np.sqrt(0.2 + 5 * 0.25), rel=1e-6)
     assert ordinary.stats["mean_abs"] == pytest.approx(0.7, rel=1e-6)
-    assert all_nan.stats["l2"] == 0.0 and np.isnan(all_nan.stats["mean"])
+    # No finite element: every statistic NaN, l2 included (never 0).
+    assert all(np.isnan(all_nan.stats[k])
+               for k in ("mean", "std", "min", "max", "l2", "mean_abs"))
     assert table.any_nonfinite
     assert first_nonfinite(RecordBatch([table])) == (4, "h", "primal")
 
@@ -480,6 +482,7 @@ def test_a_steps_plain_stats_sites_decoded_together_equal_the_site_by_site_table
     by_name = {r.name: r for r in got}
     assert by_name["plain"].stats["max"] == 7.0 and by_name["plain"].stats["zeros"] == 1.0
     assert (by_name["some_nan"].stats["nan"], by_name["some_nan"].stats["neginf"]) == (1.0, 1.0)
-    assert by_name["all_nan"].stats["l2"] == 0.0 and np.isnan(by_name["all_nan"].stats["mean"])
+    assert all(np.isnan(by_name["all_nan"].stats[k])
+               for k in ("mean", "std", "min", "max", "l2", "mean_abs"))
     assert [t.any_nonfinite for t in together if t.names[0] in ("plain", "some_nan")] == [
         False, True]

@@ -65,6 +65,9 @@ def test_debugging_nans_example_goes_from_the_alert_to_the_line(tmp_path: Path) 
     # 1. The NaN of step 23 is caught at step 23 (health every step beside every=10).
     assert "alert: (23, 'grads/p', 'primal')" in out
     assert "post-mortem folder: postmortem/step_23" in out
+    # Steps 23 to 29 are NaN (it went into p): one episode, one warning, one post-mortem.
+    assert out.count("warning: ") == 1
+    assert sorted(p.name for p in (tmp_path / "postmortem").iterdir()) == ["step_23"]
     assert "the first in program order is 'grads/p' (primal)" in out
     folder = tmp_path / "postmortem" / "step_23"
     event = json.loads((folder / "locate.json").read_text())["events"][0]

@@ -423,3 +423,17 @@ def test_real_processes_see_the_exit_statuses(tmp_path):
     assert (same.returncode, differ.returncode, missing.returncode) == (0, 1, 2)
     assert re.search(r"h\s+primal\s+\(2,\)\s+float64\s+1\s+inf\s+2\s+<- DIFFERS", differ.stdout)
     assert "Traceback" not in missing.stderr and "does not exist" in missing.stderr
+
+
+def test_inspect_flags_nan_and_inf_in_bfloat16(tmp_path, capsys):
+    # bfloat16 (kind "V" to numpy) is how models train on TPUs and GPUs: its NaN and
+    # infinities are flagged as float32's are, never "all values finite".
+    x = np.array([[1.0, 2.0], [np.nan, np.inf]], ml_dtypes.bfloat16)
+    path = dump({"h": {"primal": x}}, str(tmp_path / "bf16.safetensors"))
+    report = inspect_dump(path)
+    [row] = report.rows
+    assert (row.stats["nan"], row.stats["posinf"], row.stats["mean"]) == (1.0, 1.0, 1.5)
+    assert report.origin is row
+    status, out, _ = run(capsys, "inspect", path)
+    assert status == 0 and "all values finite" not in out
+    assert "1 of 1 arrays hold NaN or Inf; the first in program order is 'h' (primal)" in out

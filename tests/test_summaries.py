@@ -192,3 +192,123 @@ def test_float64_values_are_summarised_in_float64() -> None:
     assert mean == pytest.approx(0.5e300)
     assert mean_abs == pytest.approx(1.5e300)
     assert stats[7:].tolist() == [1, 1, 0, 1]
+
+
+NO_FINITE = {
+    "all_nan": np.full(5, np.nan, np.float32),
+    "infinities": np.array([np.inf, -np.inf, np.nan, np.inf], np.float32),
+    "empty": np.zeros((0, 3), np.float32),
+}
+UNDEFINED = ("mean", "std", "min", "max", "l2", "mean_abs")
+
+
+@pytest.mark.parametrize("form", ["separate", "variadic"])
+@pytest.mark.parametrize("kind", list(NO_FINITE))
+def test_a_value_with_no_finite_element_has_nan_statistics_l2_included(
+        kind: str, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DESIGN "Contract changes accepted": NaN mean/std/min/max/l2/mean_abs, never 0, on the
+    # device (both reduction forms, decoded one by one and as a table) and on the host.
+    monkeypatch.setenv("SOWTEL_SUMMARY_FORM", form)
+    value = NO_FINITE[kind]
+    arrays = [np.asarray(a) for a in jax.jit(lambda v: device_summary(v, "stats"))(value)]
+    decoded = decode_device_summary(arrays, "stats", value.size)["stats"]
+    row = dict(zip(STAT_KEYS, _stats(jnp.asarray(value)).tolist(), strict=True))
+    host = host_summary(value, "stats")["stats"]
+    for stats in (decoded, row, host):
+        assert [k for k in UNDEFINED if not np.isnan(stats[k])] == [], (kind, stats)
+        assert stats["size"] == value.size
+    counts = {k: host[k] for k in ("nan", "posinf", "neginf")}
+    assert counts == {"all_nan": {"nan": 5.0, "posinf": 0.0, "neginf": 0.0},
+                      "infinities": {"nan": 1.0, "posinf": 2.0, "neginf": 1.0},
+                      "empty": {"nan": 0.0, "posinf": 0.0, "neginf": 0.0}}[kind]
+
+
+def test_bfloat16_and_float8_nan_and_inf_are_counted_on_the_host() -> None:
+    # numpy files ml_dtypes' types as kind "V" (np.issubdtype(bfloat16, np.floating) is
+    # False); their NaN and infinities must count as float16's do.
+    import ml_dtypes
+
+    from sowtel.records import Record, inexact, is_nonfinite
+
+    x = np.array([1.0, np.nan, np.inf, -np.inf, 2.0], ml_dtypes.bfloat16)
+    s = host_summary(x, "stats")["stats"]
+    assert (s["nan"], s["posinf"], s["neginf"]) == (1.0, 1.0, 1.0)
+    assert (s["mean"], s["std"], s["min"], s["max"]) == (1.5, 0.5, 1.0, 2.0)
+    assert host_summary(x, "health")["stats"] == {"size": 5.0, "nan": 1.0, "posinf": 1.0,
+                                                  "neginf": 1.0}
+    f8 = np.array([np.nan, 1.0, 2.0], ml_dtypes.float8_e4m3fn)  # no infinities in e4m3fn
+    assert host_summary(f8, "stats")["stats"]["nan"] == 1.0
+    assert [inexact(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.int4,
+                                 np.int32, np.complex64)] == [True, True, False, False, True]
+    full = Record(name="h", mode="primal", tag="t", step=0, index=None, wall_time=0.0,
+                  summary="full", shape=(5,), dtype="bfloat16", value=x)
+    assert is_nonfinite(full)
+
+
+BIG = {
+    # value, std, l2, mean_abs: by hand
+    "pm_1.5e19": (np.array([1.5e19, -1.5e19], np.float32), 1.5e19, 1.5e19 * np.sqrt(2), 1.5e19),
+    "eight_1e38": (np.full(8, 1e38, np.float32), 0.0, 1e38 * np.sqrt(8), 1e38),
+}
+
+
+@pytest.mark.parametrize("form", ["separate", "variadic"])
+@pytest.mark.parametrize("kind", list(BIG))
+def test_finite_values_whose_squares_overflow_have_finite_correct_statistics(
+        kind: str, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SOWTEL_SUMMARY_FORM", form)
+    value, std, l2, mean_abs = BIG[kind]
+    big = float(value.astype(np.float64)[0])  # the float32 value, exactly
+    scale = big / float(np.abs(np.float64(value[0])))
+    device = dict(zip(STAT_KEYS, _stats(jnp.asarray(value)).tolist(), strict=True))
+    host = host_summary(value, "stats")["stats"]
+    for stats in (device, host):
+        np.testing.assert_allclose([stats["std"], stats["l2"], stats["mean_abs"]],
+                                   [std * scale, l2 * scale, mean_abs * scale],
+                                   rtol=1e-6, atol=0, err_msg=f"{kind} {form}")
+        assert (stats["nan"], stats["posinf"], stats["neginf"]) == (0.0, 0.0, 0.0)
+
+
+def test_float64_values_near_1e300_have_finite_correct_statistics(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The "separate" form (XLA:CPU's) scales when a sum overflows; the host always does.
+    monkeypatch.setenv("SOWTEL_SUMMARY_FORM", "separate")
+    x = np.array([1e300, 3e300, np.inf, np.nan, 0.0, -2e300], np.float64)
+    with jax.enable_x64(True):
+        device = dict(zip(STAT_KEYS, _stats(jnp.asarray(x)).tolist(), strict=True))
+    host = host_summary(x, "stats")["stats"]
+    # Finite elements 1, 3, 0, -2 (x1e300): mean 0.5, deviations 0.5 2.5 0.5 2.5.
+    for stats in (device, host):
+        np.testing.assert_allclose(
+            [stats["mean"], stats["std"], stats["l2"], stats["mean_abs"]],
+            [0.5e300, np.sqrt(13.0 / 4) * 1e300, np.sqrt(14.0) * 1e300, 1.5e300], rtol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["separate", "variadic"])
+def test_subnormals_are_zeros_on_the_device_and_the_host_alike(
+        form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SOWTEL_SUMMARY_FORM", form)
+    x = np.concatenate([np.full(16, 1e-40, np.float32), np.array([2.0, -2.0], np.float32)])
+    device = dict(zip(STAT_KEYS, _stats(jnp.asarray(x)).tolist(), strict=True))
+    host = host_summary(x, "stats")["stats"]
+    for stats in (device, host):
+        assert stats["zeros"] == 16.0
+        assert (stats["min"], stats["max"]) == (-2.0, 2.0)
+        assert stats["mean"] == pytest.approx(0.0, abs=1e-7)
+        assert stats["mean_abs"] == pytest.approx(4.0 / 18, rel=1e-6)
+
+
+def test_block_summaries_merge_without_overflow() -> None:
+    # Under sharded jit across processes a value's blocks are summarised apart and merged
+    # (sowtel.multihost.merge_partials): the merge must not square what the blocks did not.
+    from sowtel.multihost import merge_partials
+
+    rows = jnp.array([[1.5e19, -1.5e19], [3e19, -3e19]], jnp.float32)
+    moments, counts = jax.vmap(lambda r: tuple(device_summary(r, "stats")))(rows)
+    merged, _ = merge_partials(jnp.concatenate([moments, counts.astype(moments.dtype)], 1))
+    table = stats_table(np.asarray(merged)[None], np.zeros((1, 4)), np.array([4.0]))[0]
+    stats = dict(zip(STAT_KEYS, table.tolist(), strict=True))
+    exact = np.asarray(rows, np.float64).ravel()
+    np.testing.assert_allclose([stats["mean"], stats["std"], stats["l2"], stats["mean_abs"]],
+                               [0.0, exact.std(), np.linalg.norm(exact), np.abs(exact).mean()],
+                               rtol=1e-6, atol=1e13)

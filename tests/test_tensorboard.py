@@ -669,3 +669,43 @@ def test_histogram_every_n_reaches_tensorboards_loader(tmp_path):
             assert (h.min, h.max) == pytest.approx((value.min(), value.max()), rel=1e-5)
     # The depth tensor is written at every step, histograms or not.
     assert [e.step for e in acc.Tensors("layers/h/primal/depth")] == [0, 1, 2, 3, 4]
+
+
+def test_a_site_gone_all_nan_reads_nan_and_its_counts_are_scalar_series(tmp_path):
+    # The demo's loop: a scanned site blocks/h and an unscanned one, streamed through
+    # sowtel.jit inside a host at_step. From step 2 on the input is all NaN: the l2 curves read
+    # NaN there (not 0), and the Scalars tab has a NaN count series for both sites, the
+    # scanned one included, from step 2 on.
+    import jax
+    import jax.numpy as jnp
+
+    import sowtel
+
+    def model(w, x):
+        def block(h, wi):
+            return sowtel.sow(jnp.tanh(h * wi), "blocks/h"), None
+
+        h, _ = jax.lax.scan(block, x, w)
+        return sowtel.sow(h * 2.0, "head").sum()
+
+    step = sowtel.jit(model)
+    w = jnp.ones((3, 4))
+    with sowtel.enable(exporter="tensorboard", logdir=tmp_path, histogram_every=None):
+        for i in range(4):
+            with sowtel.at_step(i):
+                step(w, jnp.full(4, jnp.nan) if i >= 2 else jnp.full(4, 0.5))
+    acc = load(tmp_path)
+    scalars = set(acc.Tags()["scalars"])
+    h1 = np.tanh(0.5)
+    l2 = acc.Scalars("blocks/h/primal/l2")
+    assert [e.step for e in l2] == [0, 1, 2, 3]
+    layers = [np.tanh(0.5), np.tanh(h1), np.tanh(np.tanh(h1))]
+    np.testing.assert_allclose([e.value for e in l2[:2]],
+                               [np.sqrt(4 * sum(v * v for v in layers))] * 2, rtol=1e-6)
+    assert np.isnan([e.value for e in l2[2:]]).all()
+    head = acc.Scalars("head/primal/std")
+    assert head[0].value == pytest.approx(0.0, abs=1e-6) and np.isnan(head[3].value)
+    for site, per_step in (("blocks/h", 12.0), ("head", 4.0)):
+        nan = acc.Scalars(f"{site}/primal/nan")
+        assert [(e.step, e.value) for e in nan] == [(2, per_step), (3, per_step)], site
+        assert {f"{site}/primal/posinf", f"{site}/primal/neginf"} <= scalars
