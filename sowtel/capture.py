@@ -1013,6 +1013,25 @@ def _is_dynamic(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "aval")
 
 
+def over_dynamic(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 dynamic: Callable[[Any], bool] = _is_dynamic
+                 ) -> tuple[list[Any], list[int], Callable[..., Any]]:
+    """``fn(*args, **kwargs)`` as a function of its dynamic leaves (those ``dynamic`` holds
+    for; others act static): returns those leaves, their positions among the leaves of
+    ``(args, kwargs)``, and the function taking them positionally."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(leaves) if dynamic(x)]
+
+    def merged(*d: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(positions, d, strict=True):
+            full[i] = x
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        return fn(*a, **k)
+
+    return [leaves[i] for i in positions], positions, merged
+
+
 class _StaticKey:
     """Hashable wrapper of static leaves; falls back to identity for unhashable ones."""
 

@@ -487,22 +487,13 @@ def locate_nonfinite(fn: Callable[..., Any], *,
             "step function itself, e.g. locate_nonfinite(train_step)(params, batch)"
         )
     check_tag(tag)
-    from sowtel.capture import trace_flat  # capture imports the session stack
+    from sowtel.capture import over_dynamic, trace_flat  # capture imports the session stack
 
     def wrapped(*args: Any, **kwargs: Any) -> NonFiniteReport:
-        leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-        paths = [p for p, _ in leaves_with_paths]
-        leaves = [x for _, x in leaves_with_paths]
-        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray
-                                                                    | np.generic | float)]
-        dyn = [leaves[i] for i in dynamic]
-
-        def merged(*d: Any) -> Any:
-            full = list(leaves)
-            for i, x in zip(dynamic, d, strict=True):
-                full[i] = x
-            a, kw = jax.tree_util.tree_unflatten(treedef, full)
-            return fn(*a, **kw)
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
+        dyn, dynamic, merged = over_dynamic(
+            fn, args, kwargs,
+            lambda x: isinstance(x, jax.Array | np.ndarray | np.generic | float))
 
         with naming.scopes_in_name_stack(), CONTEXT(Context(capture=tag)):
             jaxpr, consts, out_tree = trace_flat(merged, dyn, (fn, args, kwargs, dynamic))

@@ -364,17 +364,7 @@ def tap(fn: Callable[..., Any], *,
     def tapped(*args: Any, **kwargs: Any) -> Any:
         if not _active(tag):
             return fn(*args, **kwargs)  # nothing would be sown: fn's own trace, exactly
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if capture._is_dynamic(x)]
-        dyn = [leaves[i] for i in dynamic]
-
-        def merged(*d: Any) -> Any:
-            full = list(leaves)
-            for i, x in zip(dynamic, d, strict=True):
-                full[i] = x
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            return fn(*a, **k)
-
+        dyn, dynamic, merged = capture.over_dynamic(fn, args, kwargs)
         with naming.scopes_in_name_stack():
             jaxpr, consts, out_tree = capture.trace_flat(merged, dyn, (fn, args, kwargs, dynamic))
         plan = _Plan(jaxpr, chosen, _enclosing_scopes())
