@@ -88,6 +88,16 @@ class AlertError(RuntimeError):
     Attributes:
       alert: the :class:`Alert` (None for a :class:`~sowtel.NonFiniteError`, which carries
         its record instead).
+
+    Example:
+        >>> import sowtel
+        >>> with sowtel.enable(exporter="memory", alerts=[sowtel.alert("loss", above=1.0)],
+        ...                    on_alert="raise"):
+        ...     try:
+        ...         _ = sowtel.log({"loss": 2.0}, step=4)
+        ...     except sowtel.AlertError as e:
+        ...         print(e.alert.step, e.alert.kind)
+        4 above
     """
 
     def __init__(self, alert: Alert | None, message: str | None = None) -> None:
@@ -330,14 +340,13 @@ class Alerts:
 
     Attributes:
       rules: the rules, in the order given.
-      fired: every alert so far, oldest first (at most ``keep``; ``count`` counts them all).
+      fired: the alerts so far, oldest first (the last ``keep``; ``count`` counts them all).
     """
 
     def __init__(self, rules: Sequence[AlertRule], on_alert: str | Callable[[Alert], Any],
                  keep: int = 1000) -> None:
         self.rules = tuple(rules)
         self.on_alert = on_alert
-        self.keep = keep
         self.fired: collections.deque[Alert] = collections.deque(maxlen=keep)
         self.count = 0
         self.callback_errors = 0
