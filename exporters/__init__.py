@@ -31,7 +31,13 @@ _PATH_MAX, _NAME_MAX = 4096, 255
 
 @runtime_checkable
 class Exporter(Protocol):
-    """Where records go. Called from one dispatcher thread only; never from the training thread."""
+    """Where records go. Called from one dispatcher thread only; never from the training thread.
+
+    Optional methods sowtel calls where an exporter has them: ``write_batch(batch)`` (a
+    :class:`~sowtel.to_records.RecordBatch` instead of records), ``write_alerts(alerts)``
+    (the :class:`sowtel.alerts.Alert` s of ``enable(alerts=...)`` rules, after the records
+    they were judged on); attributes it reads: ``label``, ``logdir``, ``evicted``.
+    """
 
     def write(self, records: Sequence[Record]) -> None: ...
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from sowtel.records import Record, StatChoice, index_text
+from sowtel.records import Record, StatChoice, index_text, nonfinite_count
 from sowtel.summaries import host_summary
 
 __all__ = ["StepMetrics", "StepBatch", "TrackerExporter"]
@@ -107,7 +107,7 @@ class StepMetrics:
             summary = host_summary(r.value, "histogram")
             stats, hist = summary["stats"], summary["histogram"]
         prefix = self.prefix(r)
-        nonfinite = (stats.get("nan", 0) + stats.get("posinf", 0) + stats.get("neginf", 0)) > 0
+        nonfinite = nonfinite_count(stats) > 0
         for stat in self.choice.chosen((r.name, r.mode, r.index), r.summary, stats, nonfinite):
             batch.scalars[f"{prefix}/{stat}"] = float(stats[stat])
         if self.histograms and hist is not None:
@@ -143,6 +143,18 @@ class TrackerExporter:
         if bad:
             raise ValueError(f"{name} skipped {len(bad)} record(s) it could not convert, "
                              f"first {bad[0]}")
+
+    def write_alerts(self, alerts: Sequence[Any]) -> None:
+        """Hands each alert of a :mod:`sowtel.alerts` rule to the tracker's own alerts, where
+        it has them (W&B's and Trackio's ``alert``; MLflow: a run tag and a text file)."""
+        if self._closed:
+            return
+        for found in alerts:
+            self._alert(f"sowtel {found.kind} alert: {found.name} ({found.mode}) {found.stat}",
+                        str(found), int(found.step))
+
+    def _alert(self, title: str, text: str, step: int) -> None:
+        """One alert to the tracker (a tracker without alerts keeps this no-op)."""
 
     def _log(self, batches: list[StepBatch]) -> None:
         raise NotImplementedError

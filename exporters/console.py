@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
-from sowtel.records import Record
+from sowtel.records import NONFINITE_KINDS, NONFINITE_LABELS, Record, nonfinite_count
 from sowtel.summaries import host_summary
 
 __all__ = ["ConsoleExporter", "format_record"]
@@ -68,11 +68,10 @@ def format_record(record: Record) -> str:
         parts.append(f"size={_number(stats['size'])}")
     elif "value" in stats:  # a scalar of sowtel.log
         parts.append(f"value={_number(stats['value'])}")
-    nan, posinf, neginf = (stats.get(k, 0.0) for k in ("nan", "posinf", "neginf"))
-    if nan or posinf or neginf:
-        parts.append(
-            f"NONFINITE nan={_number(nan)} +inf={_number(posinf)} -inf={_number(neginf)}"
-        )
+    if nonfinite_count(stats):
+        parts.append("NONFINITE " + " ".join(
+            f"{NONFINITE_LABELS[k].lower()}={_number(stats.get(k, 0.0))}"
+            for k in NONFINITE_KINDS))
     if record.summary != "stats":
         parts.append(f"({record.summary})")
     return "  ".join(parts).rstrip()
@@ -114,6 +113,10 @@ class ConsoleExporter:
         lines = [format_record(r) for r in records if r.step % self.every == 0]
         if lines:
             self.stream.write("\n".join(lines) + "\n")
+
+    def write_alerts(self, alerts: Sequence[Any]) -> None:
+        """Prints each alert of a :mod:`sowtel.alerts` rule as a line ``[sowtel] ALERT ...``."""
+        self.stream.write("".join(f"[sowtel] ALERT {a}\n" for a in alerts))
 
     def flush(self) -> None:
         self.stream.flush()

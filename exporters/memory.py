@@ -17,6 +17,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from sowtel.records import Record
 from sowtel.to_records import RecordBatch, SiteColumns
@@ -41,7 +42,8 @@ class MemoryExporter:
     in ``status()["exported"]``); ``evicted`` says how many of them the exporter no longer holds.
 
     ``records`` returns a snapshot, so reading it while training streams is safe. The records
-    stay after ``close()``, so they can be read after ``sowtel.disable()``.
+    stay after ``close()``, so they can be read after ``sowtel.disable()``. :attr:`alerts`
+    holds the alerts of ``enable(alerts=...)`` rules the exporter was given (the newest 1,000).
 
     Example:
         >>> import sowtel  # doctest: +SKIP
@@ -70,6 +72,7 @@ class MemoryExporter:
         self._evicted = 0
         self._logged = False
         self._lock = threading.Lock()
+        self._alerts: deque[Any] = deque(maxlen=1000)
         from sowtel import _exit
 
         _exit.after_fork(self)  # readable in a forked child, whatever a parent thread held
@@ -161,6 +164,17 @@ class MemoryExporter:
                     "sowtel memory exporter holds its max_records=%d: the oldest records are "
                     "let go of and counted in status()['evicted']; pass "
                     "MemoryExporter(max_records=...) to keep more", self.max_records)
+
+    def write_alerts(self, alerts: Sequence[Any]) -> None:
+        """Keeps the alerts of :mod:`sowtel.alerts` rules (:attr:`alerts`)."""
+        with self._lock:
+            self._alerts.extend(alerts)
+
+    @property
+    def alerts(self) -> list[Any]:
+        """The :class:`sowtel.alerts.Alert` s given to this exporter, oldest first."""
+        with self._lock:
+            return list(self._alerts)
 
     def flush(self) -> None:
         pass

@@ -77,6 +77,7 @@ class MlflowExporter(TrackerExporter):
             self.client.get_run(run_id)  # an unknown run fails here, not at the first write
         self.run_id: str = run_id
         self._files = itertools.count()
+        self._alert_lines: list[str] = []
         self._closed = False
 
     def _log(self, batches: list[StepBatch]) -> None:
@@ -96,6 +97,14 @@ class MlflowExporter(TrackerExporter):
                 for key, (edges, counts) in histograms.items()}
         self.client.log_dict(self.run_id, body,
                              f"histograms/step_{step:08d}_{next(self._files)}.json")
+
+    def _alert(self, title: str, text: str, step: int) -> None:
+        # MLflow has no alerts: the run's tag shows the latest (in the run's page), and
+        # sowtel/alerts.txt lists them all, rewritten whole with each.
+        self._alert_lines.append(text)
+        self.client.set_tag(self.run_id, "sowtel.alert", text[:5000])
+        self.client.log_text(self.run_id, "\n".join(self._alert_lines) + "\n",
+                             "sowtel/alerts.txt")
 
     def _finish(self) -> None:
         self.client.set_terminated(self.run_id)

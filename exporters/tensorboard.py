@@ -19,6 +19,9 @@ Each record becomes, in the run's event file:
   scalars first, then one category per site in program order, with one chart per mode;
 - the first record holding NaN or infinities, as a text summary ``sowtel/alerts/text_summary``
   (TensorBoard's text plugin appends ``/text_summary`` to :data:`ALERT_TAG`);
+- the alerts of ``enable(alerts=...)`` rules (:mod:`sowtel.alerts`), one line each in a text
+  summary at the alert's step, :data:`RULE_ALERT_TAG` (the Text tab; the ``sowtel`` plugin's
+  health panel lists them);
 - where each series ran in its step: a depth tensor's metadata, else :data:`ORDER_TAG`.
 
 A site inside a scan is one tensor a step for the ``sowtel`` plugin (``depth="tensor"``), with
@@ -86,6 +89,8 @@ from sowtel.records import (
     STAT_KEYS,
     Record,
     StatChoice,
+    nonfinite_count,
+    nonfinite_text,
     series_tag,
     with_derived,
 )
@@ -99,12 +104,15 @@ from sowtel.tensorboard_plugin import (
 )
 from sowtel.to_records import RecordBatch, SiteColumns
 
-__all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "LAYOUT_TAG", "DEFAULT_STATS",
+__all__ = ["TensorBoardExporter", "series_tag", "ALERT_TAG", "RULE_ALERT_TAG", "LAYOUT_TAG",
+           "DEFAULT_STATS",
            "DEFAULT_STATS_BY_MODE", "COUNT_STATS", "LOG_CATEGORY", "DEPTH_LAYOUTS", "ORDER_TAG"]
 
 #: Tag of the text summary holding the first non-finite alert (TensorBoard's text plugin adds
 #: ``/text_summary``).
 ALERT_TAG = "sowtel/alerts"
+#: Tag of the text summaries of the alert rules' alerts, one a step with every alert of it.
+RULE_ALERT_TAG = "sowtel/alerts/rules"
 #: Layouts of scan-stacked sites (``depth=``): a tensor for the plugin, scalars, or both.
 DEPTH_LAYOUTS: tuple[str, ...] = ("tensor", "scalars", "both")
 
@@ -321,6 +329,7 @@ class TensorBoardExporter:
         self._last_depth: dict[tuple[int, str, str],
                                tuple[int, list[tuple[Any, tuple[str, ...], np.ndarray]]]] = {}
         self._last_nonfinite: dict[int, tuple[int, list[list[Any]]]] = {}
+        self._alert_lines: tuple[int, list[str]] | None = None  # the last step's alerts
         # Scanned sites (process, name, mode) whose depth tensors' counts are written as
         # scalars: from their first non-zero count on.
         self._depth_counting: set[tuple[int, str, str]] = set()
@@ -752,6 +761,29 @@ class TensorBoardExporter:
                 "choose another logdir"
             )
 
+    def write_alerts(self, alerts: Sequence[Any]) -> None:
+        """Writes the alerts of :mod:`sowtel.alerts` rules as lines of a text summary at their
+        step (:data:`RULE_ALERT_TAG`): TensorBoard's Text tab, and the ``sowtel`` plugin's
+        health panel. A step's alerts are written again whole with each new one, as
+        TensorBoard keeps a step's last; an alert of a step older than the last one written is
+        written at that step (its own is in its line), since TensorBoard's loaders drop a tag's
+        later steps when an earlier one follows them."""
+        if self._closed or not alerts:
+            return
+        for found in sorted(alerts, key=lambda a: a.step):
+            step = int(found.step)
+            last = self._alert_lines
+            if last is not None and step <= last[0]:
+                step, lines = last[0], last[1]
+            else:
+                lines = []
+            lines.append(f"- {found}")
+            self._alert_lines = (step, lines)
+            self._file(self._process_index).add(Event(
+                wall_time=time.time(), step=step,
+                summary=Summary(value=[text(RULE_ALERT_TAG, "\n".join(lines)).value[0]])))
+        self._write_out(sync=False)
+
     def flush(self) -> None:
         """Puts every event written so far on the disk (raises ``OSError`` if that fails)."""
         if not self._closed:
@@ -897,7 +929,7 @@ def _check_logdir(logdir: str) -> None:
 
 
 def _nonfinite(stats: dict[str, float]) -> float:
-    return float(stats.get("nan", 0) + stats.get("posinf", 0) + stats.get("neginf", 0))
+    return float(nonfinite_count(stats))
 
 
 def _histogram_value(prefix: str, stats: dict[str, float],
@@ -926,10 +958,7 @@ def _histogram_value(prefix: str, stats: dict[str, float],
 
 def _alert_text(r: Record, stats: dict[str, float]) -> str:
     where = f"`{r.name}` ({r.mode}" + (f", index {r.index}" if r.index is not None else "") + ")"
-    counts = ", ".join(
-        f"{int(stats.get(k, 0))} {label}"
-        for k, label in (("nan", "NaN"), ("posinf", "+inf"), ("neginf", "-inf"))
-    )
+    counts = nonfinite_text(stats)
     size = stats.get("size")
     of = f" of {int(size)} elements" if size is not None else ""
     return f"First non-finite value: step {r.step}, site {where}: {counts}{of}."

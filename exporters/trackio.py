@@ -67,6 +67,9 @@ class TrackioExporter(TrackerExporter):
                 data[key] = trackio.Histogram(np_histogram=(counts, edges))
             self.run.log(data, step=batch.step)
 
+    def _alert(self, title: str, text: str, step: int) -> None:
+        self.run.alert(title, text=text, step=step)
+
     def _finish(self) -> None:
         self.run.finish()  # writes what Trackio still holds
 

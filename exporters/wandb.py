@@ -81,6 +81,9 @@ class WandbExporter(TrackerExporter):
                 self._defined.add(key)
             self.run.log(data)
 
+    def _alert(self, title: str, text: str, step: int) -> None:
+        self.run.alert(title=title, text=text, level="WARN")
+
     def _finish(self) -> None:
         self.run.finish()
 

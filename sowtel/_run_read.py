@@ -49,7 +49,7 @@ import numpy as np
 import orjson
 
 from sowtel.exporters.jsonl import bad_line, iter_line_blocks, json_float
-from sowtel.records import Index, order_key
+from sowtel.records import Index, nonfinite_count, order_key
 
 __all__ = ["Entry", "Block", "StepData", "Run", "open_run", "run_steps", "entries",
            "event_records", "WINDOW"]
@@ -60,7 +60,6 @@ WINDOW = 8
 #: their sites here, by name) and of ``sowtel.log`` scalars (after the step's sites).
 UNKNOWN_ORDER = (sys.maxsize - 1,)
 LOG_ORDER = (sys.maxsize,)
-_COUNTS = ("nan", "posinf", "neginf")
 #: The statistic every record gets for comparison: its count of NaN and infinite elements.
 NONFINITE = "nonfinite"
 
@@ -125,7 +124,7 @@ class StepData:
 
 def _with_nonfinite(stats: dict[str, float]) -> dict[str, float]:
     if "nan" in stats:
-        stats[NONFINITE] = sum(stats.get(k, 0.0) for k in _COUNTS)
+        stats[NONFINITE] = float(nonfinite_count(stats))
     return stats
 
 

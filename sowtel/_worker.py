@@ -46,13 +46,16 @@ POLL = 0.05
 
 
 class Token:
-    """A flush or close request travelling through one worker's queue behind the records."""
+    """A flush or close request travelling through one worker's queue behind the records, or
+    (kind ``"alerts"``) alerts for the exporter's ``write_alerts``, behind the records they
+    were judged on."""
 
-    __slots__ = ("kind", "done")
+    __slots__ = ("kind", "done", "alerts")
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, alerts: tuple[Any, ...] = ()) -> None:
         self.kind = kind
         self.done = False
+        self.alerts = alerts
 
 
 class Backlogged:
@@ -250,6 +253,17 @@ class ExporterWorker:
                     return False
                 self._cond.wait(POLL)
 
+    def tell(self, alerts: tuple[Any, ...]) -> None:
+        """Queues ``alerts`` for the exporter's optional ``write_alerts(alerts)``, behind the
+        records already queued (an exporter without that method is not told)."""
+        if not alerts or not callable(getattr(self.exporter, "write_alerts", None)):
+            return
+        with self._cond:
+            if not self._accepting or self._given_up:
+                return
+            self._queue.append(Token("alerts", alerts))
+            self._cond.notify_all()
+
     # -- called from any thread --------------------------------------------------------------
 
     def request(self, kind: str) -> Token:
@@ -388,7 +402,11 @@ class ExporterWorker:
                         self._writing, self._writing_bytes = entry
             if entry is None or isinstance(entry, Token):
                 kind = "flush" if entry is None else entry.kind
-                if kind == "flush":
+                if kind == "alerts":
+                    assert entry is not None
+                    self._call("write_alerts", self.exporter.write_alerts, entry.alerts)
+                    dirty = True
+                elif kind == "flush":
                     self._call("flush", self.exporter.flush)
                     dirty = False
                     last_flush = time.monotonic()

@@ -354,6 +354,7 @@ class Alerts:
         self._series: dict[tuple[int, str, str, Any, str], _Series] = {}
         self._matches: dict[tuple[int, str, str], bool] = {}
         self._pending: collections.deque[Alert] = collections.deque()
+        self._outbox: collections.deque[Alert] = collections.deque()  # for the exporters
         self._lock = threading.Lock()
         self._judging = threading.RLock()  # a callable action may log again
 
@@ -455,6 +456,8 @@ class Alerts:
         self.count += 1
         self.fired.append(found)
         logger.warning("sowtel: %s", found)
+        with self._lock:
+            self._outbox.append(found)
         action = found.rule.action if found.rule.action is not None else self.on_alert
         if callable(action):
             try:
@@ -489,6 +492,14 @@ class Alerts:
                 raise AlertError(found)
             else:
                 warnings.warn(str(found), AlertWarning, stacklevel=3)
+
+    def take_fired(self) -> list[Alert]:
+        """The alerts fired since the last call, oldest first, for the exporters that show
+        alerts (their ``write_alerts``; the dispatcher calls this)."""
+        with self._lock:
+            out = list(self._outbox)
+            self._outbox.clear()
+        return out
 
     @property
     def pending(self) -> bool:

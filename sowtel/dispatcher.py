@@ -134,6 +134,9 @@ class Dispatcher:
         are bounded (:data:`WRITE_RECORDS` records, :data:`WRITE_BYTES` bytes) and sized to
         last about a twentieth of this at the exporter's measured pace, so an exporter that
         keeps making progress is not taken for a hung one.
+      alerts: returns the alerts fired since it was last called (:mod:`sowtel.alerts`); each
+        exporter with a ``write_alerts(alerts)`` method gets them on its own thread, behind
+        the records they were judged on.
 
     Example:
         >>> from sowtel.exporters.memory import MemoryExporter
@@ -154,6 +157,7 @@ class Dispatcher:
         on_full: str = "drop",
         flush_interval: float = 0.5,
         exporter_timeout: float = 10.0,
+        alerts: Callable[[], Sequence[Any]] | None = None,
     ) -> None:
         from sowtel.exporters import check_exporter
 
@@ -175,6 +179,8 @@ class Dispatcher:
         _check_seconds(exporter_timeout, "exporter_timeout")
 
         self._convert = convert
+        self._alerts = alerts
+        self._logged_alerts = False
         self._queue_size = queue_size
         self._max_bytes = max_bytes
         self._on_full = on_full
@@ -423,6 +429,7 @@ class Dispatcher:
                         self._logged_convert = True
                         logger.exception("sowtel dispatcher failed on a batch of %d items",
                                          len(items))
+            self._tell_alerts()
             took = bool(items)
             # The workers hold the records now (and count their bytes): none kept here while
             # waiting for the next batch, where no bound would count them.
@@ -559,8 +566,23 @@ class Dispatcher:
                         return False
                     step = min(step, left)
                 self._progress_cond.wait(step)
+        self._tell_alerts()  # what sowtel.log fired on this thread, behind its records
         tokens = [(w, w.request("flush")) for w in self._workers if not w.stalled()]
         return all(w.wait(t, deadline) != "timeout" for w, t in tokens)
+
+    def _tell_alerts(self) -> None:
+        if self._alerts is None:
+            return
+        try:
+            fired = tuple(self._alerts())
+        except Exception:  # noqa: BLE001 - alerts must never stop the dispatcher
+            if not self._logged_alerts:
+                self._logged_alerts = True
+                logger.exception("sowtel could not hand alerts to the exporters (logged once)")
+            return
+        if fired:
+            for worker in self._workers:
+                worker.tell(fired)
 
     def convert_now(self) -> None:
         """Asks the dispatcher thread to take what waits in the queue now, without waiting for

@@ -74,7 +74,7 @@ import jax
 import numpy as np
 
 from sowtel.alerts import AlertError
-from sowtel.records import Record, is_nonfinite
+from sowtel.records import Record, is_nonfinite, nonfinite_text
 from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = ["Guard", "NonFiniteError", "NonFiniteWarning", "POLICIES", "make_guard"]
@@ -121,8 +121,7 @@ def describe(record: Record) -> str:
         where += f", index {record.index}"
     s = record.stats
     if "nan" in s:
-        counts = f"{int(s['nan'])} NaN, {int(s.get('posinf', 0))} +inf, " \
-                 f"{int(s.get('neginf', 0))} -inf"
+        counts = nonfinite_text(s)
     else:
         counts = "non-finite elements in its full value"
     return f"non-finite value in {where}: {counts}"

@@ -43,7 +43,7 @@ from sowtel.dumps import (
     open_dump,
     program_order,
 )
-from sowtel.records import STAT_KEYS, inexact
+from sowtel.records import STAT_KEYS, inexact, nonfinite_count
 from sowtel.summaries import host_summary
 
 __all__ = [
@@ -88,8 +88,7 @@ class EntryStats:
     @property
     def nonfinite(self) -> int:
         """Count of NaN and infinite elements."""
-        s = self.stats
-        return int(s.get("nan", 0) + s.get("posinf", 0) + s.get("neginf", 0))
+        return nonfinite_count(self.stats)
 
     def to_json(self) -> dict[str, Any]:
         e = self.entry

@@ -158,6 +158,89 @@ def inexact(dtype: Any) -> bool:
     return True
 
 
+# -- THE non-finite rule: every path that asks whether a value held a NaN or an infinity -------
+#    (the guard, the alert rules, every exporter, the post-mortem report, the plugin) asks here.
+
+#: The counts of non-finite elements a summary carries, in the order every text shows them.
+NONFINITE_KINDS: tuple[str, ...] = ("nan", "posinf", "neginf")
+#: How texts name each of :data:`NONFINITE_KINDS`.
+NONFINITE_LABELS: dict[str, str] = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
+
+
+def nonfinite_count(stats: Any) -> int:
+    """How many NaN and infinite elements statistics count (0 when they carry no counts).
+
+    A count that is itself not a finite number (a hand-made or damaged record) counts as one
+    non-finite element: such a record is never read as healthy.
+
+    Example:
+        >>> nonfinite_count({"nan": 2.0, "posinf": 1.0, "neginf": 0.0}), nonfinite_count({})
+        (3, 0)
+    """
+    total = 0.0
+    for kind in NONFINITE_KINDS:
+        v = stats.get(kind, 0)
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            v = 1.0
+        total += v if np.isfinite(v) else 1.0
+    return int(total)
+
+
+def nonfinite_text(stats: Any) -> str:
+    """The counts of :func:`nonfinite_count` as one text: ``"1 NaN, 0 +inf, 2 -inf"``.
+
+    Example:
+        >>> nonfinite_text({"nan": 1.0, "neginf": 2.0})
+        '1 NaN, 0 +inf, 2 -inf'
+    """
+    return ", ".join(f"{int(stats.get(k, 0) or 0)} {NONFINITE_LABELS[k]}"
+                     for k in NONFINITE_KINDS)
+
+
+def nonfinite_columns(stat_keys: Sequence[str]) -> tuple[int, ...] | None:
+    """The positions of the non-finite counts in a statistics layout (:data:`STAT_KEYS`,
+    :data:`HEALTH_KEYS`), or None when it carries none: tables are checked by these columns.
+
+    Example:
+        >>> nonfinite_columns(STAT_KEYS), nonfinite_columns(HEALTH_KEYS), nonfinite_columns(())
+        ((7, 8, 9), (1, 2, 3), None)
+    """
+    if not all(k in stat_keys for k in NONFINITE_KINDS):
+        return None
+    return tuple(list(stat_keys).index(k) for k in NONFINITE_KINDS)
+
+
+def nonfinite_rows(table: np.ndarray, stat_keys: Sequence[str]) -> np.ndarray:
+    """Which rows of a statistics table (``(..., len(stat_keys))``) count a NaN or infinity,
+    as a boolean array of the table's leading shape (all False without counts).
+
+    Example:
+        >>> t = np.zeros((2, 4)); t[1, 2] = 1.0
+        >>> nonfinite_rows(t, HEALTH_KEYS).tolist()
+        [False, True]
+    """
+    cols = nonfinite_columns(stat_keys)
+    if cols is None:
+        return np.zeros(table.shape[:-1], bool)
+    counts = table[..., list(cols)]
+    return ((counts != 0) & ~np.isnan(counts)).any(axis=-1) | np.isnan(counts).any(axis=-1)
+
+
+def value_nonfinite(value: Any) -> bool:
+    """Whether a whole value (an array of any :func:`inexact` dtype, bfloat16 and float8
+    included) holds a NaN or an infinity: full values carry no counts.
+
+    Example:
+        >>> value_nonfinite(np.array([1.0, np.nan])), value_nonfinite(np.arange(3))
+        (True, False)
+    """
+    if value is None or getattr(value, "dtype", None) is None or not inexact(value.dtype):
+        return False
+    return not bool(np.isfinite(value).all())
+
+
 def is_nonfinite(record: Record) -> bool:
     """THE non-finite rule: whether ``record`` holds a NaN or an infinity, by the counts
     ``nan``/``posinf``/``neginf`` of its statistics or, for a full value without them, by its
@@ -173,11 +256,8 @@ def is_nonfinite(record: Record) -> bool:
     """
     stats = record.stats
     if "nan" in stats:
-        return bool(stats["nan"] or stats.get("posinf", 0) or stats.get("neginf", 0))
-    value = record.value
-    if value is None or getattr(value, "dtype", None) is None or not inexact(value.dtype):
-        return False
-    return not bool(np.isfinite(value).all())
+        return nonfinite_count(stats) > 0
+    return value_nonfinite(record.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,8 +326,7 @@ class Record:
     @property
     def nonfinite(self) -> int:
         """Count of NaN and infinite elements (0 when the summary does not count them)."""
-        s = self.stats
-        return int(s.get("nan", 0) + s.get("posinf", 0) + s.get("neginf", 0))
+        return nonfinite_count(self.stats)
 
 
 # -- How exporters name series and choose statistics (TensorBoard tags, tracker metrics) -------
@@ -255,7 +334,7 @@ class Record:
 #: The statistics exporters write by default: those that change from step to step for most sites.
 DEFAULT_STATS: tuple[str, ...] = ("mean", "std", "min", "max", "l2")
 #: Counts written by default only from the first step one of them is non-zero.
-COUNT_STATS: tuple[str, ...] = ("nan", "posinf", "neginf")
+COUNT_STATS: tuple[str, ...] = NONFINITE_KINDS
 #: Statistics an exporter derives from a record's own: ``max_abs`` = max(|min|, |max|), the
 #: largest magnitude of the finite elements.
 DERIVED_STATS: tuple[str, ...] = ("max_abs",)

@@ -195,7 +195,7 @@ class Session:
         self.process_index = jax.process_index()
         self.dispatcher = Dispatcher(
             exporters, convert=self._convert, queue_size=queue_size, max_bytes=max_bytes,
-            on_full=on_full,
+            on_full=on_full, alerts=None if alerts is None else alerts.take_fired,
         )
         self._counters: dict[Any, Iterable[int]] = {}
         self._views: dict[Any, bool] = {}

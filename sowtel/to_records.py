@@ -39,6 +39,8 @@ from sowtel.records import (
     STAT_KEYS,
     Record,
     is_nonfinite,
+    nonfinite_columns,
+    nonfinite_rows,
     record_index,
 )
 from sowtel.summaries import host_summary, stats_table
@@ -51,8 +53,9 @@ __all__ = ["SiteColumns", "RecordBatch", "site_columns", "site_records", "log_re
 
 Index = int | tuple[int, ...] | None
 
-_NONFINITE = {"stats": (7, 8, 9), "histogram": (7, 8, 9), "full": (7, 8, 9),
-              "health": (1, 2, 3)}
+# Where each summary's table holds its non-finite counts (THE rule: sowtel.records).
+_NONFINITE = {"stats": nonfinite_columns(STAT_KEYS), "histogram": nonfinite_columns(STAT_KEYS),
+              "full": nonfinite_columns(STAT_KEYS), "health": nonfinite_columns(HEALTH_KEYS)}
 _new_record = object.__new__
 
 
@@ -125,7 +128,7 @@ class SiteColumns:
         if any_nonfinite is None:
             cols = _NONFINITE.get(summary)
             any_nonfinite = bool(cols is not None and len(stats)
-                                 and stats[:, :, cols[0]:cols[-1] + 1].any())
+                                 and nonfinite_rows(stats, stat_keys).any())
         # Decided once, where the table is made: first_nonfinite reads only this flag.
         self.any_nonfinite = any_nonfinite
         self._records: list[Record] | None = None
@@ -649,7 +652,7 @@ def first_nonfinite(batch: RecordBatch, *, with_index: bool = False) -> tuple[An
             cols = _NONFINITE.get(part.summary)
             if cols is None or not part.any_nonfinite:
                 continue
-            bad = part.stats[:, :, list(cols)].sum(axis=2) > 0
+            bad = nonfinite_rows(part.stats, part.stat_keys)
             if bad.any():
                 p, leaf = np.argwhere(bad)[0]
                 found: tuple[Any, ...] = (part.step, part.names[leaf], part.mode)

@@ -224,3 +224,61 @@ def test_a_rule_is_a_frozen_dataclass_that_prints_as_it_was_made():
     assert str(rule) == "alert('blocks/*', mode='cotangent', stat='l2', above=1000.0)"
     with pytest.raises(AttributeError):
         rule.above = 1.0  # type: ignore[misc]
+
+
+def test_alerts_reach_the_exporters_where_users_look(tmp_path: Path):
+    """An exploding gradient through ``sowtel.jit`` (the README's loop, ``every=10``): its
+    alert is a line of TensorBoard's Text tab (read back with TensorBoard's own loader), a span
+    event on the step's OpenTelemetry span (the SDK's own exporter), a console line and an
+    entry of the memory exporter's ``alerts``, behind the records of its step."""
+    import io
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from sowtel.exporters.console import ConsoleExporter
+    from sowtel.exporters.memory import MemoryExporter
+    from sowtel.exporters.otel import RULE_ALERT_EVENT_NAME, OTelExporter
+    from sowtel.exporters.tensorboard import RULE_ALERT_TAG, TensorBoardExporter
+
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8)), jnp.float32) * 0.3
+    x = jnp.ones((3, 4), jnp.float32)
+    step = _mlp_step(13)
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    memory, console = MemoryExporter(), io.StringIO()
+    exporters = [memory, ConsoleExporter(console), TensorBoardExporter(tmp_path / "tb"),
+                 OTelExporter(tracer_provider=provider)]
+    rules = [alert("mlp/*", mode="cotangent", stat="l2", above=100.0)]
+    with sowtel.enable(exporter=exporters, every=10, health_every=1, alerts=rules,
+                       on_alert=lambda found: None):
+        for k in range(20):
+            with sowtel.at_step(k):
+                w = step(w, x, k)
+        assert sowtel.flush(timeout=60)
+    [found] = memory.alerts
+    assert (found.step, found.name, found.mode, found.stat) == (13, "mlp/h", "cotangent", "l2")
+    line = str(found)
+    assert line.startswith("alert at step 13: 'mlp/h' (cotangent) l2 = 4898.98, above 100;")
+    # The memory exporter got the alert after the records it was judged on.
+    assert any(r.step == 13 and r.name == "mlp/h" and r.mode == "cotangent"
+               for r in memory.records)
+    assert [ln for ln in console.getvalue().splitlines() if "ALERT" in ln] == [
+        f"[sowtel] ALERT {line}"]
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tb"), size_guidance={
+        event_accumulator.TENSORS: 0})
+    acc.Reload()
+    [text] = acc.Tensors(f"{RULE_ALERT_TAG}/text_summary")
+    assert (text.step, text.tensor_proto.string_val) == (13, [f"- {line}".encode()])
+    events = [(span.attributes["sowtel.step"], event) for span in spans.get_finished_spans()
+              for event in span.events if event.name == RULE_ALERT_EVENT_NAME]
+    assert len(events) == 1
+    span_step, event = events[0]
+    assert span_step == 13 and dict(event.attributes) == {
+        "sowtel.name": "mlp/h", "sowtel.mode": "cotangent", "sowtel.step": 13,
+        "sowtel.alert.stat": "l2", "sowtel.alert.value": pytest.approx(1000.0 * math.sqrt(24)),
+        "sowtel.alert.kind": "above", "sowtel.alert.rule": str(rules[0]),
+        "sowtel.alert.text": line}

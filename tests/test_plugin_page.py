@@ -28,11 +28,16 @@ from test_demo_dashboard import (
 )
 
 from benchmarks.chromium import Chromium
+from sowtel.alerts import alert, make_alerts
 from sowtel.exporters.tensorboard import TensorBoardExporter
 from sowtel.records import Record
 
 DEEP_LAYERS, DEEP_STEPS, NAN_AT = 48, 1000, (700, 40)
 DEMO_STEPS = 300
+# The embedding's gradient std falls as 0.05 (1 - 0.6 (1 - exp(-step / 250))): below 0.025 from
+# step 448 (250 ln 6 = 447.9) on, one episode; layer 40's NaN count goes above 0 at step 700.
+DEEP_ALERTS = [alert("embed/h", mode="cotangent", stat="std", below=0.025),
+               alert("blocks/*", mode="cotangent", stat="nan", above=0)]
 
 
 def deep_records(steps: int = DEEP_STEPS) -> list[list[Record]]:
@@ -118,8 +123,13 @@ def page(tmp_path_factory):
     top = tmp_path_factory.mktemp("page")
     mlp_run(top / "mlp")
     exporter = TensorBoardExporter(logdir=top / "deep")
+    # The alert rules judge each step's batch as a session's dispatcher does, and hand what
+    # fired to the exporter after the records.
+    rules = make_alerts(DEEP_ALERTS, "warn")
     for batch in deep_records():
         exporter.write(batch)
+        rules.observe(batch)
+        exporter.write_alerts(rules.take_fired())
     exporter.close()
     for run, seed_steps in (("demo", DEMO_STEPS), ("demo-short", 120)):
         out = subprocess.run(sowtel_cmd("demo", "--steps", str(seed_steps), "--logdir",
@@ -237,6 +247,15 @@ def test_the_48_layer_run_opens_on_its_first_nan_with_a_readable_legend(page):
     step, layer = NAN_AT
     assert (f"First non-finite value: site blocks/h, gradient (cotangent), step {step}, "
             f"index {layer}") in depth["health"]
+    # The alert rules' alerts, in the health panel, earliest first: one an episode.
+    alerts = browser.frame("[...doc.querySelectorAll('#alerts li')].map(li => li.textContent)")
+    assert len(alerts) == 2, alerts
+    assert alerts[0].startswith("alert at step 448: 'embed/h' (cotangent) std = 0.0249")
+    assert alerts[0].endswith("below 0.025; rule alert('embed/h', mode='cotangent', stat='std', "
+                              "below=0.025)")
+    assert alerts[1].startswith(f"alert at step {step}: 'blocks/h' (cotangent, index {layer}) "
+                                "nan = 3, above 0;")
+    assert "2 alert(s) of the alert rules" in depth["health"]
     assert (depth["site"], depth["mode"]) == ("blocks/h", "cotangent")
     assert depth["status"].startswith(f"{DEEP_LAYERS} layers × {DEEP_STEPS} steps")
     [(_, height, scale)] = depth["heatmaps"]

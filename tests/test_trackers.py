@@ -134,14 +134,31 @@ def train_all() -> dict[str, list[float]]:
     return losses
 
 
+#: A rule that fires once, at step 0 (a loss is positive, and one episode lasts the run).
+LOSS_RULE = sowtel.alert("train/loss", above=0.0)
+
+
 def run_session(exporter: Any) -> tuple[list[Record], dict[str, list[float]]]:
+    """The three trainings streamed to ``exporter`` and a memory exporter, with
+    :data:`LOSS_RULE`; the memory exporter's records, and the losses."""
     memory = MemoryExporter(max_records=None)
-    with sowtel.enable(exporter=[exporter, memory], summary="histogram") as session:
+    with sowtel.enable(exporter=[exporter, memory], summary="histogram", alerts=[LOSS_RULE],
+                       on_alert=lambda alert: None) as session:
         losses = train_all()
         sowtel.flush()
     status = session.status()
     assert status["dropped"] == 0 and not any(status["errors"].values()), status
+    [found] = memory.alerts
+    assert (found.step, found.name, found.kind) == (0, "train/loss", "above")
+    assert str(found) == (f"alert at step 0: 'train/loss' (primal) value = "
+                          f"{losses['linen'][0]:.6g}, above 0; rule {LOSS_RULE}")
     return memory.records, losses
+
+
+def alert_text(losses: dict[str, list[float]]) -> str:
+    """What :data:`LOSS_RULE`'s alert says (each tracker must hold it)."""
+    return (f"alert at step 0: 'train/loss' (primal) value = {losses['linen'][0]:.6g}, "
+            f"above 0; rule {LOSS_RULE}")
 
 
 def expected(records: list[Record], index: tuple[str, str] = ("[]", ",")) -> tuple[
@@ -247,6 +264,11 @@ def test_wandb_offline_run_holds_the_series(tmp_path: Path) -> None:
         np.testing.assert_allclose([got[key][s] for s in sorted(series)],
                                    [series[s] for s in sorted(series)], rtol=1e-6, err_msg=key)
     assert [got["train/loss"][k] for k in range(STEPS)] == pytest.approx(losses["linen"])
+    # The alert, as W&B's own alert record of the run.
+    alerts = [r.alert for r in _wandb_records(wandb_finished(tmp_path))
+              if r.WhichOneof("record_type") == "alert"]
+    assert [(a.title, a.text) for a in alerts] == [
+        ("sowtel above alert: train/loss (primal) value", alert_text(losses))]
     assert hists, "histogram records give wandb.Histogram values"
     for key, series in hists.items():
         for step, (edges, counts) in series.items():
@@ -270,6 +292,10 @@ def test_mlflow_sqlite_store_holds_the_series(tmp_path: Path) -> None:
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(exporter.run_id)
     assert run.info.status == "FINISHED"
+    # MLflow has no alerts: the latest is a run tag, and sowtel/alerts.txt lists them all.
+    assert run.data.tags["sowtel.alert"] == alert_text(losses)
+    listed = client.download_artifacts(exporter.run_id, "sowtel/alerts.txt", str(tmp_path))
+    assert Path(listed).read_text() == alert_text(losses) + "\n"
     assert set(run.data.metrics) == set(scalars)
     for key, series in scalars.items():
         history = client.get_metric_history(exporter.run_id, key)
@@ -304,6 +330,10 @@ def test_trackio_local_store_holds_the_series() -> None:
             if key not in ("step", "timestamp"):
                 got.setdefault(key, {})[row["step"]] = value
     assert set(got) == set(scalars) | set(hists)
+    # The alert, in Trackio's own store of alerts, at its step.
+    alerts = SQLiteStorage.get_alerts("sowtel-test", run_name="run-1")
+    assert [(a["title"], a["text"], a["step"]) for a in alerts] == [
+        ("sowtel above alert: train/loss (primal) value", alert_text(losses), 0)]
     for key, series in scalars.items():
         assert got[key] == pytest.approx(series, rel=1e-6), key
     assert hists

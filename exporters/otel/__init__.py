@@ -75,7 +75,7 @@ from sowtel.exporters.otel._providers import (
     process_index_and_count,
     run_with_deadline,
 )
-from sowtel.records import SCALAR_SUMMARY, STAT_KEYS, Record
+from sowtel.records import SCALAR_SUMMARY, STAT_KEYS, Record, nonfinite_count
 from sowtel.to_records import RecordBatch, SiteColumns
 
 __all__ = [
@@ -83,6 +83,7 @@ __all__ = [
     "SPAN_NAME",
     "EVENT_NAME",
     "ALERT_EVENT_NAME",
+    "RULE_ALERT_EVENT_NAME",
     "GAUGE_NAMES",
     "COUNTER_NAMES",
     "DEFAULT_TIMEOUT_S",
@@ -96,6 +97,10 @@ SPAN_NAME = "sowtel.step"
 EVENT_NAME = "sowtel.record"
 #: Name of the span event raised once, at the first record with NaN or infinite elements.
 ALERT_EVENT_NAME = "sowtel.nonfinite"
+#: Name of the span event of an alert of an ``enable(alerts=...)`` rule (:mod:`sowtel.alerts`),
+#: on its step's span: attributes ``sowtel.name``, ``sowtel.mode``, ``sowtel.step``,
+#: ``sowtel.alert.stat``, ``.value``, ``.kind``, ``.rule``, ``.text`` (and ``sowtel.index``).
+RULE_ALERT_EVENT_NAME = "sowtel.alert"
 
 
 #: Default bound, in seconds, on each of ``flush()`` and ``close()``.
@@ -131,6 +136,7 @@ class _PendingEvent(NamedTuple):
     wall_time: float
     seq: int
     attributes: dict[str, Any]
+    name: str = EVENT_NAME
 
 
 class OTelExporter:
@@ -456,6 +462,34 @@ class OTelExporter:
             if (newest is not None and step < newest) or self._over_limit(step):
                 self._emit(step)
 
+    def write_alerts(self, alerts: Sequence[Any]) -> None:
+        """Adds each alert of a :mod:`sowtel.alerts` rule as a span event
+        (:data:`RULE_ALERT_EVENT_NAME`) of its step's span, as a record's event is added: its
+        step's span ends when a later step's record arrives, or on :meth:`flush`."""
+        if self._closed or not alerts:
+            return
+        for found in alerts:
+            try:
+                step = int(found.step)
+                attrs: dict[str, Any] = {
+                    "sowtel.name": str(found.name), "sowtel.mode": str(found.mode),
+                    "sowtel.step": step, "sowtel.alert.stat": str(found.stat),
+                    "sowtel.alert.value": float(found.value),
+                    "sowtel.alert.kind": str(found.kind), "sowtel.alert.rule": str(found.rule),
+                    "sowtel.alert.text": str(found)}
+                index = _plain_index(found.index)
+                if index is not None:
+                    attrs["sowtel.index"] = index
+            except Exception as e:
+                self._count_error("bad_records", e)
+                continue
+            self._pending.setdefault(step, []).append(
+                _PendingEvent(time.time(), -1, attrs, RULE_ALERT_EVENT_NAME))
+        newest = self._newest_step
+        for step in sorted(self._pending):
+            if newest is not None and step < newest:
+                self._emit(step)
+
     def write_batch(self, batch: RecordBatch) -> None:
         """Adds a batch. A table of a ``sowtel.jit`` step (one site and mode, its scan
         iterations and shards) becomes one span event a leaf, whose ``sowtel.index`` and
@@ -682,10 +716,12 @@ class OTelExporter:
         for event in pending:
             attrs = event.attributes
             t_ns = int(event.wall_time * 1e9)
-            events.append((EVENT_NAME, attrs, t_ns))
+            events.append((event.name, attrs, t_ns))
+            if event.name != EVENT_NAME:
+                continue
             # A table's event (RECORDS_ATTR) holds no NaN or infinity: it is never the alert.
-            nonfinite = 0 if RECORDS_ATTR in attrs else sum(
-                attrs.get(_STAT_ATTR[k], 0) for k in NONFINITE_KINDS)
+            nonfinite = 0 if RECORDS_ATTR in attrs else nonfinite_count(
+                {k: attrs.get(_STAT_ATTR[k], 0) for k in NONFINITE_KINDS})
             if not self._alerted and nonfinite > 0:
                 self._alerted = True
                 alert = {

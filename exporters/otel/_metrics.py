@@ -25,7 +25,7 @@ from typing import Any
 from opentelemetry import metrics as metrics_api
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from sowtel.records import STAT_KEYS
+from sowtel.records import NONFINITE_KINDS, STAT_KEYS
 
 #: Instrumentation scope of the tracer and the meter.
 SCOPE_NAME = "sowtel"
@@ -47,10 +47,7 @@ COUNTER_NAMES: dict[str, str] = {
 }
 
 
-COUNT_STATS = frozenset({"size", "nan", "posinf", "neginf", "zeros"})
-
-
-NONFINITE_KINDS = ("nan", "posinf", "neginf")
+COUNT_STATS = frozenset({"size", *NONFINITE_KINDS, "zeros"})
 
 
 GAUGE_UNITS = {stat: "{element}" for stat in COUNT_STATS} | {"step": "{step}"}

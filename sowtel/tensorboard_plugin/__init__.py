@@ -27,7 +27,9 @@ active whenever a run holds sowtel data. Its data is JSON, so notebooks can read
     where known; ``kind`` is ``"scan"`` or ``"repeat"``.
 ``GET /data/plugin/sowtel/health?run=RUN``
     ``{"first": {"site", "mode", "step", "index", "text"} | null, "sites": [{"site", "mode",
-    "first_step", "steps"}, ...]}``.
+    "first_step", "steps"}, ...], "alerts": [{"step", "text"}, ...], "alerts_total": N}``:
+    the first non-finite record and every site that had one, then the alert rules' alerts
+    (the earliest 50 lines; ``alerts_total`` counts them all).
 ``GET /data/plugin/sowtel/runs``
     ``{"runs": [...]}``, the runs holding sowtel data.
 
@@ -54,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from sowtel.records import COUNT_STATS
+from sowtel.records import COUNT_STATS, NONFINITE_KINDS
 from sowtel.tensorboard_plugin._run import (
     MAX_CELLS,
     BadRequest,
@@ -92,6 +94,10 @@ _STATIC_FILES = {"index.js": "text/javascript", "charts.js": "text/javascript"}
 _STAT_NAME = re.compile(r"^[a-z_0-9]{1,32}$")
 # TensorBoard's text plugin stores the exporter's alert under this tag.
 _ALERT_TAG = "sowtel/alerts/text_summary"
+# ... and the alert rules' alerts under this one, a text a step (one line an alert).
+_RULE_ALERT_TAG = "sowtel/alerts/rules/text_summary"
+# Alert lines the health answer lists at most (the earliest), and the most characters of one.
+_MOST_ALERTS, _ALERT_CHARS = 50, 1000
 _ALERT_TEXT = re.compile(r"step (?P<step>-?[0-9]+), site `(?P<site>[^`]+)` \((?P<mode>[^,)]+)"
                          r"(?:, index (?P<index>[^)]+))?\)")
 # Bounds of one answer: steps of a series, positions of a depth table, overview rows and the
@@ -338,6 +344,34 @@ class SowtelPlugin:
                 "skipped": [{"tag": t, "why": w} for t, w in index.skipped[:20]]}
 
     def _health(self, index: RunIndex) -> dict[str, Any]:
+        answer = self._nonfinite_health(index)
+        answer["alerts"], answer["alerts_total"] = self._rule_alerts(index)
+        return answer
+
+    def _rule_alerts(self, index: RunIndex) -> tuple[list[dict[str, Any]], int]:
+        """The alert rules' alerts (``enable(alerts=...)``): the earliest :data:`_MOST_ALERTS`
+        lines as ``{"step", "text"}``, and how many lines there are."""
+        try:
+            points = index.read_tensors(_RULE_ALERT_TAG, 10**6, plugin="text")
+        except Exception:  # noqa: BLE001 - the text plugin's data may be absent: no alerts
+            return [], 0
+        last = {int(d.step): d for d in points}  # a step written again: its last text
+        out: list[dict[str, Any]] = []
+        total = 0
+        for step in sorted(last):
+            raw = np.asarray(last[step].numpy).reshape(-1)
+            for cell in raw[:1]:
+                text = cell.decode(errors="replace") if isinstance(cell, bytes) else str(cell)
+                for line in text.splitlines():
+                    line = line.removeprefix("- ").strip()
+                    if not line:
+                        continue
+                    total += 1
+                    if len(out) < _MOST_ALERTS:
+                        out.append({"step": step, "text": line[:_ALERT_CHARS]})
+        return out, total
+
+    def _nonfinite_health(self, index: RunIndex) -> dict[str, Any]:
         first = self._alert(index)
         bad: dict[tuple[str, str], dict[str, Any]] = {}
         if index.has_tensors:
@@ -391,7 +425,7 @@ class SowtelPlugin:
 _SITE_TAG = re.compile(r"^[^\[\]]+(\[[0-9,]+\])?/(primal|tangent|cotangent)(\.[a-z]+)*/[a-z_0-9]+$")
 _COUNT_TAG = re.compile(r"^(?P<name>[^\[\]]+)(\[(?P<index>[0-9]+(?:,[0-9]+)*)\])?"
                         r"/(?P<mode>(?:primal|tangent|cotangent)(?:\.(?:tangent|cotangent))*)"
-                        r"/(?:nan|posinf|neginf)$")
+                        r"/(?:" + "|".join(NONFINITE_KINDS) + r")$")
 
 
 def _depth_table(index: RunIndex, info: SiteInfo, mode: str, stat: str, max_steps: int,

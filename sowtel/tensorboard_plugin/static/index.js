@@ -109,11 +109,26 @@ function writeState(state) {
 
 // -- panels -----------------------------------------------------------------------------------
 
+function alertList(health) {
+  // The alert rules' alerts (enable(alerts=...)), each line as the exporter wrote it.
+  const alerts = health.alerts || [];
+  const box = el("div", { class: "alerts", id: "alerts" });
+  if (!alerts.length) return box;
+  const total = health.alerts_total || alerts.length;
+  box.append(el("div", { class: "first" }, `${total} alert(s) of the alert rules`));
+  const list = el("ul");
+  for (const a of alerts) list.append(el("li", {}, a.text));
+  if (total > alerts.length) list.append(el("li", {}, `and ${total - alerts.length} more`));
+  box.append(list);
+  return box;
+}
+
 function healthPanel(health, runName) {
   const panel = el("div", { class: "health", id: "health" });
   if (!health.first) {
-    panel.classList.add("ok");
+    panel.classList.add(health.alerts && health.alerts.length ? "warn" : "ok");
     panel.append(`No NaN or infinity recorded in run ${runName}.`);
+    panel.append(alertList(health));
     return panel;
   }
   const f = health.first;
@@ -129,6 +144,7 @@ function healthPanel(health, runName) {
   }
   if (health.sites.length > 20) list.append(el("li", {}, `and ${health.sites.length - 20} more`));
   panel.append(list);
+  panel.append(alertList(health));
   return panel;
 }
 
@@ -217,6 +233,8 @@ h2 { font-size: 16px; margin: 22px 0 8px; font-weight: 500; }
 .controls select { font-size: 13px; padding: 2px; }
 .health { padding: 8px 12px; border-radius: 4px; background: #fde7ef; margin-bottom: 12px; }
 .health.ok { background: #e8f5e9; }
+.health.warn { background: #fff4e0; }
+.health .alerts { margin-top: 6px; }
 .health .first { font-weight: 600; }
 .health ul { margin: 4px 0 0; padding-left: 20px; }
 table.overview { border-collapse: collapse; font-size: 13px; }
