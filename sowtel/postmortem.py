@@ -43,7 +43,13 @@ from sowtel.dumps import (
     open_dump,
     program_order,
 )
-from sowtel.records import STAT_KEYS, inexact, nonfinite_count
+from sowtel.records import (
+    NONFINITE_KINDS,
+    NONFINITE_LABELS,
+    STAT_KEYS,
+    inexact,
+    nonfinite_count,
+)
 from sowtel.summaries import host_summary
 
 __all__ = [
@@ -232,7 +238,7 @@ def _fmt(v: float) -> str:
 
 
 _COLUMNS = ("name", "mode", "shape", "dtype", *STAT_KEYS, "")
-_HEADINGS = {"posinf": "+inf", "neginf": "-inf"}
+_HEADINGS = {k: v for k, v in NONFINITE_LABELS.items() if k != "nan"}  # "nan" stays as is
 
 
 def printable(text: str) -> str:
@@ -303,8 +309,8 @@ def format_report(report: InspectReport) -> str:
         lines.append(
             f"{len(report.nonfinite)} of {len(report.rows)} arrays hold NaN or Inf; the first in "
             f"program order is {o.entry.name!r} ({o.entry.mode}){_where(o)}: "
-            f"nan={_fmt(o.stats['nan'])} "
-            f"+inf={_fmt(o.stats['posinf'])} -inf={_fmt(o.stats['neginf'])} - the likely origin"
+            + " ".join(f"{NONFINITE_LABELS[k].lower()}={_fmt(o.stats[k])}"
+                       for k in NONFINITE_KINDS) + " - the likely origin"
         )
     return "\n".join(printable(line) for line in lines)
 

@@ -439,3 +439,51 @@ def test_the_flight_recorder_waits_for_checks_once_then_lets_go(
         gate.set()
     said = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
     assert len(said) == 1 and "without waiting" in said[0]
+
+
+def test_every_path_asks_the_one_non_finite_rule() -> None:
+    """Guard, exporters, trackers, post-mortem rows and the plugin's count tags agree on what
+    is non-finite, odd records included: only -inf, a count that is itself NaN (a damaged
+    record), a bfloat16 full value, and a healthy record."""
+    import io
+
+    import ml_dtypes
+
+    from sowtel.dumps import DumpEntry
+    from sowtel.exporters._tracker import StepMetrics
+    from sowtel.exporters.console import ConsoleExporter
+    from sowtel.postmortem import EntryStats
+    from sowtel.records import NONFINITE_KINDS, Record, is_nonfinite, nonfinite_count
+    from sowtel.tensorboard_plugin import _COUNT_TAG
+    from sowtel.to_records import RecordBatch, first_nonfinite
+
+    def rec(stats, value=None, dtype="float32"):
+        return Record(name="h", mode="primal", tag="t", step=3, index=None, wall_time=0.0,
+                      summary="full" if value is not None else "stats", shape=(2,),
+                      dtype=dtype, value=value, stats=stats)
+
+    base = {"size": 2.0, "mean": 1.0, "std": 0.0, "min": 1.0, "max": 1.0, "l2": 1.4,
+            "mean_abs": 1.0, "zeros": 0.0}
+    cases = [
+        (rec({**base, "nan": 0.0, "posinf": 0.0, "neginf": 2.0}), 2),
+        (rec({**base, "nan": float("nan"), "posinf": 0.0, "neginf": 0.0}), 1),
+        (rec({}, np.array([1.0, np.inf], ml_dtypes.bfloat16), "bfloat16"), None),
+        (rec({**base, "nan": 0.0, "posinf": 0.0, "neginf": 0.0}), 0),
+    ]
+    for r, count in cases:
+        bad = count is None or count > 0
+        assert is_nonfinite(r) is bad
+        if count is not None:
+            assert nonfinite_count(r.stats) == r.nonfinite == count
+            entry = DumpEntry("h", "h", "primal", (), (2,), "float32", "h::primal")
+            assert EntryStats(entry, r.stats).nonfinite == count
+        assert (first_nonfinite(RecordBatch([(r,)])) is not None) is bad
+        out = io.StringIO()
+        ConsoleExporter(out).write([r])
+        assert ("NONFINITE" in out.getvalue()) is bad
+        # A tracker writes a series' counts from its first non-finite record on.
+        [batch] = StepMetrics().convert([r])
+        assert any(k.endswith("/neginf") for k in batch.scalars) is bad
+    # The plugin finds count series by the same kinds.
+    assert [bool(_COUNT_TAG.match(f"h/primal/{k}")) for k in (*NONFINITE_KINDS, "zeros")] == [
+        True, True, True, False]
