@@ -423,7 +423,8 @@ def _eval_eqn(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
             return _bind_plain(eqn, invals), []
         if jc.construct(eqn) in ("custom_jvp", "custom_vjp"):
             return _tap_custom_rule(eqn, invals)
-        return _RULES[jc.construct(eqn) or ""](eqn, invals)
+        rule = _RULES.get(jc.construct(eqn) or "")
+        return (_tap_library_rule if rule is None else rule)(eqn, invals)
     if prim is sow_p:
         return _eval_sow(eqn, invals)
     subs = jc.sub_jaxprs(eqn)
@@ -449,6 +450,25 @@ def _tap_custom_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
     outs = _bind_plain(eqn, invals)
     _eval(*jc.call_body(eqn), [jax.lax.stop_gradient(x) for x in invals])
     return outs, []
+
+
+def _tap_library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    """``sowtel.tap`` inside a library's primitive (``custom_linear_solve``, which ``cg`` and
+    ``jnp.linalg.solve`` use): bound with each of the functions it holds as closed jaxprs
+    evaluated again by the tap pass, so its sites are sown inside it, and run each time the
+    primitive and its derivative rules run them (as a sow written there does)."""
+    def retapped(closed: Any) -> Any:
+        def body(*args: Any) -> list[Any]:
+            return _eval(closed.jaxpr, list(closed.consts), list(args))[0]
+
+        shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                       weak_type=getattr(v.aval, "weak_type", False))
+                  for v in closed.jaxpr.invars]
+        return jax.make_jaxpr(body)(*shapes)
+
+    params = eqn.primitive.get_bind_params(jc.replace_closed_jaxprs(eqn, retapped))
+    out = eqn.primitive.bind(*invals, **params)
+    return (list(out) if eqn.primitive.multiple_results else [out]), []
 
 
 def _library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:

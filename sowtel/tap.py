@@ -40,9 +40,11 @@ What is not tapped (documented in docs/watch.md):
   calls ``jax.grad``): its forward products are primal sites, but their cotangents were taken
   before the tap saw them (a warning says so). Tap the function that is differentiated,
   ``jax.grad(tap(loss))``, to get them;
-- a ``while_loop`` cond function (a site can never stream from there) and the functions of a
-  library's primitive that has no construct rule (``custom_linear_solve``, lineax's solves):
-  they run as they are (a warning gives the count);
+- a ``while_loop`` cond function (a site can never stream from there) and the functions a
+  library's primitive holds other than as closed jaxprs (lineax's solves, ``custom_root`` on
+  JAX 0.12): they run as they are (a warning gives the count). A primitive holding closed
+  jaxprs (``custom_linear_solve``, so ``cg`` and ``jnp.linalg.solve``) is bound with them
+  tapped: a product in its matvec is a site each time the solver applies it;
 - ``custom_vjp``'s ``fwd`` and ``bwd`` and ``custom_jvp``'s rule: the primal function is
   tapped, and its sites are primal sites under every transformation (the rules, which still
   give the function's derivatives, define none for values inside it).
@@ -137,7 +139,10 @@ def _unread(eqn: Any) -> list[Any]:
     kind = jc.construct(eqn)
     if kind == "while":
         return [jc.loop_parts(eqn)["cond"][0]]
-    return jc.sub_jaxprs(eqn) if kind is None else []
+    if kind is None:  # a library's primitive: all but the functions it holds as closed jaxprs
+        read = {id(c.jaxpr) for c in jc.closed_sub_jaxprs(eqn)}
+        return [j for j in jc.sub_jaxprs(eqn) if id(j) not in read]
+    return []
 
 
 def _bodies(eqn: Any) -> list[Any]:
@@ -149,7 +154,9 @@ def _bodies(eqn: Any) -> list[Any]:
         return [jc.loop_parts(eqn)["body"][0]]  # a while's cond function: never a site
     if kind == "cond":
         return [branch[0] for branch in jc.loop_parts(eqn)["branches"]]
-    return []  # a library's primitive: bound as it is
+    if kind is None:  # a library's primitive: bound with the closed jaxprs it holds re-tapped
+        return [closed.jaxpr for closed in jc.closed_sub_jaxprs(eqn)]
+    return []
 
 
 class _Plan:
@@ -163,6 +170,7 @@ class _Plan:
         self.backward = 0  # chosen equations of a backward pass the function runs itself
         self.inside: dict[str, int] = {}  # chosen equations in a primitive run as it is
         self._chosen = chosen
+        self._paths: set[tuple[int, ...]] = set()
         self._walk(jaxpr, (), scopes, False)
 
     def _walk(self, jaxpr: Any, path: tuple[int, ...], scopes: list[str],
@@ -179,7 +187,10 @@ class _Plan:
             if self._chosen(eqn):
                 if back:
                     self.backward += 1
+                elif here in self._paths:
+                    holds = True  # a jaxpr held twice (a solver's matvec as its vecmat too)
                 else:
+                    self._paths.add(here)
                     self.found.append((here, site_name(inner, str(eqn.primitive.name))))
                     holds = True
             if any([self._walk(body, here, inner, back) for body in _bodies(eqn)]):

@@ -156,16 +156,55 @@ def test_constructs_inside():
         lambda s: jnp.sum(s @ WS[0]) < 100.0, lambda s: 2.0 * s, x))
     with pytest.warns(UserWarning, match=r"1 chosen equation\(s\) inside a while cond function"):
         sowtel.save_intermediates(in_cond, duplicates="number")(X)
-    solve = sowtel.tap(lambda b: jax.lax.custom_linear_solve(
-        lambda v: WS[0] @ v, b, lambda mv, r: jnp.linalg.inv(WS[0]) @ r))
-    with pytest.warns(UserWarning, match="inside a custom_linear_solve primitive with no rule"):
-        sowtel.save_intermediates(solve)(X[0])
     np.testing.assert_allclose(inter["dot_general"]["primal"], X @ WS[0] @ WS[0] @ WS[0],
                                rtol=1e-5, atol=1e-6)
     with sowtel.enable(exporter="memory") as session:  # streamed: every iteration
         jax.jit(sowtel.tap(loop))(X)
         sowtel.flush()
     assert [r.name for r in records(session)] == ["dot_general"] * 3
+
+
+A2 = jnp.array([[3.0, 1.0], [1.0, 2.0]])
+
+
+def _richardson(b):
+    """A library primitive running the user's function: ``custom_linear_solve`` whose solve
+    takes one Richardson step from the diagonal guess (it applies the matvec once)."""
+    def solve(mv, r):
+        x0 = r / jnp.diag(A2)
+        return x0 + (r - mv(x0)) / jnp.diag(A2)
+
+    return jax.lax.custom_linear_solve(lambda x: A2 @ x, b, solve, symmetric=True).sum()
+
+
+def test_library_primitives_are_tapped_inside():
+    """A product inside a library's primitive (the matvec of ``custom_linear_solve``, and so
+    of ``cg``) is a site wherever the primitive runs it, captured and streamed through both
+    transports (``sowtel.jit`` streams it by its host callback, as a sow written there)."""
+    b = jnp.array([1.0, 2.0])
+    x0 = np.array([1.0 / 3.0, 1.0])  # b / diag(A)
+    mv = np.asarray(A2) @ x0  # [2, 7/3]: what the solve's one matvec computes
+    value, inter = sowtel.save_intermediates(sowtel.tap(_richardson))(b)
+    [name] = inter
+    np.testing.assert_allclose(inter[name]["primal"], mv, rtol=1e-6)
+    np.testing.assert_allclose(value, (x0 + (np.asarray(b) - mv) / np.diag(A2)).sum(),
+                               rtol=1e-6)
+    for transport in (jax.jit, sowtel.jit):
+        with sowtel.enable(exporter="memory") as session:
+            transport(jax.grad(sowtel.tap(_richardson)))(b)
+            assert sowtel.flush(timeout=60)
+        [r] = records(session)
+        assert (r.name, r.mode) == (name, "primal")
+        assert r.stats["mean"] == pytest.approx(mv.mean(), rel=1e-6)
+    # cg: each iteration's matvec is an occurrence of the site, numbered in trace order.
+    def solve_cg(b):
+        return jax.scipy.sparse.linalg.cg(lambda v: A2 @ v, b, maxiter=3)[0]
+
+    x, inter = sowtel.save_intermediates(sowtel.tap(solve_cg), duplicates="number")(b)
+    np.testing.assert_allclose(np.asarray(A2) @ np.asarray(x), b, rtol=1e-5)
+    assert inter and all(set(modes) == {"primal"} for modes in inter.values())
+    residual_mv = np.asarray(A2) @ np.zeros(2)  # cg starts from x0 = 0: its first matvec
+    assert any(np.allclose(v["primal"], residual_mv) for v in inter.values())
 
 
 def test_custom_derivative_functions_are_tapped_as_primal_sites():
