@@ -701,11 +701,17 @@ def _sow_jvp(primals: Any, tangents: Any, *, site: SiteStatic, mode: str, recomp
                 p = jnp.atleast_1d(p)
                 witnesses.append(jax.lax.slice(p, (0,) * p.ndim, (0,) * p.ndim))
         extras = [*witnesses, *extras]
-        site_t = dataclasses.replace(
-            site_t, extras=(*("batch",) * len(witnesses), *site_t.extras))
+        site_t = _with_witnesses(site_t, len(witnesses))
     reported = iter(_bind(chosen, extras, site_t, jvp_mode(mode), _SILENT_JVP[recompute]))
     return out, [next(reported) if d else t
                  for t, d in zip(leaves_t, differentiable, strict=True)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _with_witnesses(site: SiteStatic, n: int) -> SiteStatic:
+    # Cached: a frozen dataclass's replace() costs about as much as the rest of the rule, and
+    # a trace meets the same site once per derivative level.
+    return dataclasses.replace(site, extras=(*("batch",) * n, *site.extras))
 
 
 jc.ad.primitive_jvps[sow_p] = _sow_jvp
