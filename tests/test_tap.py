@@ -490,6 +490,36 @@ def test_filters_of_the_session_apply_to_tapped_sites():
     assert [(r.name, r.mode) for r in records(session)] == [("head/dot_general", "cotangent")]
 
 
+def test_alert_rules_and_the_depth_view_see_tapped_scanned_sites(tmp_path):
+    """A tapped product in a scanned stack is a depth site (one tensor a step for the SOWTEL
+    tab) and alert rules judge it per layer, as a hand-placed sow."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from sowtel.exporters.memory import MemoryExporter
+    from sowtel.exporters.tensorboard import TensorBoardExporter
+
+    # The largest activation of layer l's product, to set a bound only layers >= 2 cross.
+    h, peaks = X, []
+    for w in WS:
+        peaks.append(float(jnp.max(h @ w)))
+        h = jnp.tanh(h @ w)
+    bound = (sorted(peaks)[1] + sorted(peaks)[2]) / 2
+    over = sorted(i for i, p in enumerate(peaks) if p > bound)
+    memory = MemoryExporter()
+    rule = sowtel.alert("layer/*", mode="primal", stat="max", above=bound)
+    with sowtel.enable(exporter=[memory, TensorBoardExporter(tmp_path)], alerts=[rule],
+                       on_alert=lambda found: None):
+        sowtel.jit(jax.grad(sowtel.tap(scanned)))(WS, X)
+        assert sowtel.flush(timeout=60)
+    assert [(a.name, a.index) for a in memory.alerts] == [("layer/dot_general", i)
+                                                          for i in over]
+    acc = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={
+        event_accumulator.TENSORS: 0})
+    acc.Reload()
+    assert {"layer/dot_general/primal/depth",
+            "layer/dot_general/cotangent/depth"} <= set(acc.Tags()["tensors"])
+
+
 def test_tag_selects_the_pass_that_sees_the_sites():
     acts = sowtel.tap(mlp, tag="acts")
     _, inter = sowtel.save_intermediates(acts, tag="acts")(W1, W2, X)
