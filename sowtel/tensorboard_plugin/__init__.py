@@ -27,9 +27,10 @@ active whenever a run holds sowtel data. Its data is JSON, so notebooks can read
     where known; ``kind`` is ``"scan"`` or ``"repeat"``.
 ``GET /data/plugin/sowtel/health?run=RUN``
     ``{"first": {"site", "mode", "step", "index", "text"} | null, "sites": [{"site", "mode",
-    "first_step", "steps"}, ...], "alerts": [{"step", "text"}, ...], "alerts_total": N}``:
-    the first non-finite record and every site that had one, then the alert rules' alerts
-    (the earliest 50 lines; ``alerts_total`` counts them all).
+    "first_step", "steps"}, ...], "alerts": [{"step", "text"}, ...], "alerts_total": N,
+    "skipped": [{"tag", "why"}, ...]}``: the first non-finite record and every site that had
+    one, then the alert rules' alerts (the earliest 50 lines; ``alerts_total`` counts them
+    all); ``skipped`` the tags of the run that are not what the exporter writes, and why.
 ``GET /data/plugin/sowtel/runs``
     ``{"runs": [...]}``, the runs holding sowtel data.
 
