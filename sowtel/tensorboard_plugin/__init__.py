@@ -176,7 +176,7 @@ def parse_content(content: bytes) -> dict[str, Any]:
         raise ValueError(f"sowtel depth metadata has stats {stats!r:.120}: it must be a list of "
                          "distinct statistic names (1 to 32 of a-z, 0-9, _)")
     rank = meta.get("index_rank")
-    if not _whole(rank) or not 1 <= rank <= 8:
+    if not (isinstance(rank, int) and _whole(rank) and 1 <= rank <= 8):
         raise ValueError(f"sowtel depth metadata has index_rank {rank!r:.40}: it must be a whole "
                          "number from 1 to 8 (the rows holding a position's index)")
     if "order" in meta and not _whole(meta["order"]):
