@@ -123,7 +123,11 @@ def _plugin_metadata(name: str):
     return SummaryMetadata.FromString(meta.SerializeToString() + b"\x20\x02")
 
 
-def peak_rss_mb(pid: int) -> float:
+def peak_rss_mb(pid: int, reset: bool = False) -> float:
+    """The process's peak resident memory; with ``reset``, first set back to what it holds now
+    (Linux's ``clear_refs``), so the next call measures from here."""
+    if reset:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
@@ -135,6 +139,8 @@ def served(tmp_path_factory):
     top = tmp_path_factory.mktemp("hostile")
     family_run(top / "family")
     crafted_run(top / "crafted")
+    odd_run(top / "odd")
+    bomb_run(top / "bombs")
     port = free_port()
     proc = subprocess.Popen(sowtel_cmd("dashboard", "--logdir", str(top), "--port", str(port)),
                             cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
@@ -147,8 +153,8 @@ def served(tmp_path_factory):
                     and sites["sites"][0]["positions"] == FAMILY)
 
         wait_for("TensorBoard to load the runs", loaded, 300, proc)
-        wait_for("the crafted run", lambda: "crafted" in get_json(f"{base}/runs")["runs"], 60,
-                 proc)
+        wait_for("the crafted runs", lambda: {"crafted", "odd", "bombs"} <= set(
+            get_json(f"{base}/runs")["runs"]), 60, proc)
         yield {"base": base, "proc": proc}
     finally:
         stop(proc)
@@ -317,18 +323,19 @@ def bomb_run(logdir: Path) -> None:
 @pytest.fixture(scope="module", params=["data server", "python loader"])
 def odd_served(request, tmp_path_factory):
     """The odd and bomb runs, served by TensorBoard's data server (what ``sowtel dashboard``
-    gets where it is installed) and by its Python loader (``--load_fast=false``)."""
+    gets where it is installed: the server above) and by its Python loader
+    (``--load_fast=false``), which hand the plugin its tensors differently."""
+    if request.param == "data server":
+        yield request.getfixturevalue("served")
+        return
     top = tmp_path_factory.mktemp("odd")
     odd_run(top / "odd")
     bomb_run(top / "bombs")
     port = free_port()
-    if request.param == "data server":
-        cmd = sowtel_cmd("dashboard", "--logdir", str(top), "--port", str(port))
-    else:
-        cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(top), "--port",
-               str(port), "--load_fast=false", "--samples_per_plugin", "sowtel=0",
-               "--reload_interval", "2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(top),
+                             "--port", str(port), "--load_fast=false", "--samples_per_plugin",
+                             "sowtel=0", "--reload_interval", "2"],
+                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, text=True)
     base = f"http://127.0.0.1:{port}/data/plugin/sowtel"
     try:
@@ -347,7 +354,7 @@ def readable(message: str) -> str:
 def test_tensors_claiming_more_values_than_stored_are_refused_before_they_take_memory(
         odd_served):
     base, proc = odd_served["base"], odd_served["proc"]
-    before = peak_rss_mb(proc.pid)
+    before = peak_rss_mb(proc.pid, reset=True)
     started = time.monotonic()
     code, depth, _ = ask(base, "depth", run="bombs", site="bomb", mode="primal", stat="std")
     took = time.monotonic() - started
