@@ -336,18 +336,23 @@ class RunIndex:
     def _stored_tensors(self, tag: str, plugin: str, downsample: int
                         ) -> list[tuple[int, float, Any]] | None:
         """``(step, wall_time, TensorProto)`` of a tag's points as TensorBoard stores them,
-        before any conversion; None where its provider is not one of TensorBoard's two."""
+        before any conversion; None where its provider is not one of TensorBoard's two (or
+        not as this TensorBoard version has them), which then reads them itself."""
         from tensorboard.backend.event_processing import data_provider as local
         from tensorboard.data import grpc_provider
 
-        if isinstance(self._provider, local.MultiplexerDataProvider):
+        mux = getattr(self._provider, "_multiplexer", None)
+        if isinstance(self._provider, local.MultiplexerDataProvider) and mux is not None:
             try:
-                events = self._provider._multiplexer.Tensors(self.run, tag)
+                events = mux.Tensors(self.run, tag)
             except KeyError:
                 return []
+            except Exception:  # noqa: BLE001 - another version's store: its provider reads
+                return None
             events = [events[i] for i in _evenly(len(events), downsample)]
             return [(int(e.step), float(e.wall_time), e.tensor_proto) for e in events]
-        if isinstance(self._provider, grpc_provider.GrpcDataProvider):
+        stub = getattr(self._provider, "_stub", None)
+        if isinstance(self._provider, grpc_provider.GrpcDataProvider) and stub is not None:
             from tensorboard.data.proto import data_provider_pb2
 
             req = data_provider_pb2.ReadTensorsRequest(experiment_id=self._eid)
@@ -356,9 +361,9 @@ class RunIndex:
             req.run_tag_filter.tags.names[:] = [tag]
             req.downsample.num_points = downsample
             try:
-                res = self._provider._stub.ReadTensors(req)
-            except Exception:  # noqa: BLE001 - the data server did not answer: no points
-                return []
+                res = stub.ReadTensors(req)
+            except Exception:  # noqa: BLE001 - its provider reads, and says what failed
+                return None
             return [(int(step), float(wt), value) for run in res.runs if run.run_name == self.run
                     for entry in run.tags if entry.tag_name == tag
                     for step, wt, value in zip(entry.data.step, entry.data.wall_time,
