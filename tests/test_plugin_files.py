@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -24,7 +25,7 @@ from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.proto.tensor_pb2 import TensorProto
 from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
-from tensorboardX.proto.types_pb2 import DT_STRING
+from tensorboardX.proto.types_pb2 import DT_FLOAT, DT_STRING
 from test_demo_dashboard import ENV, REPO, free_port, get_json, sowtel_cmd, stop, wait_for
 
 from sowtel.exporters.tensorboard import (
@@ -34,7 +35,12 @@ from sowtel.exporters.tensorboard import (
     _tensor_metadata,
 )
 from sowtel.records import Record
-from sowtel.tensorboard_plugin import NONFINITE_CONTENT, NONFINITE_TAG, depth_content
+from sowtel.tensorboard_plugin import (
+    NONFINITE_CONTENT,
+    NONFINITE_TAG,
+    depth_content,
+    parse_content,
+)
 
 FAMILY = 5000
 # What a message written for a person never holds: Python's own words for its failures.
@@ -117,7 +123,11 @@ def _plugin_metadata(name: str):
     return SummaryMetadata.FromString(meta.SerializeToString() + b"\x20\x02")
 
 
-def peak_rss_mb(pid: int) -> float:
+def peak_rss_mb(pid: int, reset: bool = False) -> float:
+    """The process's peak resident memory; with ``reset``, first set back to what it holds now
+    (Linux's ``clear_refs``), so the next call measures from here."""
+    if reset:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
@@ -129,6 +139,8 @@ def served(tmp_path_factory):
     top = tmp_path_factory.mktemp("hostile")
     family_run(top / "family")
     crafted_run(top / "crafted")
+    odd_run(top / "odd")
+    bomb_run(top / "bombs")
     port = free_port()
     proc = subprocess.Popen(sowtel_cmd("dashboard", "--logdir", str(top), "--port", str(port)),
                             cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
@@ -141,8 +153,8 @@ def served(tmp_path_factory):
                     and sites["sites"][0]["positions"] == FAMILY)
 
         wait_for("TensorBoard to load the runs", loaded, 300, proc)
-        wait_for("the crafted run", lambda: "crafted" in get_json(f"{base}/runs")["runs"], 60,
-                 proc)
+        wait_for("the crafted runs", lambda: {"crafted", "odd", "bombs"} <= set(
+            get_json(f"{base}/runs")["runs"]), 60, proc)
         yield {"base": base, "proc": proc}
     finally:
         stop(proc)
@@ -245,3 +257,174 @@ def test_bad_queries_get_a_400_written_for_a_person(served, route, query, says):
     code, body, _ = ask(served["base"], route, **query)
     assert code == 400, body
     assert says in body["error"] and not INTERNALS.search(body["error"]), body["error"]
+
+
+# -- event files that would take a server down: through both of TensorBoard's loaders --------
+
+def shape(*dims: int) -> TensorShapeProto:
+    return TensorShapeProto(dim=[TensorShapeProto.Dim(size=n) for n in dims])
+
+
+BOMB = (2, 25_000_000)  # 50,000,000 float32 values (200 MB) claimed by a 100-byte tensor
+
+
+def odd_run(logdir: Path) -> None:
+    """Fields no parser of the plugin expected: each was a 500 (or gigabytes) before."""
+    logdir.mkdir(parents=True)
+    f = _EventFile(str(logdir))
+    good = np.array([[0, 1, 2], [0.5, 0.6, 0.7]], dtype=np.float32)
+    digits = "9" * 5000  # longer than Python reads as an int by default
+    values = [
+        tensor_value("good/primal/depth", depth_content(["std"], 1, order=0), _float_tensor(good)),
+        # Data that does not fill the shape; a step of no columns.
+        tensor_value("short/primal/depth", depth_content(["std"], 1), TensorProto(
+            dtype=DT_FLOAT, tensor_shape=shape(2, 3), tensor_content=b"\0\0\0\0")),
+        tensor_value("empty/primal/depth", depth_content(["std"], 1),
+                     _float_tensor(np.zeros((2, 0), np.float32))),
+        # Metadata nested 20,000 deep, a 5,000-digit number, an order that is not whole.
+        tensor_value("deep/primal/depth", b"[" * 20_000 + b"]" * 20_000, _float_tensor(good)),
+        tensor_value("long/primal/depth", b'{"version": 1, "stats": ["std"], "index_rank": 1, '
+                     b'"order": ' + digits.encode() + b"}", _float_tensor(good)),
+        tensor_value("half/primal/depth", b'{"version": 1, "stats": ["std"], "index_rank": 1, '
+                     b'"order": 1.5}', _float_tensor(good)),
+        # Numbers of 5,000 digits where tags and the alert hold an index, a family number, a step.
+        Summary.Value(tag=f"a[{digits}]/primal/std", simple_value=1.0),
+        Summary.Value(tag=f"c[{digits}]/primal/nan", simple_value=1.0),
+        Summary.Value(tag=f"eval{digits}/h/primal/std", simple_value=1.0),
+        Summary.Value(tag="sowtel/alerts/text_summary", metadata=_plugin_metadata("text"),
+                      tensor=string_tensor(f"step {digits}, site `a` (primal, index "
+                                           f"[{digits}])".encode())),
+    ]
+    f.add(Event(wall_time=1e9, step=0, summary=Summary(value=values)))
+    # The non-finite list: a count of 400 digits, rows nested 50,000 deep, then a good row.
+    for step, rows in enumerate([b'[["good", "primal", 1, ' + b"9" * 400 + b"]]",
+                                 b'[["good", "primal", ' + b"[" * 50_000 + b"]" * 50_000 + b", 1]]",
+                                 b'[["good", "primal", 2, 3]]']):
+        f.add(Event(wall_time=1e9 + step, step=step, summary=Summary(value=[tensor_value(
+            NONFINITE_TAG, NONFINITE_CONTENT if step == 0 else None, string_tensor(rows))])))
+    f.close()
+
+
+def bomb_run(logdir: Path) -> None:
+    """Tensors whose shape claims millions of values they do not store: TensorBoard would
+    fill them from the one value stored."""
+    logdir.mkdir(parents=True)
+    f = _EventFile(str(logdir))
+    f.add(Event(wall_time=1e9, step=0, summary=Summary(value=[
+        tensor_value("bomb/primal/depth", depth_content(["std"], 1),
+                     TensorProto(dtype=DT_FLOAT, tensor_shape=shape(*BOMB), float_val=[1.0])),
+        tensor_value("good/primal/depth", depth_content(["std"], 1, order=0),
+                     _float_tensor(np.array([[0, 1], [0.5, 0.6]], np.float32))),
+        tensor_value(NONFINITE_TAG, NONFINITE_CONTENT, TensorProto(
+            dtype=DT_STRING, tensor_shape=shape(20_000_000), string_val=[b"[]"]))])))
+    f.close()
+
+
+@pytest.fixture(scope="module", params=["data server", "python loader"])
+def odd_served(request, tmp_path_factory):
+    """The odd and bomb runs, served by TensorBoard's data server (what ``sowtel dashboard``
+    gets where it is installed: the server above) and by its Python loader
+    (``--load_fast=false``), which hand the plugin its tensors differently."""
+    if request.param == "data server":
+        yield request.getfixturevalue("served")
+        return
+    top = tmp_path_factory.mktemp("odd")
+    odd_run(top / "odd")
+    bomb_run(top / "bombs")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(top),
+                             "--port", str(port), "--load_fast=false", "--samples_per_plugin",
+                             "sowtel=0", "--reload_interval", "2"],
+                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, text=True)
+    base = f"http://127.0.0.1:{port}/data/plugin/sowtel"
+    try:
+        wait_for("TensorBoard to load the odd runs", lambda: get_json(
+            f"{base}/runs", timeout=60)["runs"] == ["bombs", "odd"], 120, proc)
+        yield {"base": base, "proc": proc}
+    finally:
+        stop(proc)
+
+
+def readable(message: str) -> str:
+    assert not INTERNALS.search(message), message
+    return message
+
+
+def test_tensors_claiming_more_values_than_stored_are_refused_before_they_take_memory(
+        odd_served):
+    base, proc = odd_served["base"], odd_served["proc"]
+    before = peak_rss_mb(proc.pid, reset=True)
+    started = time.monotonic()
+    code, depth, _ = ask(base, "depth", run="bombs", site="bomb", mode="primal", stat="std")
+    took = time.monotonic() - started
+    assert code == 400, depth
+    assert readable(depth["error"]) == (
+        "tag 'bomb/primal/depth' of run 'bombs' at step 0: its shape [2, 25000000] claims "
+        "50,000,000 values but it stores 1; the event file is damaged or not one sowtel writes")
+    # The overview says it on the bomb's row and draws the other site; health lists the
+    # non-finite list it could not read.
+    code, overview, _ = ask(base, "overview", run="bombs")
+    assert code == 200
+    rows = {r["site"]: r for r in overview["rows"]}
+    assert rows["bomb"]["error"] == depth["error"] and rows["good"]["last"]["positions"] == 2
+    code, health, _ = ask(base, "health", run="bombs")
+    assert code == 200 and health["sites"] == []
+    assert [s["tag"] for s in health["skipped"]] == [NONFINITE_TAG]
+    assert "its shape [20000000] claims 20,000,000 values but it stores 1" in readable(
+        health["skipped"][0]["why"])
+    # Filled, the two would be 200 MB and 160 MB of pointers (and seconds of work).
+    grew = peak_rss_mb(proc.pid) - before
+    assert grew < 60, f"peak RSS grew {grew:.0f} MB"
+    print(f"bomb refused in {took:.2f} s; peak RSS grew {grew:.0f} MB")
+
+
+def test_malformed_fields_get_answers_whose_messages_name_the_field(odd_served):
+    base = odd_served["base"]
+    code, sites, _ = ask(base, "sites", run="odd")
+    assert code == 200, sites
+    listed = [s["site"] for s in sites["sites"]]
+    # A number too long for an index or a family number: a plain site, never a position.
+    assert listed == ["good", "empty", "eval" + "9" * 5000 + "/h", "short"]
+    code, overview, _ = ask(base, "overview", run="odd")
+    assert code == 200
+    why = {s["tag"]: readable(s["why"]) for s in overview["skipped"]}
+    assert why == {
+        "deep/primal/depth": "sowtel depth metadata is JSON nested too deep or with a number "
+                             "too long to read",
+        "long/primal/depth": "sowtel depth metadata is JSON nested too deep or with a number "
+                             "too long to read",
+        "half/primal/depth": "sowtel depth metadata has order 1.5: it must be a whole number "
+                             "(the site's place in its program)"}
+    code, short, _ = ask(base, "depth", run="odd", site="short", mode="primal", stat="std")
+    assert code == 400 and readable(short["error"]) == (
+        "tag 'short/primal/depth' of run 'odd' at step 0: its stored data does not fill its "
+        "shape [2, 3]; the event file is damaged or not one sowtel writes")
+    code, empty, _ = ask(base, "depth", run="odd", site="empty", mode="primal", stat="std")
+    assert code == 200 and empty["positions"] == 0 and empty["index"] == []
+    code, good, _ = ask(base, "depth", run="odd", site="good", mode="primal", stat="std")
+    assert code == 200 and good["values"] == [pytest.approx([0.5, 0.6, 0.7])]
+    # The rows of the non-finite list that cannot be read are left out; the good one counts.
+    code, health, _ = ask(base, "health", run="odd")
+    assert code == 200, health
+    assert [(s["site"], s["first_step"], s["first_index"], s["steps"])
+            for s in health["sites"]] == [("good", 2, 2, 1)]
+    assert health["first"]["step"] is None and health["first"]["text"].startswith("step 999")
+
+
+@pytest.mark.parametrize("metadata,says", [
+    (b'{"version": 1, "stats": [1, 2], "index_rank": 1}',
+     "has stats [1, 2]: it must be a list of distinct statistic names (1 to 32 of a-z, 0-9, _)"),
+    (b'{"version": 1, "stats": ["l2"], "index_rank": -1}',
+     "has index_rank -1: it must be a whole number from 1 to 8"),
+    (b'{"version": 1, "stats": ["l2"], "index_rank": true}', "has index_rank True"),
+    (b'{"version": 2, "stats": ["l2"], "index_rank": 1}', "has version 2, not 1"),
+    (b'[1]', "is the JSON [1], not an object"),
+    (b'{"version": 1', "is not JSON (Expecting ',' delimiter at character 13)"),
+    (b'\xff\xfe{', "is not UTF-8 text"),
+    (b'{"a": "' + b"x" * 70_000 + b'"}', "of 70,009 bytes is longer than 65,536"),
+])
+def test_depth_metadata_messages_say_which_field_is_wrong(metadata, says):
+    with pytest.raises(ValueError) as e:
+        parse_content(metadata)
+    assert says in readable(str(e.value))

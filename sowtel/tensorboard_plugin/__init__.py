@@ -27,9 +27,10 @@ active whenever a run holds sowtel data. Its data is JSON, so notebooks can read
     where known; ``kind`` is ``"scan"`` or ``"repeat"``.
 ``GET /data/plugin/sowtel/health?run=RUN``
     ``{"first": {"site", "mode", "step", "index", "text"} | null, "sites": [{"site", "mode",
-    "first_step", "steps"}, ...], "alerts": [{"step", "text"}, ...], "alerts_total": N}``:
-    the first non-finite record and every site that had one, then the alert rules' alerts
-    (the earliest 50 lines; ``alerts_total`` counts them all).
+    "first_step", "steps"}, ...], "alerts": [{"step", "text"}, ...], "alerts_total": N,
+    "skipped": [{"tag", "why"}, ...]}``: the first non-finite record and every site that had
+    one, then the alert rules' alerts (the earliest 50 lines; ``alerts_total`` counts them
+    all); ``skipped`` the tags of the run that are not what the exporter writes, and why.
 ``GET /data/plugin/sowtel/runs``
     ``{"runs": [...]}``, the runs holding sowtel data.
 
@@ -98,8 +99,8 @@ _ALERT_TAG = "sowtel/alerts/text_summary"
 _RULE_ALERT_TAG = "sowtel/alerts/rules/text_summary"
 # Alert lines the health answer lists at most (the earliest), and the most characters of one.
 _MOST_ALERTS, _ALERT_CHARS = 50, 1000
-_ALERT_TEXT = re.compile(r"step (?P<step>-?[0-9]+), site `(?P<site>[^`]+)` \((?P<mode>[^,)]+)"
-                         r"(?:, index (?P<index>[^)]+))?\)")
+_ALERT_TEXT = re.compile(r"step (?P<step>-?[0-9]{1,18}), site `(?P<site>[^`]+)` "
+                         r"\((?P<mode>[^,)]+)(?:, index (?P<index>[^)]+))?\)")
 # Bounds of one answer: steps of a series, positions of a depth table, overview rows and the
 # steps and positions of each row's small chart (defaults, and the most a query may ask).
 _STEPS, _MOST_STEPS = 1000, 5000
@@ -108,6 +109,8 @@ _ROWS, _MOST_ROWS = 200, 1000
 _SPARK_STEPS, _SPARK_POSITIONS = 60, 32
 # Sites and modes the health answer lists at most (a crafted file may name millions).
 _MOST_HEALTH = 1000
+# The longest depth metadata read (the exporter's is under a kilobyte).
+_MOST_CONTENT = 65536
 logger = logging.getLogger("sowtel")
 
 
@@ -147,23 +150,43 @@ def parse_content(content: bytes) -> dict[str, Any]:
         >>> parse_content(b'{"version": 1, "stats": ["l2"], "index_rank": 2}')["index_rank"]
         2
     """
+    if len(content) > _MOST_CONTENT:
+        raise ValueError(f"sowtel depth metadata of {len(content):,} bytes is longer than "
+                         f"{_MOST_CONTENT:,}: the exporter writes a short JSON object")
     try:
         meta = json.loads(content.decode() if isinstance(content, bytes) else content)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"sowtel depth metadata is not JSON: {e}") from e
-    if (not isinstance(meta, dict) or meta.get("version") != CONTENT_VERSION
-            or not isinstance(meta.get("stats"), list)
-            or not isinstance(meta.get("index_rank"), int)
-            or not isinstance(meta.get("order", 0), int)):
-        raise ValueError(f"sowtel depth metadata {meta!r:.200} is not version {CONTENT_VERSION}")
-    # A crafted file may hold anything: the rows must be names, the index rows 1 to 8.
-    stats = meta["stats"]
-    if (not all(isinstance(k, str) and _STAT_NAME.match(k) for k in stats)
-            or len(set(stats)) != len(stats) or isinstance(meta["index_rank"], bool)
-            or not 1 <= meta["index_rank"] <= 8):
-        raise ValueError(f"sowtel depth metadata {meta!r:.200} names no valid rows: stats must "
-                         "be distinct statistic names, index_rank 1 to 8")
+    except UnicodeDecodeError:
+        raise ValueError("sowtel depth metadata is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"sowtel depth metadata is not JSON ({e.msg} at character "
+                         f"{e.pos})") from None
+    except (ValueError, RecursionError):  # an integer of thousands of digits, deep nesting
+        raise ValueError("sowtel depth metadata is JSON nested too deep or with a number too "
+                         "long to read") from None
+    # A crafted file may hold anything: each field is checked, and the message names it.
+    if not isinstance(meta, dict):
+        raise ValueError(f"sowtel depth metadata is the JSON {json.dumps(meta)[:40]}, not an "
+                         "object")
+    if meta.get("version") != CONTENT_VERSION:
+        raise ValueError(f"sowtel depth metadata has version {meta.get('version')!r:.40}, not "
+                         f"{CONTENT_VERSION}")
+    stats = meta.get("stats")
+    if (not isinstance(stats, list) or not all(isinstance(k, str) and _STAT_NAME.match(k)
+                                                 for k in stats) or len(set(stats)) != len(stats)):
+        raise ValueError(f"sowtel depth metadata has stats {stats!r:.120}: it must be a list of "
+                         "distinct statistic names (1 to 32 of a-z, 0-9, _)")
+    rank = meta.get("index_rank")
+    if not (isinstance(rank, int) and _whole(rank) and 1 <= rank <= 8):
+        raise ValueError(f"sowtel depth metadata has index_rank {rank!r:.40}: it must be a whole "
+                         "number from 1 to 8 (the rows holding a position's index)")
+    if "order" in meta and not _whole(meta["order"]):
+        raise ValueError(f"sowtel depth metadata has order {meta['order']!r:.40}: it must be a "
+                         "whole number (the site's place in its program)")
     return meta
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class SowtelPlugin:
@@ -377,12 +400,16 @@ class SowtelPlugin:
         if index.has_tensors:
             # A run with sowtel tensors comes from an exporter that lists every record with a
             # NaN or infinity, step by step, under NONFINITE_TAG (absent: there was none).
-            if index.has_nonfinite:
-                for datum in index.read_tensors(NONFINITE_TAG, 10**9):
-                    raw = np.asarray(datum.numpy).reshape(-1)
-                    for name, mode, position, _ in nonfinite_rows(raw[0] if raw.size else b""):
-                        _mark(bad, name, mode, int(datum.step), position)
-            return _health_answer(first, bad)
+            try:
+                points = index.read_tensors(NONFINITE_TAG, 10**9) if index.has_nonfinite else []
+            except BadRequest as e:  # the overview and the health answer list it as skipped
+                index.skipped.append((NONFINITE_TAG, str(e)))
+                points = []
+            for datum in points:
+                raw = np.asarray(datum.numpy).reshape(-1)
+                for name, mode, position, _ in nonfinite_rows(raw[0] if raw.size else b""):
+                    _mark(bad, name, mode, int(datum.step), position)
+            return _health_answer(first, bad, index)
         # Otherwise the counts, written as scalars once non-zero: {site}/{mode}/{count} and
         # {site}[i]/{mode}/{count}.
         tags: dict[str, tuple[str, str, Any]] = {}
@@ -397,7 +424,7 @@ class SowtelPlugin:
             for p in data:
                 if p.value > 0:
                     _mark(bad, name, mode, int(p.step), position)
-        return _health_answer(first, bad)
+        return _health_answer(first, bad, index)
 
     def _alert(self, index: RunIndex) -> dict[str, Any] | None:
         try:
@@ -415,7 +442,7 @@ class SowtelPlugin:
             return {"site": None, "mode": None, "step": None, "index": None, "text": text}
         position: Any = m["index"]
         if position is not None:
-            nums = [int(v) for v in re.findall(r"-?[0-9]+", position)]
+            nums = [int(v) for v in re.findall(r"-?[0-9]{1,18}", position)]
             position = nums[0] if len(nums) == 1 else (nums or None)
         return {"site": m["site"], "mode": m["mode"], "step": int(m["step"]),
                 "index": position, "text": text}
@@ -423,7 +450,8 @@ class SowtelPlugin:
 
 # Tags of a site's statistic (what makes a run one of sowtel's), and of its counts.
 _SITE_TAG = re.compile(r"^[^\[\]]+(\[[0-9,]+\])?/(primal|tangent|cotangent)(\.[a-z]+)*/[a-z_0-9]+$")
-_COUNT_TAG = re.compile(r"^(?P<name>[^\[\]]+)(\[(?P<index>[0-9]+(?:,[0-9]+)*)\])?"
+_COUNT_TAG = re.compile(r"^(?P<name>[^\[\]]+)"
+                        r"(\[(?P<index>[0-9]{1,18}(?:,[0-9]{1,18}){0,7})\])?"
                         r"/(?P<mode>(?:primal|tangent|cotangent)(?:\.(?:tangent|cotangent))*)"
                         r"/(?:" + "|".join(NONFINITE_KINDS) + r")$")
 
@@ -553,8 +581,8 @@ def _mark(bad: dict[tuple[str, str], dict[str, Any]], site: str, mode: str, step
         e["first_step"], e["first_index"] = step, position
 
 
-def _health_answer(first: dict[str, Any] | None,
-                   bad: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+def _health_answer(first: dict[str, Any] | None, bad: dict[tuple[str, str], dict[str, Any]],
+                   index: RunIndex) -> dict[str, Any]:
     sites = sorted(bad.values(), key=lambda e: (e["first_step"], e["site"], e["mode"]))
     for e in sites:
         e["steps"] = len(e.pop("_steps"))
@@ -562,7 +590,8 @@ def _health_answer(first: dict[str, Any] | None,
         e = sites[0]
         first = {"site": e["site"], "mode": e["mode"], "step": e["first_step"],
                  "index": e["first_index"], "text": None}
-    return {"first": first, "sites": sites}
+    return {"first": first, "sites": sites,
+            "skipped": [{"tag": t, "why": w} for t, w in index.skipped[:20]]}
 
 
 def _arg(args: Any, key: str) -> str:

@@ -4,7 +4,10 @@ Every answer is bounded whatever the event files hold: a series has at most ``ma
 steps (TensorBoard's own downsampling, which keeps the last step), a depth table at most
 ``limit`` positions from ``offset`` on, and never more than :data:`MAX_CELLS` cells. A file
 that does not hold what the exporter writes (a crafted or damaged one) is read around: a tag or
-a point that cannot be understood is skipped, never a reason for a failed request.
+a point that cannot be understood is skipped, never a reason for a failed request. A tensor
+whose shape claims more values than its file stores is refused before TensorBoard expands it
+(a 100-byte tensor of shape ``[2, 50000000]`` would take gigabytes), so the memory a request
+takes stays in proportion to what the event files hold.
 
 Example:
     >>> check_bound({"max_steps": "50"}, "max_steps", 1000, 5000)
@@ -32,19 +35,25 @@ __all__ = ["BadRequest", "RunIndex", "SiteInfo", "Points", "DepthBlock", "DepthC
 
 #: The most cells (steps x positions) one depth answer may hold.
 MAX_CELLS = 2_000_000
-# A scalar tag of one scan position: {name}[i]/{mode}/{stat} or {name}[i,j]/{mode}/{stat}.
-_INDEXED_TAG = re.compile(r"^(?P<name>[^\[\]]+)\[(?P<index>[0-9]+(?:,[0-9]+)*)\]"
+# A scalar tag of one scan position: {name}[i]/{mode}/{stat} or {name}[i,j]/{mode}/{stat}, with
+# at most 8 indices (as a depth tensor's index rows) of at most 18 digits (an int64).
+_INDEX = r"[0-9]{1,18}(?:,[0-9]{1,18}){0,7}"
+_INDEXED_TAG = re.compile(r"^(?P<name>[^\[\]]+)\[(?P<index>" + _INDEX + r")\]"
                           r"/(?P<mode>[^/\[\]]+)/(?P<stat>[a-z_0-9]+)$")
 # A plain scalar tag {name}/{mode}/{stat}, mode being primal/tangent/cotangent or a composition.
 _MODE = r"(?:primal|tangent|cotangent)(?:\.(?:tangent|cotangent))*"
 _PLAIN_TAG = re.compile(r"^(?P<name>[^\[\]]+)/(?P<mode>" + _MODE + r")/(?P<stat>[a-z_0-9]+)$")
 _MODE_ONLY = re.compile("^" + _MODE + "$")
-# The one number in a path segment that makes a family of repeats: block12/attn, attn_3.
-_NUMBERED = re.compile(r"(?<![0-9])([0-9]+)(?![0-9])")
+# The one number in a path segment that makes a family of repeats: block12/attn, attn_3 (a
+# longer run of digits than an int64 holds is part of a name, not a number).
+_NUMBERED = re.compile(r"(?<![0-9])([0-9]{1,18})(?![0-9])")
 # The mode and statistic of a scalar of sowtel.log (its name is the tag itself).
 LOGGED = "value"
 # Index rows of a depth tensor hold small non-negative integers.
 _MAX_INDEX = 2 ** 31
+# The fields of a TensorProto that store its values one by one (tensor_content aside).
+_VALUE_FIELDS = ("half_val", "float_val", "double_val", "int_val", "string_val", "scomplex_val",
+                 "int64_val", "bool_val", "dcomplex_val", "uint32_val", "uint64_val")
 
 
 class BadRequest(ValueError):
@@ -218,10 +227,7 @@ class RunIndex:
         """Each site's place in the run's custom-scalars layout, which lists its categories
         in program order; empty where the run has none (or one that does not parse)."""
         try:
-            data = self._provider.read_tensors(
-                self._ctx, experiment_id=self._eid, plugin_name="custom_scalars", downsample=1,
-                run_tag_filter=self._filter(runs=[self.run], tags=["custom_scalars__config__"]))
-            points = data.get(self.run, {}).get("custom_scalars__config__", [])
+            points = self.read_tensors("custom_scalars__config__", 1, plugin="custom_scalars")
             if not points:
                 return {}
             from tensorboard.plugins.custom_scalar import layout_pb2
@@ -270,19 +276,99 @@ class RunIndex:
     # -- reading -------------------------------------------------------------------------------
 
     def read_scalars(self, tags: Iterable[str], downsample: int) -> dict[str, list[Any]]:
+        """The points of the run's scalar ``tags`` (those it has); a tag TensorBoard cannot
+        read is left out and listed in :attr:`skipped`."""
         tags = [t for t in tags if t in self.scalar_tags]
         if not tags:
             return {}
+        try:
+            return self._scalars(tags, downsample)
+        except Exception:  # noqa: BLE001 - one unreadable tag: find it, read the others
+            if len(tags) == 1:
+                self.skipped.append((tags[0], "TensorBoard cannot read its points as numbers"))
+                return {}
+        found: dict[str, list[Any]] = {}
+        for tag in tags:
+            found.update(self.read_scalars([tag], downsample))
+        return found
+
+    def _scalars(self, tags: list[str], downsample: int) -> dict[str, list[Any]]:
         data = self._provider.read_scalars(
             self._ctx, experiment_id=self._eid, plugin_name="scalars", downsample=downsample,
             run_tag_filter=self._filter(runs=[self.run], tags=tags))
         return dict(data.get(self.run, {}))
 
     def read_tensors(self, tag: str, downsample: int, plugin: str | None = None) -> list[Any]:
-        data = self._provider.read_tensors(
-            self._ctx, experiment_id=self._eid, plugin_name=plugin or self._plugin,
-            downsample=downsample, run_tag_filter=self._filter(runs=[self.run], tags=[tag]))
-        return list(data.get(self.run, {}).get(tag, []))
+        """The points of tensor ``tag`` (``.step``, ``.numpy``). Each is checked before it is
+        converted (where the provider lets the plugin see it as stored): BadRequest naming the
+        tag, the step and what is wrong, for a tensor that is not what its shape says."""
+        plugin = plugin or self._plugin
+        stored = self._stored_tensors(tag, plugin, downsample)
+        if stored is None:  # a provider that converts out of sight: its own points
+            try:
+                data = self._provider.read_tensors(
+                    self._ctx, experiment_id=self._eid, plugin_name=plugin,
+                    downsample=downsample,
+                    run_tag_filter=self._filter(runs=[self.run], tags=[tag]))
+            except Exception:  # noqa: BLE001 - TensorBoard's own words would be internals
+                raise BadRequest(f"tag {tag!r} of run {self.run!r} holds a tensor TensorBoard "
+                                 "cannot read: the event file is damaged or not one sowtel "
+                                 "writes") from None
+            return list(data.get(self.run, {}).get(tag, []))
+        from tensorboard.data import provider as tb_provider
+        from tensorboard.util import tensor_util
+
+        out = []
+        for step, wall_time, proto in stored:
+            why = tensor_flaw(proto)
+            if why is None:
+                try:
+                    value = tensor_util.make_ndarray(proto)
+                except Exception:  # noqa: BLE001 - said below, in words about the file
+                    why = (f"its stored data does not fill its shape "
+                           f"{[d.size for d in proto.tensor_shape.dim]}")
+            if why is not None:
+                raise BadRequest(f"tag {tag!r} of run {self.run!r} at step {step}: {why}; the "
+                                 "event file is damaged or not one sowtel writes")
+            out.append(tb_provider.TensorDatum(step=step, wall_time=wall_time, numpy=value))
+        return out
+
+    def _stored_tensors(self, tag: str, plugin: str, downsample: int
+                        ) -> list[tuple[int, float, Any]] | None:
+        """``(step, wall_time, TensorProto)`` of a tag's points as TensorBoard stores them,
+        before any conversion; None where its provider is not one of TensorBoard's two (or
+        not as this TensorBoard version has them), which then reads them itself."""
+        from tensorboard.backend.event_processing import data_provider as local
+        from tensorboard.data import grpc_provider
+
+        mux = getattr(self._provider, "_multiplexer", None)
+        if isinstance(self._provider, local.MultiplexerDataProvider) and mux is not None:
+            try:
+                events = mux.Tensors(self.run, tag)
+            except KeyError:
+                return []
+            except Exception:  # noqa: BLE001 - another version's store: its provider reads
+                return None
+            events = [events[i] for i in _evenly(len(events), downsample)]
+            return [(int(e.step), float(e.wall_time), e.tensor_proto) for e in events]
+        stub = getattr(self._provider, "_stub", None)
+        if isinstance(self._provider, grpc_provider.GrpcDataProvider) and stub is not None:
+            from tensorboard.data.proto import data_provider_pb2
+
+            req = data_provider_pb2.ReadTensorsRequest(experiment_id=self._eid)
+            req.plugin_filter.plugin_name = plugin
+            req.run_tag_filter.runs.names[:] = [self.run]
+            req.run_tag_filter.tags.names[:] = [tag]
+            req.downsample.num_points = downsample
+            try:
+                res = stub.ReadTensors(req)
+            except Exception:  # noqa: BLE001 - its provider reads, and says what failed
+                return None
+            return [(int(step), float(wt), value) for run in res.runs if run.run_name == self.run
+                    for entry in run.tags if entry.tag_name == tag
+                    for step, wt, value in zip(entry.data.step, entry.data.wall_time,
+                                               entry.data.value, strict=False)]
+        return None
 
     def depth_arrays(self, info: SiteInfo, mode: str) -> list[DepthBlock]:
         """The well-formed depth tensors of a scanned site and mode, as blocks of steps of one
@@ -300,7 +386,7 @@ class RunIndex:
         last: dict[int, np.ndarray] = {}
         for datum in self.read_tensors(tag, 10**9):
             arr = _table(datum.numpy, rank + len(names))
-            if arr is not None:
+            if arr is not None and arr.shape[1]:  # a step of no columns holds no position
                 last[int(datum.step)] = arr
         shapes: dict[tuple[int, ...], list[int]] = {}
         for step in sorted(last):
@@ -437,6 +523,36 @@ def json_grid(grid: np.ndarray, digits: int | None = None) -> list[Any]:
     return cells
 
 
+def tensor_flaw(proto: Any) -> str | None:
+    """Why a stored TensorProto is not the tensor its shape says, in words about the file; None
+    for one that converts to no more values than it stores. TensorBoard fills a shape from a
+    single stored value, so a shape of millions with one value would take that much memory.
+
+    Example:
+        >>> from tensorboard.compat.proto import tensor_pb2, tensor_shape_pb2
+        >>> shape = tensor_shape_pb2.TensorShapeProto(
+        ...     dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=n) for n in (2, 10**9)])
+        >>> tensor_flaw(tensor_pb2.TensorProto(dtype=1, tensor_shape=shape, float_val=[1.0]))
+        'its shape [2, 1000000000] claims 2,000,000,000 values but it stores 1'
+    """
+    dims = [int(d.size) for d in proto.tensor_shape.dim]
+    if any(d < 0 for d in dims):
+        return f"its shape {dims} has a negative or unknown size"
+    if proto.tensor_content:
+        return None  # read as stored: no more values than bytes
+    size = math.prod(dims)
+    stored = max((len(getattr(proto, f)) for f in _VALUE_FIELDS if hasattr(proto, f)),
+                 default=0)
+    if size > max(stored, 1):
+        return f"its shape {dims} claims {size:,} values but it stores {stored:,}"
+    return None
+
+
+def _evenly(n: int, most: int) -> list[int]:
+    """At most ``most`` of ``range(n)``, evenly spread, the last kept."""
+    return thin(list(range(n)), most) if most else []
+
+
 def index_value(parts: tuple[int, ...]) -> int | list[int]:
     return parts[0] if len(parts) == 1 else list(parts)
 
@@ -503,7 +619,7 @@ def nonfinite_rows(raw: Any) -> list[tuple[str, str, Any, float]]:
     """
     try:
         rows = json.loads(raw.decode() if isinstance(raw, bytes) else str(raw))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: deep nesting
         return []
     out = []
     for row in rows if isinstance(rows, list) else []:
@@ -516,5 +632,9 @@ def nonfinite_rows(raw: Any) -> list[tuple[str, str, Any, float]]:
             index = index[0] if len(index) == 1 else index
         elif not (index is None or (isinstance(index, int) and not isinstance(index, bool))):
             continue
-        out.append((row[0], row[1], index, float(row[3])))
+        try:
+            count = float(row[3])
+        except OverflowError:  # an integer of hundreds of digits
+            continue
+        out.append((row[0], row[1], index, count))
     return out
