@@ -624,6 +624,8 @@ def manual_axes() -> tuple[str, ...]:
 _CLOSED_JAXPR: Any = getattr(core, "ClosedJaxpr", None)
 if _CLOSED_JAXPR is core.Jaxpr:
     _CLOSED_JAXPR = None
+# What carries its own consts: a ClosedJaxpr up to 0.10, any Jaxpr since 0.11.
+_CLOSED: Any = core.Jaxpr if _CLOSED_JAXPR is None else _CLOSED_JAXPR
 
 
 def as_jaxpr(value: Any) -> Any:
@@ -751,7 +753,7 @@ def closed_sub_jaxprs(eqn: Any) -> list[Any]:
     found: list[Any] = []
 
     def walk(value: Any) -> None:
-        if _CLOSED_JAXPR is not None and isinstance(value, _CLOSED_JAXPR):
+        if isinstance(value, _CLOSED):
             found.append(value)
         elif isinstance(value, (tuple, list)):
             for item in value:
@@ -766,9 +768,9 @@ def replace_closed_jaxprs(eqn: Any, replace: Callable[[Any], Any]) -> dict[str, 
     """``eqn``'s parameters with each closed jaxpr of :func:`closed_sub_jaxprs` replaced by
     ``replace(closed)`` (same inputs and outputs), tuples and named tuples rebuilt as they were.
     Checked on JAX 0.10.2 and 0.12 (``custom_linear_solve``: a named tuple of closed jaxprs,
-    some None)."""
+    some None; since 0.11 every jaxpr carries its consts, so every jaxpr is a closed one)."""
     def walk(value: Any) -> Any:
-        if _CLOSED_JAXPR is not None and isinstance(value, _CLOSED_JAXPR):
+        if isinstance(value, _CLOSED):
             return replace(value)
         if isinstance(value, tuple) and hasattr(value, "_fields"):
             return type(value)(*(walk(v) for v in value))

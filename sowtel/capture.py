@@ -458,12 +458,14 @@ def _tap_library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Cap
     evaluated again by the tap pass, so its sites are sown inside it, and run each time the
     primitive and its derivative rules run them (as a sow written there does)."""
     def retapped(closed: Any) -> Any:
+        jaxpr, consts = jc.jaxpr_and_consts(closed)
+
         def body(*args: Any) -> list[Any]:
-            return _eval(closed.jaxpr, list(closed.consts), list(args))[0]
+            return _eval(jaxpr, consts, list(args))[0]
 
         shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                        weak_type=getattr(v.aval, "weak_type", False))
-                  for v in closed.jaxpr.invars]
+                  for v in jaxpr.invars]
         return jax.make_jaxpr(body)(*shapes)
 
     params = eqn.primitive.get_bind_params(jc.replace_closed_jaxprs(eqn, retapped))

@@ -140,7 +140,7 @@ def _unread(eqn: Any) -> list[Any]:
     if kind == "while":
         return [jc.loop_parts(eqn)["cond"][0]]
     if kind is None:  # a library's primitive: all but the functions it holds as closed jaxprs
-        read = {id(c.jaxpr) for c in jc.closed_sub_jaxprs(eqn)}
+        read = {id(jc.as_jaxpr(c)) for c in jc.closed_sub_jaxprs(eqn)}
         return [j for j in jc.sub_jaxprs(eqn) if id(j) not in read]
     return []
 
@@ -155,7 +155,7 @@ def _bodies(eqn: Any) -> list[Any]:
     if kind == "cond":
         return [branch[0] for branch in jc.loop_parts(eqn)["branches"]]
     if kind is None:  # a library's primitive: bound with the closed jaxprs it holds re-tapped
-        return [closed.jaxpr for closed in jc.closed_sub_jaxprs(eqn)]
+        return [jc.as_jaxpr(closed) for closed in jc.closed_sub_jaxprs(eqn)]
     return []
 
 
