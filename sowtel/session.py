@@ -758,6 +758,7 @@ def flush(timeout: float | None = 30.0) -> bool:
         True
     """
     timeout = _check_timeout(timeout, "flush")
+    _exit.keep_sigterm()
     session = active_session()
     return True if session is None else session.flush(timeout)
 
@@ -806,6 +807,7 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise ValueError(f"export step must be an int, got {step!r}")
+    _exit.keep_sigterm()
     session = active_session()
     if session is None:
         raise RuntimeError("sowtel.export needs an active session: call sowtel.enable(...) first")
@@ -854,6 +856,7 @@ def log(scalars: dict[str, Any], *, step: int) -> int:
                 f"sowtel.log: {name!r} is {value!r}, not a number: pass a Python or NumPy "
                 "number or a 0-d array (sow arrays with sowtel.sow)")
         values.append((name, float(number)))
+    _exit.keep_sigterm()
     session = active_session()
     if session is None:
         raise RuntimeError("sowtel.log needs an active session: call sowtel.enable(...) first")
