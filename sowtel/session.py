@@ -214,6 +214,7 @@ class Session:
         self._closed = False
         self._effect_errors = 0
         self.scoped = False  # entered as a context manager
+        self.thread = threading.current_thread()  # the thread that enabled it
         self.guard = guard  # on_nonfinite, health_every, flight recorder (sowtel.nonfinite)
         if guard is not None:
             guard.hurry = self.dispatcher.convert_now
@@ -658,6 +659,10 @@ def enable(
                          exclude=exclude_fn, every=every, export_process=export_process,
                          histogram_every=histogram_every),
                     what="enable")
+    with _lock:
+        other = _other_threads_session()
+    if other is not None:  # before any exporter opens a file
+        raise _second_thread_error(other)
     rules = make_alerts(alerts, on_alert)
     if rules is not None and flight_recorder is None and rules.dumps:
         flight_recorder = 1  # a post-mortem of the step an alert fired at
@@ -674,9 +679,15 @@ def enable(
         histogram_every=histogram_every, alerts=rules,
     )
     with _lock:
-        below = _stack[-1] if _stack else None
-        _stack.append(session)
-        _activate(session)
+        other = _other_threads_session()  # again: another thread may have enabled one since
+        if other is None:
+            below = _stack[-1] if _stack else None
+            _stack.append(session)
+            _activate(session)
+    if other is not None:  # never active: its threads and files go, nothing else changes
+        session._closed = True
+        session.dispatcher.close(5.0)
+        raise _second_thread_error(other)
     try:
         if below is not None and not below.scoped:
             warnings.warn(
@@ -694,6 +705,30 @@ def enable(
         session.close(5.0)
         raise
     return session
+
+
+def _other_threads_session() -> Session | None:
+    """An enabled session of another thread that still runs, or None (lock held).
+
+    Sessions are process-wide: one streams, for every thread. A thread may stack sessions on
+    its own (or on those of a thread that has ended), never on another running thread's, whose
+    records would go to the new one and whose ``disable()`` would close it.
+    """
+    me = threading.current_thread()
+    for other in reversed(_stack):
+        if other.thread is not me and other.thread.is_alive():
+            return other
+    return None
+
+
+def _second_thread_error(other: Session) -> RuntimeError:
+    me = threading.current_thread()
+    return RuntimeError(
+        f"sowtel.enable() in thread {me.name!r}: {other!r}, enabled by thread "
+        f"{other.thread.name!r}, is active. Sessions are process-wide (one streams, for every "
+        "thread and every program), so a second thread cannot enable one of its own beside "
+        "it. Enable one session before starting the threads and let them all stream to it, or "
+        "disable that session first")
 
 
 def _announce(exporters: list[Exporter]) -> None:
