@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import logging
 import math
@@ -87,6 +88,35 @@ def _renew_lock() -> None:
 
 
 _exit.after_fork(_renew_lock)
+
+
+class _HostBlock:
+    """One open :meth:`Session.host_step_block`: its step (compared by identity)."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
+# The innermost host-step block of this thread or asyncio task.
+_BLOCK: contextvars.ContextVar[_HostBlock | None] = contextvars.ContextVar(
+    "sowtel_host_block", default=None)
+_warned_overlap = False
+
+
+def _warn_overlap() -> None:
+    global _warned_overlap
+    if _warned_overlap:
+        return
+    _warned_overlap = True
+    # From a callback's thread: logged, as a warning raised there could only lose a record.
+    logger.warning(
+        "sowtel.at_step: host-side at_step blocks of two asyncio tasks overlap in one thread "
+        "(an await inside the block), and the runtime ran a callback on a thread of its own "
+        "(large programs, GPUs), where it can only read the newest block's step: its records "
+        "may carry the other task's step. Await outside at_step blocks, or stream with "
+        "sowtel.jit, whose steps are exact")
 
 
 class _Compiled(NamedTuple):
@@ -201,7 +231,8 @@ class Session:
         self._views: dict[Any, bool] = {}
         # Host-side at_step blocks that log, one at a time (see host_step_block).
         self._host_lock = threading.RLock()
-        self._host_steps: list[int] = []
+        self._host_steps: list[_HostBlock] = []
+        self._overlaps = 0  # open blocks entered while another task's block was open
         self._late = 0
         self._late_lock = threading.Lock()
         self._forked = False
@@ -243,16 +274,31 @@ class Session:
         arrive), so each reads the step of the call that sent it: one such block at a time,
         across threads. Used by a host-side ``at_step`` at a logging step, and by ``sowtel.jit``
         calls of functions with while-body sites; steps that log nothing never enter it.
+
+        Asyncio tasks share their thread, so the lock cannot keep their blocks apart: a
+        callback the runtime runs inside the call (as the CPU backend does for small programs)
+        reads the block of its own task, from a context variable; one it runs on a thread of
+        its own reads the newest block open: when blocks of two tasks overlap then (an
+        ``await`` inside ``at_step``), that is warned about once.
         """
         self._host_lock.acquire()
-        self._host_steps.append(step)
+        block = _HostBlock(step)
+        overlaps = bool(self._host_steps) and self._host_steps[-1] is not _BLOCK.get()
+        self._host_steps.append(block)
+        token = _BLOCK.set(block)
         try:
+            if overlaps:
+                self._effects_barrier()  # the other task's callbacks in flight keep its step
+                self._overlaps += 1
             yield
         finally:
             try:
                 self._effects_barrier()
             finally:
-                self._host_steps.pop()
+                if overlaps:
+                    self._overlaps -= 1
+                _BLOCK.reset(token)
+                self._host_steps.remove(block)  # its own: the newest may be another task's
                 self._host_lock.release()
 
     def _after_fork(self) -> None:
@@ -293,8 +339,13 @@ class Session:
             if counter is None:
                 counter = self._counters.setdefault(key, itertools.count())
             occurrence = next(counter)  # type: ignore[call-overload]
-            steps = self._host_steps
-            host_step = steps[-1] if steps else None
+            block = _BLOCK.get()  # set when the runtime calls back inside the call
+            if block is None:
+                steps = self._host_steps
+                block = steps[-1] if steps else None
+                if self._overlaps:
+                    _warn_overlap()
+            host_step = None if block is None else block.step
             if site.host_every > 1:
                 if "step" in site.extras:
                     step = int(arrays[len(arrays) - len(site.extras) + site.extras.index("step")])
