@@ -110,6 +110,35 @@ def test_a_session_left_by_a_thread_that_ended_is_process_wide() -> None:
     assert len(inner.exporters[0].records) == 1 and not made[0].exporters[0].records
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_host_steps_are_per_asyncio_task(every: int) -> None:
+    # Two coroutines in one thread, each awaiting inside its at_step block: each record of
+    # the callback transport carries the step of the coroutine whose call sent it.
+    import asyncio
+
+    g = jax.jit(lambda x: sowtel.sow(x * 2.0, "h").sum())
+
+    async def train(offset: int, value: float) -> None:
+        for k in range(20):
+            with sowtel.at_step(offset + k):
+                await asyncio.sleep(0)  # the other coroutine runs here, inside its own block
+                g(jnp.full(3, value)).block_until_ready()
+
+    async def both() -> None:
+        await asyncio.gather(train(0, 1.0), train(1000, -1.0))
+
+    with sowtel.enable(exporter="memory", every=every) as session:
+        g(X)  # compiled before the coroutines run
+        asyncio.run(both())
+        sowtel.flush()
+    records = session.exporters[0].records[1:]
+    assert sorted(r.step for r in records) == sorted(
+        [*range(0, 20, every), *range(1000, 1020, every)])
+    mislabelled = [(r.step, r.stats["mean"]) for r in records
+                   if r.stats["mean"] != (2.0 if r.step < 1000 else -2.0)]
+    assert not mislabelled
+
+
 def test_nested_sessions_resume_the_outer_one() -> None:
     with sowtel.enable(exporter="memory") as outer:
         with sowtel.enable(exporter="memory", summary="health") as inner:
