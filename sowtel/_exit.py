@@ -313,7 +313,11 @@ def flush_all(timeout: float | None = None) -> None:
 def wait_if_ending() -> None:
     """Called by a thread whose records a closed dispatcher refused: while SIGTERM's default
     action ends the process, it waits for the end rather than go on as if they were kept (a
-    training thread would otherwise report steps whose records were never written)."""
+    training thread would otherwise report steps whose records were never written).
+
+    Example:
+        >>> wait_if_ending()  # at once: the process is not ending
+    """
     if _ending.is_set() and threading.current_thread() is not threading.main_thread():
         threading.Event().wait()
 

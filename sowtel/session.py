@@ -4,7 +4,8 @@ A session holds what to stream (tags, modes, name filters, summary, stride), the
 the dispatcher that feeds them. Enabling is process-wide: it sets the global value of a
 jit-cache-keyed context, so every function traced afterwards (in any thread) streams, and a
 function compiled before is recompiled on its next call, and stops streaming after
-``disable()`` the same way.
+``disable()`` the same way. One session streams for every thread: ``enable()`` in a thread
+while a session enabled by another running thread is active raises (see :func:`enable`).
 
 The receiver, called by the host callbacks of running programs, does only this: count the
 occurrence and enqueue the arrays (which the runtime has just copied from the device). Building
@@ -669,6 +670,11 @@ def enable(
       The :class:`Session`; also a context manager that disables it on exit. Enabling while a
       session enabled without ``with`` is active stacks the new one on it (it resumes when the
       new one is disabled) and warns, as re-running a notebook cell would do that unawares.
+
+    Raises:
+      RuntimeError: a session enabled by another thread that still runs is active. Sessions
+        are process-wide: enable one before starting the threads and let them all stream to
+        it (a thread may stack sessions on its own, or on those of a thread that has ended).
 
     Example:
         >>> import sowtel
