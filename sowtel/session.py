@@ -283,14 +283,18 @@ class Session:
         ``await`` inside ``at_step``), that is warned about once.
         """
         self._host_lock.acquire()
-        block = _HostBlock(step)
         overlaps = bool(self._host_steps) and self._host_steps[-1] is not _BLOCK.get()
+        if overlaps:
+            try:  # before this block is the newest: the other task's callbacks keep its step
+                self._effects_barrier()
+            except BaseException:
+                self._host_lock.release()
+                raise
+            self._overlaps += 1
+        block = _HostBlock(step)
         self._host_steps.append(block)
         token = _BLOCK.set(block)
         try:
-            if overlaps:
-                self._effects_barrier()  # the other task's callbacks in flight keep its step
-                self._overlaps += 1
             yield
         finally:
             try:
