@@ -129,6 +129,11 @@ _ending = threading.Event()  # SIGTERM's default action is under way: the proces
 _warned_sigterm = False
 _foreign_since: float | None = None  # when a handler other than sowtel's was first seen
 _warned_foreign = False
+# The signal wake-up pipe (read end, write end) sowtel set, if the program had none, and the
+# thread that forwards to the main thread a SIGTERM another thread took (see _forward).
+_wakeup: tuple[int, int] | None = None
+_forwarder: threading.Thread | None = None
+_received = 0  # calls of sowtel's SIGTERM handler so far
 _fork_hooks: list[Callable[[], None]] = []
 _fork_objects: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -141,6 +146,7 @@ def register(dispatcher: Any) -> None:
         if not _installed:
             _install_exit_hook()
             _installed = True
+        _start_forwarder()
     install_sigterm()
 
 
@@ -210,7 +216,76 @@ def install_sigterm() -> None:
             signal.signal(signal.SIGTERM, _on_sigterm)
         except (ValueError, OSError):
             return
+        if not _replaced:
+            _set_wakeup()
         _replaced.append(current)
+
+
+def _set_wakeup() -> None:
+    """On the main thread: a pipe Python writes the number of each caught signal to, from
+    whatever thread caught it, unless the program set a wake-up fd of its own (asyncio does)."""
+    global _wakeup
+    if not hasattr(signal, "pthread_kill") or not hasattr(signal, "set_wakeup_fd"):
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        old = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if old != -1:  # the program's own: left as it was
+            signal.set_wakeup_fd(old)
+    except (ValueError, OSError):
+        old = 0
+    if old != -1:
+        os.close(read)
+        os.close(write)
+        return
+    _wakeup = (read, write)
+
+
+def _start_forwarder() -> None:
+    global _forwarder
+    if _wakeup is None or _forwarder is not None:
+        return
+    _forwarder = threading.Thread(target=_forward, args=(_wakeup[0],), name="sowtel-signals",
+                                  daemon=True)
+    _forwarder.start()
+
+
+def _forward(read: int) -> None:
+    """Sends the main thread a SIGTERM that another thread took and the main one never saw.
+
+    Python runs handlers on the main thread only, and a signal sent to the process goes to
+    whichever thread is running: a training thread takes it, and a main thread waiting in
+    ``join()`` never wakes to run the handler (the process would neither flush nor end).
+    Python writes each caught signal to the wake-up pipe, from whatever thread caught it; when
+    sowtel's handler has not started within a moment of it, this thread sends SIGTERM to the
+    main thread itself, which wakes it; the handler still runs once (Python runs it once for
+    signals that arrive before it runs).
+    """
+    own = 0  # SIGTERMs this thread sent: their bytes are not new signals
+    while True:
+        before = _received
+        try:
+            data = os.read(read, 512)
+        except OSError:
+            return
+        if not data:
+            return
+        new = data.count(signal.SIGTERM)
+        taken = min(own, new)
+        own -= taken
+        if new == taken:
+            continue
+        deadline = time.monotonic() + 0.2
+        while _received == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if _received != before or signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+            continue  # the main thread took it up (or the handler is not sowtel's to wake)
+        own += 1
+        try:
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
+        except (OSError, ValueError):
+            own -= 1
 
 
 def keep_sigterm() -> None:
@@ -323,7 +398,8 @@ def wait_if_ending() -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    global _calling, _flushing
+    global _calling, _flushing, _received
+    _received += 1
     # Called again from inside the chain (a handler sowtel's replaced calls the one it had
     # replaced, which was sowtel's), this call stands for the handler before that one.
     position = len(_replaced) - 1 - _calling
@@ -378,8 +454,19 @@ def after_fork(target: Any) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _hooks_lock
+    global _hooks_lock, _wakeup, _forwarder
     _hooks_lock = threading.RLock()
+    _forwarder = None
+    if _wakeup is not None:
+        # The pipe is the parent's too: the child's signals must not reach its forwarder.
+        for fd in _wakeup:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _wakeup = None
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
+        if threading.current_thread() is threading.main_thread():
+            _set_wakeup()
     FETCHES._after_fork()
     # Objects first (dispatchers, workers, sessions, exporters): then module-level locks.
     for obj in list(_fork_objects):
