@@ -11,7 +11,9 @@
   default action closes every dispatcher and ends the process by the signal. A handler that
   chains to sowtel's from inside it gets the one sowtel's replaced before it, never itself
   again. While the process ends that way, a thread that offers records after the close waits
-  for the end instead of carrying on, so no call that returned lost its records.
+  for the end instead of carrying on, so no call that returned lost its records. A SIGTERM
+  that another thread took while the main thread waits (in ``join()``, say) is sent on to the
+  main thread, which Python alone runs handlers on (see :func:`_forward`).
 - A dispatcher thread fetching a ``sowtel.jit`` step's summaries from the device is inside
   JAX's C++ code with the GIL released; a thread that comes back from there while Python is
   finalizing is torn down inside C++ and aborts the process. :data:`FETCHES` therefore closes
