@@ -395,7 +395,7 @@ def test_enable_warns_once_when_no_sigterm_handler_could_be_installed():
 # -- SIGTERM and the user's own handling of it ------------------------------------------------
 
 def _run_child(code: str, *args: str, signal_after: str | None = None, stdin: str | None = None,
-               cwd: Path) -> tuple[int, str, str]:
+               cwd: Path, timeout: float = 90) -> tuple[int, str, str]:
     """Runs ``code`` in a fresh interpreter; once it prints ``signal_after``, sends SIGTERM
     (then ``stdin``, if given). Returns the exit status, stdout and stderr."""
     child = subprocess.Popen(
@@ -414,7 +414,7 @@ def _run_child(code: str, *args: str, signal_after: str | None = None, stdin: st
             if stdin is not None:
                 child.stdin.write(stdin)
                 child.stdin.flush()
-        out, err = child.communicate(timeout=90)
+        out, err = child.communicate(timeout=timeout)
     finally:
         if child.poll() is None:
             child.kill()
@@ -533,6 +533,38 @@ def test_sigterm_with_the_session_in_a_thread_keeps_every_step_that_returned(tmp
     assert reported >= 21
     missing = {s: per_step.get(s, 0) for s in range(reported) if per_step.get(s, 0) != 128}
     assert not missing, (reported, missing)
+
+
+_CHILD_SIGNAL_IN_THREAD = """
+import signal, sys, threading, time
+import sowtel
+
+logdir = sys.argv[1]
+
+def train():
+    sowtel.enable(exporter="jsonl", logdir=logdir)
+    for i in range(100):
+        sowtel.log({"loss": float(i)}, step=i)
+    # Taken by this thread, as a running training thread takes a SIGTERM sent to the process;
+    # the main thread waits in join(), where nothing wakes it to run the handler.
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    time.sleep(60)
+
+worker = threading.Thread(target=train, daemon=True)
+worker.start()
+worker.join()
+"""
+
+
+def test_a_sigterm_another_thread_took_reaches_the_main_thread_waiting_in_join(tmp_path):
+    try:
+        rc, _, err = _run_child(_CHILD_SIGNAL_IN_THREAD, str(tmp_path), cwd=tmp_path,
+                                timeout=40)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the handler never ran: the main thread stayed in join()")
+    assert rc == -signal.SIGTERM, err[-2000:]
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["step"] for line in lines) == list(range(100))
 
 
 _CHILD_HANDLER_AFTER_ENABLE = """
