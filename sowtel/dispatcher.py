@@ -282,7 +282,10 @@ class Dispatcher:
                 if before < self._wake_at <= queued:
                     self._wake_cond.notify()
                 return True
-        return self._put_full(item, nbytes, records)
+        accepted = self._put_full(item, nbytes, records)
+        if not accepted and self._closed and threading.get_ident() not in self._own_threads:
+            _exit.wait_if_ending()  # SIGTERM is ending the process: never return as if kept
+        return accepted
 
     def _waiting(self) -> int:
         """Records waiting in the queue; under "block" also in the largest backlog, so that
@@ -414,6 +417,7 @@ class Dispatcher:
                     self._space_cond.notify_all()
             for worker in self._workers:
                 worker.stalled()  # gives up on a hung exporter even when nobody waits for it
+            _exit.watch_sigterm()
             if items:
                 try:
                     self._dispatch(items)

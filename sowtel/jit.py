@@ -287,6 +287,7 @@ class Jitted:
         from sowtel.session import active_session
 
         session = active_session()
+        _exit.keep_sigterm()  # a SIGTERM handler set since enable() must not skip the flush
         if session is None:
             with CONTEXT(dataclasses.replace(ctx, quiet=True)):
                 return self._plain(*args, **kwargs)

@@ -35,6 +35,7 @@ import functools
 import itertools
 import math
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -346,12 +347,31 @@ def _host_step(step: int) -> Iterator[None]:
         if ctx is None or ctx.stream is None or policy is None:
             yield
             return
+        if _in_asyncio_task():
+            # Tasks share their thread, and JAX's jit context is per thread: a quiet step's
+            # switch held across an await would reach the other tasks' calls (a logging step
+            # run quiet loses its records). So in a task every step runs the instrumented
+            # program, in a block the callbacks read their step from, and the host drops the
+            # records of steps that do not log.
+            with policy.host_step_block(step):
+                yield
+            return
         logs = policy.logs_at(step)
         with (policy.host_step_block(step) if logs else contextlib.nullcontext()), \
                 CONTEXT(dataclasses.replace(ctx, quiet=not logs)):
             yield
     finally:
         HOST_STEP.reset(token)
+
+
+def _in_asyncio_task() -> bool:
+    asyncio = sys.modules.get("asyncio")  # never imported: no task can be running
+    if asyncio is None:
+        return False
+    try:
+        return asyncio.current_task() is not None
+    except RuntimeError:  # no running event loop in this thread
+        return False
 
 
 def _current_step() -> Any | None:

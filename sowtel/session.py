@@ -4,7 +4,8 @@ A session holds what to stream (tags, modes, name filters, summary, stride), the
 the dispatcher that feeds them. Enabling is process-wide: it sets the global value of a
 jit-cache-keyed context, so every function traced afterwards (in any thread) streams, and a
 function compiled before is recompiled on its next call, and stops streaming after
-``disable()`` the same way.
+``disable()`` the same way. One session streams for every thread: ``enable()`` in a thread
+while a session enabled by another running thread is active raises (see :func:`enable`).
 
 The receiver, called by the host callbacks of running programs, does only this: count the
 occurrence and enqueue the arrays (which the runtime has just copied from the device). Building
@@ -26,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import logging
 import math
@@ -87,6 +89,35 @@ def _renew_lock() -> None:
 
 
 _exit.after_fork(_renew_lock)
+
+
+class _HostBlock:
+    """One open :meth:`Session.host_step_block`: its step (compared by identity)."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
+# The innermost host-step block of this thread or asyncio task.
+_BLOCK: contextvars.ContextVar[_HostBlock | None] = contextvars.ContextVar(
+    "sowtel_host_block", default=None)
+_warned_overlap = False
+
+
+def _warn_overlap() -> None:
+    global _warned_overlap
+    if _warned_overlap:
+        return
+    _warned_overlap = True
+    # From a callback's thread: logged, as a warning raised there could only lose a record.
+    logger.warning(
+        "sowtel.at_step: host-side at_step blocks of two asyncio tasks overlap in one thread "
+        "(an await inside the block), and the runtime ran a callback on a thread of its own "
+        "(large programs, GPUs), where it can only read the newest block's step: its records "
+        "may carry the other task's step. Await outside at_step blocks, or stream with "
+        "sowtel.jit, whose steps are exact")
 
 
 class _Compiled(NamedTuple):
@@ -201,7 +232,8 @@ class Session:
         self._views: dict[Any, bool] = {}
         # Host-side at_step blocks that log, one at a time (see host_step_block).
         self._host_lock = threading.RLock()
-        self._host_steps: list[int] = []
+        self._host_steps: list[_HostBlock] = []
+        self._overlaps = 0  # open blocks entered while another task's block was open
         self._late = 0
         self._late_lock = threading.Lock()
         self._forked = False
@@ -214,6 +246,7 @@ class Session:
         self._closed = False
         self._effect_errors = 0
         self.scoped = False  # entered as a context manager
+        self.thread = threading.current_thread()  # the thread that enabled it
         self.guard = guard  # on_nonfinite, health_every, flight recorder (sowtel.nonfinite)
         if guard is not None:
             guard.hurry = self.dispatcher.convert_now
@@ -242,16 +275,35 @@ class Session:
         arrive), so each reads the step of the call that sent it: one such block at a time,
         across threads. Used by a host-side ``at_step`` at a logging step, and by ``sowtel.jit``
         calls of functions with while-body sites; steps that log nothing never enter it.
+
+        Asyncio tasks share their thread, so the lock cannot keep their blocks apart: a
+        callback the runtime runs inside the call (as the CPU backend does for small programs)
+        reads the block of its own task, from a context variable; one it runs on a thread of
+        its own reads the newest block open: when blocks of two tasks overlap then (an
+        ``await`` inside ``at_step``), that is warned about once.
         """
         self._host_lock.acquire()
-        self._host_steps.append(step)
+        overlaps = bool(self._host_steps) and self._host_steps[-1] is not _BLOCK.get()
+        if overlaps:
+            try:  # before this block is the newest: the other task's callbacks keep its step
+                self._effects_barrier()
+            except BaseException:
+                self._host_lock.release()
+                raise
+            self._overlaps += 1
+        block = _HostBlock(step)
+        self._host_steps.append(block)
+        token = _BLOCK.set(block)
         try:
             yield
         finally:
             try:
                 self._effects_barrier()
             finally:
-                self._host_steps.pop()
+                if overlaps:
+                    self._overlaps -= 1
+                _BLOCK.reset(token)
+                self._host_steps.remove(block)  # its own: the newest may be another task's
                 self._host_lock.release()
 
     def _after_fork(self) -> None:
@@ -292,8 +344,13 @@ class Session:
             if counter is None:
                 counter = self._counters.setdefault(key, itertools.count())
             occurrence = next(counter)  # type: ignore[call-overload]
-            steps = self._host_steps
-            host_step = steps[-1] if steps else None
+            block = _BLOCK.get()  # set when the runtime calls back inside the call
+            if block is None:
+                steps = self._host_steps
+                block = steps[-1] if steps else None
+                if self._overlaps:
+                    _warn_overlap()
+            host_step = None if block is None else block.step
             if site.host_every > 1:
                 if "step" in site.extras:
                     step = int(arrays[len(arrays) - len(site.extras) + site.extras.index("step")])
@@ -618,6 +675,11 @@ def enable(
       session enabled without ``with`` is active stacks the new one on it (it resumes when the
       new one is disabled) and warns, as re-running a notebook cell would do that unawares.
 
+    Raises:
+      RuntimeError: a session enabled by another thread that still runs is active. Sessions
+        are process-wide: enable one before starting the threads and let them all stream to
+        it (a thread may stack sessions on its own, or on those of a thread that has ended).
+
     Example:
         >>> import sowtel
         >>> session = sowtel.enable(exporter="memory", summary="health")
@@ -658,6 +720,10 @@ def enable(
                          exclude=exclude_fn, every=every, export_process=export_process,
                          histogram_every=histogram_every),
                     what="enable")
+    with _lock:
+        other = _other_threads_session()
+    if other is not None:  # before any exporter opens a file
+        raise _second_thread_error(other)
     rules = make_alerts(alerts, on_alert)
     if rules is not None and flight_recorder is None and rules.dumps:
         flight_recorder = 1  # a post-mortem of the step an alert fired at
@@ -674,9 +740,15 @@ def enable(
         histogram_every=histogram_every, alerts=rules,
     )
     with _lock:
-        below = _stack[-1] if _stack else None
-        _stack.append(session)
-        _activate(session)
+        other = _other_threads_session()  # again: another thread may have enabled one since
+        if other is None:
+            below = _stack[-1] if _stack else None
+            _stack.append(session)
+            _activate(session)
+    if other is not None:  # never active: its threads and files go, nothing else changes
+        session._closed = True
+        session.dispatcher.close(5.0)
+        raise _second_thread_error(other)
     try:
         if below is not None and not below.scoped:
             warnings.warn(
@@ -694,6 +766,30 @@ def enable(
         session.close(5.0)
         raise
     return session
+
+
+def _other_threads_session() -> Session | None:
+    """An enabled session of another thread that still runs, or None (lock held).
+
+    Sessions are process-wide: one streams, for every thread. A thread may stack sessions on
+    its own (or on those of a thread that has ended), never on another running thread's, whose
+    records would go to the new one and whose ``disable()`` would close it.
+    """
+    me = threading.current_thread()
+    for other in reversed(_stack):
+        if other.thread is not me and other.thread.is_alive():
+            return other
+    return None
+
+
+def _second_thread_error(other: Session) -> RuntimeError:
+    me = threading.current_thread()
+    return RuntimeError(
+        f"sowtel.enable() in thread {me.name!r}: {other!r}, enabled by thread "
+        f"{other.thread.name!r}, is active. Sessions are process-wide (one streams, for every "
+        "thread and every program), so a second thread cannot enable one of its own beside "
+        "it. Enable one session before starting the threads and let them all stream to it, or "
+        "disable that session first")
 
 
 def _announce(exporters: list[Exporter]) -> None:
@@ -758,6 +854,7 @@ def flush(timeout: float | None = 30.0) -> bool:
         True
     """
     timeout = _check_timeout(timeout, "flush")
+    _exit.keep_sigterm()
     session = active_session()
     return True if session is None else session.flush(timeout)
 
@@ -806,6 +903,7 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise ValueError(f"export step must be an int, got {step!r}")
+    _exit.keep_sigterm()
     session = active_session()
     if session is None:
         raise RuntimeError("sowtel.export needs an active session: call sowtel.enable(...) first")
@@ -854,6 +952,7 @@ def log(scalars: dict[str, Any], *, step: int) -> int:
                 f"sowtel.log: {name!r} is {value!r}, not a number: pass a Python or NumPy "
                 "number or a 0-d array (sow arrays with sowtel.sow)")
         values.append((name, float(number)))
+    _exit.keep_sigterm()
     session = active_session()
     if session is None:
         raise RuntimeError("sowtel.log needs an active session: call sowtel.enable(...) first")

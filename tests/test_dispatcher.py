@@ -470,11 +470,15 @@ if mode == "exit":
     sys.exit(0)
 print("ready", flush=True)
 if mode == "ignored":
+    # The handler flushes (nothing else would within 60 s) and leaves the dispatcher open.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         time.sleep(0.05)
-        if d.status()["closed"]:
+        if sum(d.status()["exported"].values()) == n:
             print("still alive after SIGTERM", flush=True)
+            if d.put(n):
+                print("still streaming", flush=True)
+            d.close()
             sys.exit(0)
     sys.exit(5)
 # Short sleeps: a signal that lands between the last check for pending signals and the start
@@ -523,12 +527,12 @@ def test_sigterm_chains_the_previous_handler(tmp_path):
     assert _steps_in(tmp_path) == list(range(n))
 
 
-def test_sigterm_that_was_ignored_stays_ignored_after_flushing(tmp_path):
+def test_sigterm_that_was_ignored_stays_ignored_after_flushing_and_keeps_streaming(tmp_path):
     n = 1_000
     rc, output = _run_child(tmp_path, n, "ignored", send_sigterm=True)
     assert rc == 0, output
-    assert "still alive after SIGTERM" in output
-    assert _steps_in(tmp_path) == list(range(n))
+    assert "still alive after SIGTERM" in output and "still streaming" in output
+    assert _steps_in(tmp_path) == list(range(n + 1))
 
 
 def test_interpreter_exit_flushes_every_record(tmp_path):

@@ -392,6 +392,247 @@ def test_enable_warns_once_when_no_sigterm_handler_could_be_installed():
     assert "main thread" in done.stderr
 
 
+# -- SIGTERM and the user's own handling of it ------------------------------------------------
+
+def _run_child(code: str, *args: str, signal_after: str | None = None, stdin: str | None = None,
+               cwd: Path, timeout: float = 90) -> tuple[int, str, str]:
+    """Runs ``code`` in a fresh interpreter; once it prints ``signal_after``, sends SIGTERM
+    (then ``stdin``, if given). Returns the exit status, stdout and stderr."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    lines: list[str] = []
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        if signal_after is not None:
+            for line in child.stdout:
+                lines.append(line)
+                if line.strip() == signal_after:
+                    child.send_signal(signal.SIGTERM)
+                    break
+            if stdin is not None:
+                child.stdin.write(stdin)
+                child.stdin.flush()
+        out, err = child.communicate(timeout=timeout)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return child.returncode, "".join(lines) + out, err
+
+
+_CHILD_GRACEFUL = """
+import json, signal, sys, threading
+import sowtel
+
+how, logdir = sys.argv[1], sys.argv[2]
+stop = threading.Event()
+if how == "handler":  # finish the epoch, then exit
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sowtel.enable(exporter="jsonl", logdir=logdir)
+for i in range(300):
+    sowtel.log({"loss": float(i)}, step=i)
+print("ready", flush=True)
+sys.stdin.readline()  # sent after SIGTERM
+if how == "handler":
+    assert stop.wait(60), "the handler did not run"
+enabled = sowtel.status()["enabled"]
+for i in range(300, 600):
+    sowtel.log({"loss": float(i)}, step=i)
+final = sowtel.disable()
+print(json.dumps({"enabled": enabled, "dropped": final["dropped"]}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["handler", "ignored"])
+def test_sigterm_handled_by_the_user_keeps_the_session_streaming(tmp_path, how):
+    rc, out, err = _run_child(_CHILD_GRACEFUL, how, str(tmp_path), signal_after="ready",
+                              stdin="go\n", cwd=tmp_path)
+    assert rc == 0, err
+    result = json.loads(out.splitlines()[-1])
+    assert result == {"enabled": True, "dropped": 0}, err
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["step"] for line in lines) == list(range(600)), err
+
+
+_CHILD_CHAINING = """
+import os, signal, sys, time
+import sowtel
+
+logdir = sys.argv[1]
+previous = signal.getsignal(signal.SIGTERM)  # sowtel's, as it was imported first
+
+def checkpoint(signum, frame):
+    with open(os.path.join(logdir, "checkpoint"), "a") as f:
+        f.write("saved\\n")
+    previous(signum, frame)
+
+signal.signal(signal.SIGTERM, checkpoint)
+sowtel.enable(exporter="jsonl", logdir=logdir)
+for i in range(300):
+    sowtel.log({"loss": float(i)}, step=i)
+print("ready", flush=True)
+for _ in range(1200):
+    time.sleep(0.05)
+sys.exit(4)
+"""
+
+
+def test_a_chaining_handler_completes_and_every_record_is_written(tmp_path):
+    rc, _, err = _run_child(_CHILD_CHAINING, str(tmp_path), signal_after="ready", cwd=tmp_path)
+    assert rc == -signal.SIGTERM, err[-2000:]
+    assert (tmp_path / "checkpoint").read_text() == "saved\n"  # once: no recursion
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["step"] for line in lines) == list(range(300))
+
+
+_CHILD_JIT_IN_THREAD = """
+import sys, threading
+import jax, jax.numpy as jnp
+import sowtel
+
+logdir = sys.argv[1]
+
+def step(x):
+    def body(c, _):
+        for k in range(8):
+            c = jnp.tanh(c) + 0.01 * k
+            sowtel.sow(c, f"s{k}")
+        return c, None
+    return jax.lax.scan(body, x, None, length=16)[0]
+
+f = sowtel.jit(step)
+
+def train():
+    sowtel.enable(exporter="jsonl", logdir=logdir, on_full="block")
+    x = jnp.linspace(-1.0, 1.0, 256)
+    i = 0
+    while True:
+        x = f(x)
+        print(f"step {i}", flush=True)  # its records were accepted by now
+        i += 1
+
+worker = threading.Thread(target=train, daemon=True)
+worker.start()
+worker.join()
+"""
+
+
+def test_sigterm_with_the_session_in_a_thread_keeps_every_step_that_returned(tmp_path):
+    rc, out, err = _run_child(_CHILD_JIT_IN_THREAD, str(tmp_path), signal_after="step 20",
+                              cwd=tmp_path)
+    assert rc == -signal.SIGTERM, err[-2000:]
+    reported = sum(1 for line in out.splitlines() if line.startswith("step "))
+    per_step: dict[int, int] = {}
+    for line in (tmp_path / "records.jsonl").read_text().splitlines():
+        step = json.loads(line)["step"]
+        per_step[step] = per_step.get(step, 0) + 1
+    assert reported >= 21
+    missing = {s: per_step.get(s, 0) for s in range(reported) if per_step.get(s, 0) != 128}
+    assert not missing, (reported, missing)
+
+
+_CHILD_SIGNAL_IN_THREAD = """
+import signal, sys, threading, time
+import sowtel
+
+logdir = sys.argv[1]
+
+def train():
+    sowtel.enable(exporter="jsonl", logdir=logdir)
+    for i in range(100):
+        sowtel.log({"loss": float(i)}, step=i)
+    # Taken by this thread, as a running training thread takes a SIGTERM sent to the process;
+    # the main thread waits in join(), where nothing wakes it to run the handler.
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    time.sleep(60)
+
+worker = threading.Thread(target=train, daemon=True)
+worker.start()
+worker.join()
+"""
+
+
+def test_a_sigterm_another_thread_took_reaches_the_main_thread_waiting_in_join(tmp_path):
+    try:
+        rc, _, err = _run_child(_CHILD_SIGNAL_IN_THREAD, str(tmp_path), cwd=tmp_path,
+                                timeout=40)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the handler never ran: the main thread stayed in join()")
+    assert rc == -signal.SIGTERM, err[-2000:]
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["step"] for line in lines) == list(range(100))
+
+
+_CHILD_HANDLER_AFTER_ENABLE = """
+import os, signal, sys, time
+import sowtel
+
+logdir = sys.argv[1]
+
+class Slow:
+    # Half a second a write: records queued at the signal are not written by then.
+    def write(self, records):
+        time.sleep(0.5)
+        with open(os.path.join(logdir, "steps.txt"), "a") as f:
+            f.writelines(f"{r.step}\\n" for r in records)
+    def flush(self):
+        pass
+    def close(self):
+        pass
+
+def cleanup(signum, frame):  # tidy up, then die of SIGTERM: it skips sowtel's flush
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+sowtel.enable(exporter=Slow())
+signal.signal(signal.SIGTERM, cleanup)
+for i in range(300):
+    sowtel.log({"loss": float(i)}, step=i)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+sys.exit(4)
+"""
+
+
+def test_a_handler_set_after_enable_on_the_main_thread_still_gets_the_flush(tmp_path):
+    rc, _, err = _run_child(_CHILD_HANDLER_AFTER_ENABLE, str(tmp_path), cwd=tmp_path)
+    assert rc == -signal.SIGTERM, err[-2000:]
+    steps = (tmp_path / "steps.txt").read_text().split() if (tmp_path / "steps.txt").exists() \
+        else []
+    assert sorted(map(int, steps)) == list(range(300))
+
+
+_CHILD_HANDLER_UNSEEN = """
+import signal, sys, threading, time, warnings
+import sowtel
+
+seen = threading.Event()
+shown = warnings.showwarning
+
+def show(message, category, *args, **kwargs):
+    if "SIGTERM" in str(message):
+        seen.set()
+    shown(message, category, *args, **kwargs)
+
+warnings.showwarning = show
+with sowtel.enable(exporter="memory"):
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    # No sowtel call on the main thread from here on, so nothing can put sowtel's back.
+    print("warned" if seen.wait(30) else "silent", flush=True)
+"""
+
+
+def test_a_handler_that_replaces_sowtels_for_good_is_warned_about():
+    rc, out, err = _run_child(_CHILD_HANDLER_UNSEEN, cwd=Path.cwd())
+    assert rc == 0, err[-2000:]
+    assert out.strip() == "warned", err[-2000:]
+    assert err.count("replaced sowtel's") == 1, err
+
+
 # -- load ----------------------------------------------------------------------------------------
 
 def _rss() -> int:

@@ -53,6 +53,92 @@ def test_enable_is_process_wide_across_threads() -> None:
     assert len(session.exporters[0].records) == 1
 
 
+def test_a_second_thread_cannot_enable_beside_another_threads_session() -> None:
+    # Sessions are process-wide: thread B enabling its own would take A's records and A's
+    # disable() would close B's. B gets a clear error instead, and A's session is untouched.
+    a_enabled, b_done = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def thread_a() -> None:
+        with sowtel.enable(exporter="memory") as session:
+            a_enabled.set()
+            assert b_done.wait(60)
+            for _ in range(3):
+                f(X)
+            sowtel.flush()
+            outcome["a"] = (len(session.exporters[0].records), sowtel.status()["enabled"])
+
+    def thread_b() -> None:
+        assert a_enabled.wait(60)
+        try:
+            with sowtel.enable(exporter="memory"):
+                f(X)
+        except RuntimeError as e:
+            outcome["b"] = str(e)
+        b_done.set()
+
+    threads = [threading.Thread(target=thread_a, name="trainer-a"),
+               threading.Thread(target=thread_b, name="trainer-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert outcome["a"] == (3, True)
+    message = outcome["b"]
+    assert isinstance(message, str)
+    assert "'trainer-b'" in message and "'trainer-a'" in message and "process-wide" in message
+    assert not sowtel.status()["enabled"]
+    with sowtel.enable(exporter="memory") as later:  # once A's is gone, any thread may enable
+        f(X)
+        sowtel.flush()
+    assert len(later.exporters[0].records) == 1
+
+
+def test_a_session_left_by_a_thread_that_ended_is_process_wide() -> None:
+    made: list[sowtel.Session] = []
+    worker = threading.Thread(target=lambda: made.append(sowtel.enable(exporter="memory")))
+    worker.start()
+    worker.join()
+    try:
+        with pytest.warns(RuntimeWarning, match="stacks on it"), \
+                sowtel.enable(exporter="memory") as inner:  # as on one's own, not an error
+            f(X)
+            sowtel.flush()
+        assert sowtel.status()["session"] == made[0].id
+    finally:
+        sowtel.disable()
+    assert len(inner.exporters[0].records) == 1 and not made[0].exporters[0].records
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_host_steps_are_per_asyncio_task(every: int) -> None:
+    # Two coroutines in one thread, each awaiting inside its at_step block: each record of
+    # the callback transport carries the step of the coroutine whose call sent it.
+    import asyncio
+
+    g = jax.jit(lambda x: sowtel.sow(x * 2.0, "h").sum())
+
+    async def train(offset: int, value: float) -> None:
+        for k in range(20):
+            with sowtel.at_step(offset + k):
+                await asyncio.sleep(0)  # the other coroutine runs here, inside its own block
+                g(jnp.full(3, value)).block_until_ready()
+
+    async def both() -> None:
+        await asyncio.gather(train(0, 1.0), train(1000, -1.0))
+
+    with sowtel.enable(exporter="memory", every=every) as session:
+        g(X)  # compiled before the coroutines run
+        asyncio.run(both())
+        sowtel.flush()
+    records = session.exporters[0].records[1:]
+    assert sorted(r.step for r in records) == sorted(
+        [*range(0, 20, every), *range(1000, 1020, every)])
+    mislabelled = [(r.step, r.stats["mean"]) for r in records
+                   if r.stats["mean"] != (2.0 if r.step < 1000 else -2.0)]
+    assert not mislabelled
+
+
 def test_nested_sessions_resume_the_outer_one() -> None:
     with sowtel.enable(exporter="memory") as outer:
         with sowtel.enable(exporter="memory", summary="health") as inner:
