@@ -581,6 +581,8 @@ def enable(
       include, exclude: glob patterns (or a list, or a callable on the name) on site names.
       every: stream only steps divisible by ``every`` (a site's own ``every=`` wins).
       queue_size: records waiting for the exporters at most; beyond it ``on_full`` decides.
+        What waits for any one exporter, its backlog included, stays within ``queue_size``
+        plus one step and one batch (docs/exporters.md, *What queue_size bounds*).
       on_full: ``"drop"`` (count and drop) or ``"block"`` (back-pressure; nothing is lost).
       max_bytes: bytes of full values waiting at most.
       export_process: under ``jax.distributed``, the process that exports the records of sites
