@@ -157,7 +157,7 @@ class Dispatcher:
         flush_interval: float = 0.5,
         exporter_timeout: float = 10.0,
     ) -> None:
-        from sowtel.exporters import check_exporter
+        from sowtel.exporters import check_distinct, check_exporter
 
         if not isinstance(exporters, (list, tuple)):
             raise TypeError(
@@ -165,6 +165,7 @@ class Dispatcher:
                 "(objects with write/flush/close); wrap a single one in a list"
             )
         exporters = [check_exporter(e) for e in exporters]
+        check_distinct(exporters)
         if not callable(convert):
             raise TypeError(f"convert={convert!r} must be callable: list of items -> records")
         _check_count(queue_size, "queue_size")
