@@ -106,7 +106,7 @@ def check_distinct(exporters: Sequence[Any]) -> None:
         >>> check_distinct([memory, MemoryExporter()])
         >>> check_distinct([memory, memory])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: exporter 'memory' (<...MemoryExporter object at ...>) is given twice, at positions 0 and 1 ...
+        ValueError: exporter 'memory' (<...MemoryExporter object at ...>) is given twice, ...
     """
     seen: dict[int, int] = {}
     for i, exporter in enumerate(exporters):

@@ -190,9 +190,9 @@ class FrozenStats(dict):  # type: ignore[type-arg]
         >>> stats = FrozenStats(mean=1.0)
         >>> stats["mean"], {**stats, "max": 2.0}
         (1.0, {'mean': 1.0, 'max': 2.0})
-        >>> stats["mean"] = 0.0
+        >>> stats["mean"] = 0.0  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        TypeError: a record's stats are shared by every exporter and read-only: copy them to change them ({**record.stats, ...})
+        TypeError: a record's stats are shared by every exporter and read-only: copy them ...
     """
 
     __slots__ = ()
