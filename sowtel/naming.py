@@ -101,6 +101,9 @@ def check_name(name: Any, what: str = "sow name") -> str:
     return name
 
 
+_KEY_ENTRIES = tuple(getattr(jax.tree_util, k) for k in
+                     ("DictKey", "SequenceKey", "GetAttrKey", "FlattenedIndexKey")
+                     if hasattr(jax.tree_util, k))
 _SEGMENT_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.")
 
 
@@ -120,7 +123,8 @@ def leaf_segment(key: Any) -> str:
         >>> [leaf_segment(k) for k in ("w", 0, "a/b", "k[0]", "a b", "..", "%")]
         ['w', '0', 'a%2Fb', 'k%5B0%5D', 'a%20b', '%2E%2E', '%25']
     """
-    key = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
+    if isinstance(key, _KEY_ENTRIES):  # a path entry of jax's: the key it stands for
+        key = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
     text = key if isinstance(key, str) else str(key)
     if not text:
         return "%"
