@@ -256,9 +256,10 @@ class ExporterWorker:
         returns the bytes let go of (the caller releases them).
 
         Under ``on_full="drop"`` the dispatcher calls it when the queue takes an item that would
-        make the queue and this backlog together hold more than ``queue_size`` records: the
-        exporter that falls behind loses its oldest steps (``"backlog_full"``), and neither the
-        queue nor the other exporters lose anything for it.
+        make the queue and this backlog together hold more than ``queue_size`` records plus
+        that item and one batch: the exporter that falls behind loses its oldest steps
+        (``"backlog_full"``), and neither the queue nor the other exporters lose anything for
+        it.
         """
         n = nbytes = 0
         with self._cond:

@@ -255,9 +255,8 @@ class Dispatcher:
         ``max_bytes`` bytes of full values are held anywhere in the dispatcher; an item is taken
         while fewer wait, so at most ``queue_size`` records plus one item wait. Under
         ``"drop"``, taking it may make a lagging exporter's backlog shed its oldest items. When
-        full, ``on_full="drop"`` counts the item's records as dropped
-        and returns False at once, ``"block"`` waits for room. After :meth:`close`, returns
-        False.
+        full, ``on_full="drop"`` counts the item's records as dropped and returns False at
+        once, ``"block"`` waits for room. After :meth:`close`, returns False.
 
         Example:
             >>> d = Dispatcher([], convert=lambda items: [])
@@ -338,7 +337,8 @@ class Dispatcher:
                 self._live_bytes += nbytes
                 self._accepted += records
                 self._shed(records)
-                if self._queued >= self._wake_at:
+                if self._queued >= self._wake_at or (
+                        nbytes and self._live_bytes * 4 >= self._max_bytes):
                     self._wake_cond.notify()
                 return True
             if self._block and threading.get_ident() not in self._own_threads:
