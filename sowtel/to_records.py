@@ -124,8 +124,9 @@ class SiteColumns:
         self.process_index = process_index
         self.order = order
         self.scans = scans
-        self.index = index
-        self.seqs = seqs
+        # Tuples, like the arrays below read-only: every exporter reads the same table.
+        self.index = index if isinstance(index, tuple) else tuple(index)
+        self.seqs = seqs if isinstance(seqs, tuple) else tuple(seqs)
         self.stat_keys = stat_keys
         # Every exporter is given the same table and the same records made of it: nothing in
         # them may be written to (Record.stats is a FrozenStats).
@@ -134,7 +135,7 @@ class SiteColumns:
         self.counts = None if counts is None else _frozen(counts)
         if values is not None:
             # Views: a value the caller handed in (sowtel.export) stays writeable for them.
-            values = [[read_only(v) for v in row] for row in values]
+            values = tuple(tuple(read_only(v) for v in row) for row in values)
         self.values = values
         if any_nonfinite is None:
             cols = _NONFINITE.get(summary)

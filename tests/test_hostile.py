@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -569,12 +570,12 @@ class _Vandal:
 
     def write(self, records) -> None:
         for r in records:
-            self._try(lambda r=r: r.stats.__setitem__("mean", -1e9))
+            self._try(lambda r=r: operator.setitem(r.stats, "mean", -1e9))
             self._try(lambda r=r: r.stats.update(max=-1e9))
             if r.value is not None:
-                self._try(lambda r=r: r.value.__setitem__(..., -1e9))
+                self._try(lambda r=r: operator.setitem(r.value, ..., -1e9))
             if r.histogram is not None:
-                self._try(lambda r=r: r.histogram[1].__setitem__(..., 0))
+                self._try(lambda r=r: operator.setitem(r.histogram[1], ..., 0))
 
     def flush(self) -> None:
         pass
@@ -588,9 +589,10 @@ class _BatchVandal(_Vandal):
 
     def write_batch(self, batch) -> None:
         for columns in batch.columns():
-            self._try(lambda c=columns: c.stats.__setitem__(..., -1e9))
+            self._try(lambda c=columns: operator.setitem(c.stats, ..., -1e9))
+            self._try(lambda c=columns: operator.setitem(c.index, 0, 99))
             if columns.counts is not None:
-                self._try(lambda c=columns: c.counts.__setitem__(..., 0))
+                self._try(lambda c=columns: operator.setitem(c.counts, ..., 0))
         self.write(batch.records())
 
 
