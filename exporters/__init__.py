@@ -23,7 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from sowtel.records import Record
 
-__all__ = ["Exporter", "register", "known_names", "resolve", "check_exporter", "check_logdir"]
+__all__ = ["Exporter", "register", "known_names", "resolve", "check_exporter", "check_distinct",
+           "check_logdir"]
 
 # Path limits where the system does not say (Linux's): a whole path, one file or folder name.
 _PATH_MAX, _NAME_MAX = 4096, 255
@@ -98,6 +99,36 @@ def check_exporter(obj: Any) -> Exporter:
     return obj
 
 
+def check_distinct(exporters: Sequence[Any]) -> None:
+    """A ``ValueError`` naming the first exporter instance given more than once.
+
+    Each exporter of a session is called from one worker thread of its own; the same instance
+    twice would be called from two threads at once and write every record twice. Names (such
+    as ``"memory"``) are skipped: each makes an exporter of its own.
+
+    Example:
+        >>> from sowtel.exporters.memory import MemoryExporter
+        >>> memory = MemoryExporter()
+        >>> check_distinct([memory, MemoryExporter()])
+        >>> check_distinct([memory, memory])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: exporter 'memory' (<...MemoryExporter object at ...>) is given twice, ...
+    """
+    seen: dict[int, int] = {}
+    for i, exporter in enumerate(exporters):
+        if isinstance(exporter, str):
+            continue  # a name makes a new exporter each time it is given
+        first = seen.setdefault(id(exporter), i)
+        if first != i:
+            label = getattr(exporter, "label", None)
+            name = label if isinstance(label, str) and label else type(exporter).__name__
+            raise ValueError(
+                f"exporter {name!r} ({exporter!r}) is given twice, at positions {first} and {i} "
+                "of exporter=: one instance would be called from two threads and write every "
+                "record twice; pass it once, or pass two instances"
+            )
+
+
 def _factory(name: str) -> Callable[..., Exporter]:
     if name in _REGISTERED:
         return _REGISTERED[name]
@@ -161,6 +192,7 @@ def resolve(spec: Any, **options: Any) -> list[Exporter]:
             plan.append((factory, chosen))
         else:
             plan.append((None, check_exporter(item)))
+    check_distinct(items)
     unused = sorted(set(options) - used)
     if unused:
         raise TypeError(

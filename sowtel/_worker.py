@@ -59,13 +59,18 @@ class Token:
 
 
 class Backlogged:
-    """Records waiting in a worker's backlog, and the bytes of full values among them."""
+    """Records waiting in a worker's backlog, and the bytes of full values among them.
 
-    __slots__ = ("records", "nbytes")
+    ``started`` once a write took the first part of them: the rest is never shed, so a step
+    is written whole or dropped whole.
+    """
+
+    __slots__ = ("records", "nbytes", "started")
 
     def __init__(self, records: RecordBatch, nbytes: int) -> None:
         self.records = records
         self.nbytes = nbytes
+        self.started = False
 
 
 class ExporterWorker:
@@ -242,14 +247,7 @@ class ExporterWorker:
                     return True
                 if not block:
                     self._drop("backlog_full", len(batch))
-                    if not self._logged_overflow:
-                        self._logged_overflow = True
-                        logger.warning(
-                            "sowtel exporter %s is falling behind: its backlog is full (%d "
-                            "records), so records for it are dropped and counted in status()"
-                            "['drop_reasons'][%r]['backlog_full']", self.label, self.pending,
-                            self.label,
-                        )
+                    self._warn_overflow()
                     return False
                 self._cond.wait(POLL)
 
@@ -265,6 +263,48 @@ class ExporterWorker:
             self._cond.notify_all()
 
     # -- called from any thread --------------------------------------------------------------
+
+    def shed(self, room: int) -> int:
+        """Drops the oldest whole batches of the backlog until at most ``room`` records are
+        pending, or only the write in progress and the rest of a started batch are left;
+        returns the bytes let go of (the caller releases them).
+
+        Under ``on_full="drop"`` the dispatcher calls it when the queue takes an item that would
+        make the queue and this backlog together hold more than ``queue_size`` records plus
+        that item and one batch: the exporter that falls behind loses its oldest steps
+        (``"backlog_full"``), and neither the queue nor the other exporters lose anything for
+        it.
+        """
+        n = nbytes = 0
+        with self._cond:
+            if self.pending <= room or not self._accepting:
+                return 0
+            kept: deque[Backlogged | Token] = deque()
+            for entry in self._queue:
+                if (self.pending - n > room and isinstance(entry, Backlogged)
+                        and not entry.started):
+                    n += len(entry.records)
+                    nbytes += entry.nbytes
+                else:
+                    kept.append(entry)
+            if not n:
+                return 0
+            self._queue = kept
+            self.pending -= n
+            self.held_bytes -= nbytes
+            self._drop("backlog_full", n)
+            self._warn_overflow()
+            self._cond.notify_all()
+        return nbytes
+
+    def _warn_overflow(self) -> None:
+        if not self._logged_overflow:
+            self._logged_overflow = True
+            logger.warning(
+                "sowtel exporter %s is falling behind: its backlog is full (%d records), so "
+                "records for it are dropped and counted in status()['drop_reasons'][%r]"
+                "['backlog_full']", self.label, self.pending, self.label,
+            )
 
     def request(self, kind: str) -> Token:
         """Queues a flush or close request behind everything already queued."""
@@ -377,6 +417,7 @@ class ExporterWorker:
             else:
                 entry.records = rest
                 entry.nbytes -= head_bytes
+                entry.started = True
             break
         return RecordBatch(parts), nbytes
 

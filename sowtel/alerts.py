@@ -78,7 +78,9 @@ STATS = (*STAT_KEYS, "value")
 MAD_SCALE, MEAN_ABS_SCALE = 1.4826, 1.2533
 #: The fewest earlier values a spike is judged against (or the window, if smaller).
 MIN_HISTORY = 20
-_NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-/]*")
+# A record name's characters: a name's, and the %XX of an escaped pytree key
+# (sowtel.naming.leaf_segment).
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-/%]*")
 
 
 class AlertError(RuntimeError):
@@ -210,7 +212,8 @@ def _check_pattern(pattern: Any) -> str | Callable[[str], bool]:
     if not _NAME_CHARS.fullmatch(literal) or pattern.startswith("/") or "//" in pattern:
         raise ValueError(
             f"sowtel.alert pattern={pattern!r} can never match a series: names hold letters, "
-            "digits and _ - . / with no empty segment (globs add * ? [...])")
+            "digits and _ - . / with no empty segment, and %XX for an escaped pytree key "
+            "(globs add * ? [...])")
     return pattern
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sowtel import naming
 from sowtel.records import BASE_MODES, Index, Record, record_index
 from sowtel.summaries import check_summary, decode_device_summary, host_summary
 
@@ -62,13 +63,14 @@ def summary_records(site: StreamSite, arrays: Sequence[np.ndarray], *, step: int
 
 
 def leaf_name(site: str, leaf: tuple[Any, ...]) -> str:
-    """The record name of a leaf: the site's name, then the leaf path joined with ``/``.
+    """The record name of a leaf: the site's name, then the leaf path, each key escaped by
+    :func:`sowtel.naming.leaf_segment` (the same rule streaming names records by).
 
     Example:
       >>> leaf_name("params", ("w",)), leaf_name("pair", (0,)), leaf_name("h", ())
       ('params/w', 'pair/0', 'h')
     """
-    return "/".join([site, *(str(p) for p in leaf)])
+    return naming.leaf_name(site, leaf)
 
 
 def program_order(site_index: int, mode: str, mode_index: int = 0) -> tuple[int, int, int]:
@@ -241,6 +243,8 @@ def records_from_intermediates(
       [('pair/0', 5, 2.0), ('pair/1', 5, 2.0)]
     """
     _check_intermediates(intermediates, "intermediates")
+    for name in intermediates:
+        naming.check_name(name)  # the rule of sow names: records are named by it
     step = _check_step(step)
     check_summary(summary)
     if not isinstance(tag, str) or not tag:

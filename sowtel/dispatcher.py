@@ -115,9 +115,11 @@ class Dispatcher:
       convert: turns a list of raw items given to :meth:`put` into a list of records or a
         :class:`~sowtel.to_records.RecordBatch`; runs on the dispatcher thread. If it raises,
         that batch is lost, counted in ``status()`` and logged once.
-      queue_size: the most records waiting in the queue (under ``"block"``: in the queue and
-        the largest backlog together), plus one item; also the backlog bound of each exporter,
-        in records.
+      queue_size: the most records waiting in the queue and the batch being converted (under
+        ``"block"``: and the largest backlog), plus one item. What waits for any one exporter,
+        its backlog included, stays within ``queue_size`` plus one item and one batch: under
+        ``"drop"`` a backlog that would pass it sheds its oldest whole items (counted as
+        ``"backlog_full"`` for that exporter only).
       max_bytes: the most bytes of full values (the ``nbytes`` given to :meth:`put`, then the
         records' own) held anywhere from :meth:`put` until the last exporter is done with them:
         queued, being converted, in backlogs, being written. An item is accepted only if it
@@ -159,7 +161,7 @@ class Dispatcher:
         exporter_timeout: float = 10.0,
         alerts: Callable[[], Sequence[Any]] | None = None,
     ) -> None:
-        from sowtel.exporters import check_exporter
+        from sowtel.exporters import check_distinct, check_exporter
 
         if not isinstance(exporters, (list, tuple)):
             raise TypeError(
@@ -167,6 +169,7 @@ class Dispatcher:
                 "(objects with write/flush/close); wrap a single one in a list"
             )
         exporters = [check_exporter(e) for e in exporters]
+        check_distinct(exporters)
         if not callable(convert):
             raise TypeError(f"convert={convert!r} must be callable: list of items -> records")
         _check_count(queue_size, "queue_size")
@@ -200,7 +203,8 @@ class Dispatcher:
         # Queued (item, records, nbytes), and the records they hold.
         self._items: deque[tuple[Any, int, int]] = deque()
         self._queued = 0
-        self._backlog = 0  # the largest exporter backlog, counted under "block" only
+        self._backlog = 0  # the largest exporter backlog
+        self._in_hand = 0  # the records of the batch being converted
         self._batch_records = min(queue_size, BATCH_RECORDS)
         # In records, as put() declared them: accepted, taken off the queue, and dealt with.
         self._accepted = 0
@@ -252,12 +256,13 @@ class Dispatcher:
         Only appends to the queue: no conversion, no I/O. ``nbytes`` is the size of the full
         values the item holds, ``records`` how many records ``convert`` will make of it (a
         ``sowtel.jit`` step counts as every record it makes). The queue is full when
-        ``queue_size`` records wait (with ``on_full="block"``: anywhere between put and the
-        exporters, backlogs included), or ``max_bytes`` bytes of full values are held anywhere
-        in the dispatcher; an item is taken while fewer wait, so at most ``queue_size`` records
-        plus one item wait. When full, ``on_full="drop"`` counts the item's records as dropped
-        and returns False at once, ``"block"`` waits for room. After :meth:`close`, returns
-        False.
+        ``queue_size`` records wait in it and in the batch being converted (with
+        ``on_full="block"``: anywhere between put and the exporters, backlogs included), or
+        ``max_bytes`` bytes of full values are held anywhere in the dispatcher; an item is taken
+        while fewer wait, so at most ``queue_size`` records plus one item wait. Under
+        ``"drop"``, taking it may make a lagging exporter's backlog shed its oldest items. When
+        full, ``on_full="drop"`` counts the item's records as dropped and returns False at
+        once, ``"block"`` waits for room. After :meth:`close`, returns False.
 
         Example:
             >>> d = Dispatcher([], convert=lambda items: [])
@@ -270,7 +275,7 @@ class Dispatcher:
         with self._lock:
             before = self._queued
             # _has_room, inlined: this runs once per host callback.
-            if (before + self._backlog < self._queue_size and not self._closed
+            if (before + self._in_hand + self._backlog < self._queue_size and not self._closed
                     and (nbytes == 0 or self._bytes_fit(nbytes))):
                 self._items.append((item, records, nbytes))
                 self._queued = queued = before + records
@@ -288,16 +293,32 @@ class Dispatcher:
         return accepted
 
     def _waiting(self) -> int:
-        """Records waiting in the queue; under "block" also in the largest backlog, so that
-        back-pressure reaches the producer. The batch being converted (at most
-        :data:`BATCH_RECORDS` records and one item) is not counted (lock held)."""
-        return self._queued + self._backlog
+        """Records waiting: in the queue, being converted, and in the largest backlog (lock
+        held). Under "block" a put waits while they reach ``queue_size``; under "drop" the
+        queue takes an item while it and the batch being converted hold fewer, and a backlog
+        that would make the sum exceed it by more than one step and one batch sheds its oldest
+        steps (:meth:`_shed`)."""
+        return self._queued + self._in_hand + self._backlog
 
     def _note_backlogs(self) -> None:
-        # The largest backlog, kept for put() under "block": refreshed whenever a backlog
-        # grows (an offer) or shrinks (a worker let go of records).
-        if self._block:
-            self._backlog = max((w.pending for w in self._workers), default=0)
+        # The largest backlog, kept for put(): refreshed whenever a backlog grows (an offer)
+        # or shrinks (a worker let go of records).
+        self._backlog = max((w.pending for w in self._workers), default=0)
+
+    def _shed(self, records: int) -> None:
+        """Under "drop", after the queue took an item of ``records`` records (lock held): a
+        backlog that would make what waits for its exporter (queued, being converted, in the
+        backlog) exceed ``queue_size`` plus that step and one batch sheds its oldest whole
+        steps (``"backlog_full"``). An exporter that keeps up holds at most the batch just
+        given to it and is never shed; only the one that fell behind loses records."""
+        room = self._queue_size + records + self._batch_records - self._queued - self._in_hand
+        released = 0
+        for worker in self._workers:
+            if worker.pending > room:
+                released += worker.shed(room)
+        self._note_backlogs()
+        if released and self._space_waiters:
+            self._space_cond.notify_all()
 
     def held_bytes(self) -> int:
         """Bytes of full values held now: queued, being converted, and by the exporters' workers
@@ -317,6 +338,18 @@ class Dispatcher:
         with self._lock:
             if self._closed:
                 return self._refuse("closed", records)
+            if (not self._block and self._queued + self._in_hand < self._queue_size
+                    and (nbytes == 0 or self._bytes_fit(nbytes))):
+                # The queue has room; a backlog that has not makes room by shedding.
+                self._items.append((item, records, nbytes))
+                self._queued += records
+                self._live_bytes += nbytes
+                self._accepted += records
+                self._shed(records)
+                if self._queued >= self._wake_at or (
+                        nbytes and self._live_bytes * 4 >= self._max_bytes):
+                    self._wake_cond.notify()
+                return True
             if self._block and threading.get_ident() not in self._own_threads:
                 self._space_waiters += 1
                 try:
@@ -409,6 +442,7 @@ class Dispatcher:
                 self._queued -= declared
                 self._taken += declared
                 self._hand = [declared, nbytes, False] if items else None
+                self._in_hand = declared
                 more = bool(self._items)
                 if not more:
                     self._urgent = False
@@ -424,6 +458,7 @@ class Dispatcher:
                 except BaseException:  # the dispatcher thread must outlive any bug below it
                     with self._lock:
                         hand, self._hand = self._hand, None
+                        self._in_hand = 0
                         if hand is not None and not hand[2]:
                             self._convert_errors += 1
                             self._unconverted += len(items)
@@ -512,6 +547,7 @@ class Dispatcher:
         with self._lock:
             hand, self._hand = self._hand, None
             if hand is None or hand[2]:
+                self._in_hand = 0
                 return  # close() gave up on this batch and counted it as dropped
             # Converted items count as the records they became; failed ones as declared.
             self._extra += extra
@@ -527,9 +563,10 @@ class Dispatcher:
             self._note_backlogs()
         finally:
             with self._lock:
-                # Now the workers hold the full values (each its own count): counted here
-                # until then, so that no moment counts them nowhere.
+                # Now the workers hold the full values (each its own count), and the records:
+                # counted here until then, so that no moment counts them nowhere.
                 self._live_bytes -= hand[1]
+                self._in_hand = 0
 
     # -- flush, close, status -------------------------------------------------------------------
 
@@ -659,6 +696,7 @@ class Dispatcher:
                 self._hand[2] = True  # the dispatcher thread will not deliver it
                 self._live_bytes -= self._hand[1]
                 self._hand = None
+                self._in_hand = 0
             self._live_bytes -= sum(b for _, _, b in self._items)
             self._items.clear()
             self._queued = 0

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import re
 import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -49,9 +50,103 @@ from sowtel import _jax_compat as jc
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
 
-__all__ = ["scope", "scoped", "runs_backward", "numbered", "number_in_program",
-           "occurrence_name", "occurrence_names", "occurrence_slots", "program_loops",
-           "ProgramNames"]
+__all__ = ["check_name", "leaf_segment", "leaf_name", "scope", "scoped", "runs_backward",
+           "numbered", "number_in_program", "occurrence_name", "occurrence_names",
+           "occurrence_slots", "program_loops", "ProgramNames"]
+
+
+# -- THE name rule -------------------------------------------------------------------------------
+
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_\-./]+")
+# Said after every refused name, so each message also says what is allowed.
+_NAME_RULE = ("a name is segments of letters, digits and _ - . joined by '/', such as "
+              "'block0/attn' (no empty, '.' or '..' segment, no leading '/')")
+
+
+def check_name(name: Any, what: str = "sow name") -> str:
+    """THE name rule, for every name a user gives: ``sow``, ``log``, ``scope``, ``export``,
+    ``optax.watch``'s prefix. Returns ``name``, else raises ``ValueError`` naming the value and
+    the rule; ``what`` says which name it was (``"sow name"``, ``"sowtel.export site name"``).
+
+    A name is segments of letters, digits and ``_ - .`` joined by ``/`` (which makes
+    hierarchy); no empty, ``.`` or ``..`` segment, no leading ``/``: names are never paths, and
+    they need no escaping in a TensorBoard tag, a file, a URL or a metric.
+
+    Example:
+        >>> check_name("block0/attn")
+        'block0/attn'
+        >>> check_name("../etc/x")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: sow name '../etc/x' has a '..' segment, which is not allowed (names are ...
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"{what} must be a str, got {type(name).__name__} {name!r}")
+    if not name:
+        raise ValueError(f"{what} must be non-empty, got ''")
+    if not _NAME_CHARS.fullmatch(name):
+        bad = sorted({c for c in name if not _NAME_CHARS.fullmatch(c)})
+        raise ValueError(
+            f"{what} {name!r} has the character(s) {''.join(bad)!r}: use only letters, digits "
+            "and _ - . / ('/' makes hierarchy, as in 'block0/attn')"
+        )
+    if name.startswith("/"):
+        raise ValueError(f"{what} {name!r} starts with '/': {_NAME_RULE}")
+    for segment in name.split("/"):
+        if segment == "":
+            raise ValueError(f"{what} {name!r} has an empty segment ('//' or a trailing '/'): "
+                             f"{_NAME_RULE}")
+        if segment in (".", ".."):
+            raise ValueError(f"{what} {name!r} has a {segment!r} segment, which is not allowed "
+                             f"(names are never paths): {_NAME_RULE}")
+    return name
+
+
+_KEY_ENTRIES = tuple(getattr(jax.tree_util, k) for k in
+                     ("DictKey", "SequenceKey", "GetAttrKey", "FlattenedIndexKey")
+                     if hasattr(jax.tree_util, k))
+_SEGMENT_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.")
+
+
+def leaf_segment(key: Any) -> str:
+    """THE rule for a pytree key in a record name: one segment, escaped so that two leaves of
+    one value never share a name.
+
+    A key is its text (a dict key, a list or tuple position, an attribute's name, as
+    :func:`jax.tree_util.tree_flatten_with_path` gives them: ``DictKey``, ``SequenceKey``,
+    ``GetAttrKey``, ``FlattenedIndexKey``). Letters, digits and ``_ - .`` stay as they are;
+    every other character is written ``%XX`` (each byte of its UTF-8, as in a URL), so ``/``
+    becomes ``%2F`` and makes no hierarchy, ``[`` ``]`` become ``%5B`` ``%5D`` and never read as
+    a scan index, and ``%`` itself becomes ``%25``. A ``.`` or ``..`` key is ``%2E`` or
+    ``%2E%2E``, the empty key ``%``. Distinct keys give distinct segments.
+
+    Example:
+        >>> [leaf_segment(k) for k in ("w", 0, "a/b", "k[0]", "a b", "..", "%")]
+        ['w', '0', 'a%2Fb', 'k%5B0%5D', 'a%20b', '%2E%2E', '%25']
+    """
+    if isinstance(key, _KEY_ENTRIES):  # a path entry of jax's: the key it stands for
+        key = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
+    text = key if isinstance(key, str) else str(key)
+    if not text:
+        return "%"
+    if text in (".", ".."):
+        return "%2E" * len(text)
+    if all(c in _SEGMENT_SAFE for c in text):
+        return text
+    return "".join(c if c in _SEGMENT_SAFE else "".join(f"%{b:02X}" for b in c.encode())
+                   for c in text)
+
+
+def leaf_name(site: str, path: Sequence[Any]) -> str:
+    """THE record name of a leaf of a sown value: the site's name, then one
+    :func:`leaf_segment` per key on the leaf's path, joined with ``/``.
+
+    Example:
+        >>> leaf_name("params", ("w",)), leaf_name("pair", (0,)), leaf_name("h", ())
+        ('params/w', 'pair/0', 'h')
+        >>> leaf_name("v", ("a/b",)), leaf_name("v", ("a", "b"))
+        ('v/a%2Fb', 'v/a/b')
+    """
+    return "/".join([site, *(leaf_segment(k) for k in path)])
 
 # The current prefix is part of every jit cache key: a jitted function called under two scopes
 # is traced once per scope, so its sites get both names rather than the first one twice.
@@ -97,12 +192,7 @@ def scope(prefix: str) -> Iterator[None]:
         >>> list(inter)
         ['encoder/layer0/act']
     """
-    from sowtel.primitive import check_name  # primitive imports this module
-
-    try:
-        check_name(prefix)
-    except ValueError as err:
-        raise ValueError(str(err).replace("sow name", "sowtel.scope prefix", 1)) from None
+    check_name(prefix, "sowtel.scope prefix")
     with absolute_prefix(scoped(prefix)):
         if getattr(_marking, "on", 0):
             with jax.named_scope(SCOPE_MARK + prefix):

@@ -34,7 +34,6 @@ import fnmatch
 import functools
 import itertools
 import math
-import re
 import sys
 import threading
 import warnings
@@ -167,34 +166,8 @@ def current_context() -> Context | None:
 # ---------------------------------------------------------------------------------------------
 # Validation.
 
-_NAME_CHARS = re.compile(r"^[A-Za-z0-9_\-./]+$")
-# Said after every refused name, so each message also says what is allowed.
-_NAME_RULE = ("a name is segments of letters, digits and _ - . joined by '/', such as "
-              "'block0/attn' (no empty, '.' or '..' segment, no leading '/')")
-
-
-def check_name(name: Any) -> str:
-    """Returns ``name`` if it is a valid site name, else raises ValueError naming the rule."""
-    if not isinstance(name, str):
-        raise ValueError(f"sow name must be a str, got {type(name).__name__} {name!r}")
-    if not name:
-        raise ValueError("sow name must be non-empty, got ''")
-    if not _NAME_CHARS.match(name):
-        bad = sorted({c for c in name if not re.match(r"[A-Za-z0-9_\-./]", c)})
-        raise ValueError(
-            f"sow name {name!r} has the character(s) {''.join(bad)!r}: use only letters, digits "
-            "and _ - . / ('/' makes hierarchy, as in 'block0/attn')"
-        )
-    if name.startswith("/"):
-        raise ValueError(f"sow name {name!r} starts with '/': {_NAME_RULE}")
-    for segment in name.split("/"):
-        if segment == "":
-            raise ValueError(f"sow name {name!r} has an empty segment ('//' or a trailing '/'): "
-                             f"{_NAME_RULE}")
-        if segment in (".", ".."):
-            raise ValueError(f"sow name {name!r} has a {segment!r} segment, which is not allowed "
-                             f"(names are never paths): {_NAME_RULE}")
-    return name
+# THE name rule lives in sowtel.naming (every path checks names there).
+check_name = naming.check_name
 
 
 def check_tag(tag: Any) -> str:
@@ -898,14 +871,11 @@ class StreamSite:
 
 
 def leaf_names(site: SiteStatic) -> tuple[str, ...]:
-    """The record names of a site's leaves: ``name`` for an array, ``name/<path>`` in a pytree."""
+    """The record names of a site's leaves: ``name`` for an array, ``name/<path>`` in a pytree,
+    each key escaped by :func:`sowtel.naming.leaf_segment` (so no two leaves share a name)."""
     skeleton = jax.tree_util.tree_unflatten(site.treedef, range(site.treedef.num_leaves))
     paths = jax.tree_util.tree_flatten_with_path(skeleton)[0]
-    names = []
-    for path, _ in paths:
-        parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-        names.append("/".join([site.name, *parts]) if parts else site.name)
-    return tuple(names)
+    return tuple(naming.leaf_name(site.name, path) for path, _ in paths)
 
 
 _lowering_order = itertools.count()

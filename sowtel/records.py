@@ -260,6 +260,50 @@ def is_nonfinite(record: Record) -> bool:
     return value_nonfinite(record.value)
 
 
+class FrozenStats(dict):  # type: ignore[type-arg]
+    """A record's statistics, read-only: the same record goes to every exporter, so one that
+    wrote to it would change what the others hold. A ``dict`` still (``json.dumps``,
+    ``isinstance(stats, dict)``, ``{**stats}`` and ``dict(stats)`` work as before); a write
+    raises ``TypeError``. Copy it to change it: ``{**record.stats, "mean": 0.0}``.
+
+    Example:
+        >>> stats = FrozenStats(mean=1.0)
+        >>> stats["mean"], {**stats, "max": 2.0}
+        (1.0, {'mean': 1.0, 'max': 2.0})
+        >>> stats["mean"] = 0.0  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        TypeError: a record's stats are shared by every exporter and read-only: copy them ...
+    """
+
+    __slots__ = ()
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a record's stats are shared by every exporter and read-only: copy "
+                        "them to change them ({**record.stats, ...})")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only
+    __ior__ = _read_only
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickling and copying rebuild it whole, never item by item through __setitem__.
+        return (type(self), (dict(self),))
+
+
+def read_only(array: Any) -> Any:
+    """``array`` as exporters get it: a numpy array not writeable (a view where the array was,
+    so the caller's own stays as it was); anything else as it is.
+
+    Example:
+        >>> a = np.zeros(2)
+        >>> read_only(a).flags.writeable, a.flags.writeable
+        (False, True)
+    """
+    if isinstance(array, np.ndarray) and array.flags.writeable:
+        array = array.view()
+        array.flags.writeable = False
+    return array
+
+
 @dataclasses.dataclass(frozen=True)
 class Record:
     """One observation of one sow site, as handed to exporters.
@@ -278,6 +322,8 @@ class Record:
       shape, dtype: of the sown value (with a leading batch axis under ``vmap``).
       value: the whole value for ``"full"``, else ``None``.
       stats: floats keyed by :data:`STAT_KEYS` (or :data:`HEALTH_KEYS`); empty for ``"shape"``.
+        A :class:`FrozenStats`: read-only, as ``value`` and the ``histogram`` arrays are (not
+        writeable), since every exporter is given the same record.
       histogram: ``(edges, counts)`` with ``len(edges) == len(counts) + 1``, else ``None``.
       process_index: ``jax.process_index()`` of the process that produced it.
       seq: arrival order on the host (unique, increasing). Callbacks are unordered, so arrival
@@ -312,6 +358,15 @@ class Record:
     seq: int = 0
     order: int = 0
     scans: tuple[tuple[int, bool], ...] = ()
+
+    def __post_init__(self) -> None:
+        # Shared by every exporter: nothing one of them can write to (FrozenStats).
+        if type(self.stats) is not FrozenStats:
+            object.__setattr__(self, "stats", FrozenStats(self.stats))
+        if self.value is not None:
+            object.__setattr__(self, "value", read_only(self.value))
+        if self.histogram is not None:
+            object.__setattr__(self, "histogram", tuple(read_only(a) for a in self.histogram))
 
     @property
     def order_key(self) -> tuple[int, ...]:

@@ -638,6 +638,8 @@ def enable(
       include, exclude: glob patterns (or a list, or a callable on the name) on site names.
       every: stream only steps divisible by ``every`` (a site's own ``every=`` wins).
       queue_size: records waiting for the exporters at most; beyond it ``on_full`` decides.
+        What waits for any one exporter, its backlog included, stays within ``queue_size``
+        plus one step and one batch (docs/exporters.md, *What queue_size bounds*).
       on_full: ``"drop"`` (count and drop) or ``"block"`` (back-pressure; nothing is lost).
       max_bytes: bytes of full values waiting at most.
       export_process: under ``jax.distributed``, the process that exports the records of sites
@@ -907,9 +909,12 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
     session = active_session()
     if session is None:
         raise RuntimeError("sowtel.export needs an active session: call sowtel.enable(...) first")
-    records = records_from_intermediates(
-        intermediates, step=int(step), summary=summary or session.summary,
-    )
+    try:
+        records = records_from_intermediates(
+            intermediates, step=int(step), summary=summary or session.summary,
+        )
+    except ValueError as e:
+        raise ValueError(f"sowtel.export: {e}") from None
     session._watch_nonfinite(RecordBatch([tuple(records)]))
     session.dispatcher.put_records(records)
     return len(records)
@@ -932,7 +937,7 @@ def log(scalars: dict[str, Any], *, step: int) -> int:
         >>> [(r.name, r.step, r.stats["value"]) for r in s.exporters[0].records]
         [('train/loss', 10, 0.25), ('lr', 10, 0.001)]
     """
-    from sowtel.primitive import check_name
+    from sowtel.naming import check_name
 
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise ValueError(f"sowtel.log step must be an int, got {step!r}")

@@ -37,10 +37,12 @@ from sowtel.records import (
     LOG_TAG,
     SCALAR_SUMMARY,
     STAT_KEYS,
+    FrozenStats,
     Record,
     is_nonfinite,
     nonfinite_columns,
     nonfinite_rows,
+    read_only,
     record_index,
 )
 from sowtel.summaries import host_summary, stats_table
@@ -63,6 +65,13 @@ def record_nbytes(record: Record) -> int:
     """Bytes of the full value a record holds (0 for summaries)."""
     value = record.value
     return int(getattr(value, "nbytes", 0)) if value is not None else 0
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    # The table's own arrays (decoded from the step's buffers): made read-only in place.
+    if isinstance(array, np.ndarray):
+        array.flags.writeable = False
+    return array
 
 
 class SiteColumns:
@@ -118,12 +127,18 @@ class SiteColumns:
         self.process_index = process_index
         self.order = order
         self.scans = scans
-        self.index = index
-        self.seqs = seqs
+        # Tuples, like the arrays below read-only: every exporter reads the same table.
+        self.index = index if isinstance(index, tuple) else tuple(index)
+        self.seqs = seqs if isinstance(seqs, tuple) else tuple(seqs)
         self.stat_keys = stat_keys
-        self.stats = stats
-        self.edges = edges
-        self.counts = counts
+        # Every exporter is given the same table and the same records made of it: nothing in
+        # them may be written to (Record.stats is a FrozenStats).
+        self.stats = _frozen(stats)
+        self.edges = None if edges is None else _frozen(edges)
+        self.counts = None if counts is None else _frozen(counts)
+        if values is not None:
+            # Views: a value the caller handed in (sowtel.export) stays writeable for them.
+            values = tuple(tuple(read_only(v) for v in row) for row in values)
         self.values = values
         if any_nonfinite is None:
             cols = _NONFINITE.get(summary)
@@ -182,7 +197,7 @@ class SiteColumns:
                 d["shape"] = self.shapes[leaf]
                 d["dtype"] = self.dtypes[leaf]
                 d["seq"] = seq
-                d["stats"] = dict(zip(keys, row[leaf], strict=True))
+                d["stats"] = FrozenStats(zip(keys, row[leaf], strict=True))
                 if self.edges is not None and self.counts is not None:
                     d["histogram"] = (self.edges[p, leaf], self.counts[p, leaf])
                 if self.values is not None:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from exporter_doubles import Hung, Raising, convert, make_record
 
-from sowtel.dispatcher import Dispatcher
+from sowtel.dispatcher import BATCH_RECORDS, Dispatcher
 from sowtel.exporters.memory import MemoryExporter
 from sowtel.records import Record
 from sowtel.to_records import RecordBatch, first_nonfinite
@@ -136,13 +136,14 @@ def test_drop_mode_counts_exactly_what_does_not_fit(made):
     assert d.put(-1)
     assert inside.wait(5.0)  # the dispatcher holds item -1 inside convert; the queue is empty
     results = [d.put(i) for i in range(1000)]
-    assert results == [True] * 100 + [False] * 900
+    # The record being converted counts toward queue_size: 99 more fit.
+    assert results == [True] * 99 + [False] * 901
     s = d.status()
-    assert (s["received"], s["dropped"], s["queued"]) == (1001, 900, 100)
+    assert (s["received"], s["dropped"], s["queued"]) == (1001, 901, 99)
     gate.set()
     assert d.flush(timeout=5.0)
-    assert [r.step for r in memory.records] == [-1, *range(100)]
-    assert d.status()["exported"] == {"memory": 101}
+    assert [r.step for r in memory.records] == [-1, *range(99)]
+    assert d.status()["exported"] == {"memory": 100}
 
 
 def test_drop_mode_byte_bound_and_oversized_item(made):
@@ -167,6 +168,58 @@ def test_drop_mode_byte_bound_and_oversized_item(made):
     assert d.flush(timeout=5.0)
     assert [r.step for r in memory.records] == [-1, 0, 1, 2, 3, 4, 99]
     assert d.status()["dropped"] == 3
+
+
+def test_drop_mode_bounds_the_queue_and_a_slow_backlog_together(made, release):
+    # Items of `step` records, as sowtel.jit steps. What waits for the hung exporter (queued,
+    # being converted, in its backlog) stays within queue_size plus one step and one batch,
+    # and the healthy exporter still gets every record the queue took.
+    step, queue_size = 10, 100
+    permits, entered = threading.Semaphore(0), threading.Semaphore(0)
+
+    def gated(items):  # one permit per convert call: the test decides when batches move on
+        entered.release()
+        assert permits.acquire(timeout=30.0)
+        return [make_record(k) for k in items for _ in range(step)]
+
+    hung, memory = Hung(release), MemoryExporter()
+    d = Dispatcher([hung, memory], convert=gated, queue_size=queue_size, flush_interval=0.01,
+                   exporter_timeout=60.0)
+    made.append(d)
+    accepted = 0
+
+    def fill() -> None:
+        nonlocal accepted
+        while d.put(accepted, records=step):
+            accepted += step
+
+    def waiting() -> int:
+        s = d.status()
+        return s["queued_records"] + s["backlog"]["Hung"]
+
+    assert d.put(-1, records=step)
+    accepted += step
+    assert entered.acquire(timeout=30.0)
+    most = 0
+    for _ in range(4):
+        fill()  # the queue is full while the dispatcher holds a batch in convert
+        most = max(most, waiting())
+        permits.release()  # that batch reaches the backlogs; the next is taken whole
+        assert entered.acquire(timeout=30.0)
+        most = max(most, waiting())
+    assert hung.entered.is_set()
+    batch = min(queue_size, BATCH_RECORDS) + step
+    assert most <= queue_size + step + batch, most
+    permits.release(1000)
+    deadline = time.monotonic() + 30.0
+    while len(memory.records) < accepted and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(memory.records) == accepted  # nothing lost for the healthy exporter
+    s = d.status()
+    assert s["drop_reasons"]["memory"] == {"queue_full": s["dropped"]}
+    assert s["drop_reasons"]["Hung"]["backlog_full"] > 0  # dropped, and counted
+    a = s["accounts"]["Hung"]
+    assert a["received"] == a["exported"] + a["dropped"] + a["failed"] + a["pending"]
 
 
 def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made):
@@ -444,7 +497,7 @@ def test_bad_exporters_and_convert_are_rejected():
 
 _CHILD = """
 import json, signal, sys, time
-from sowtel.dispatcher import Dispatcher
+from sowtel.dispatcher import BATCH_RECORDS, Dispatcher
 from sowtel.exporters.jsonl import JsonlExporter
 from sowtel.records import Record
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -547,3 +548,101 @@ def test_sow_names_the_site_of_a_dict_with_mixed_key_types():
     # One key type is fine, as before.
     out = sowtel.sow({"b": jnp.ones(1), "a": jnp.zeros(1)}, "fine")
     assert sorted(out) == ["a", "b"]
+
+
+# ----------------------------------------------------------------------------- exporters apart
+
+
+class _Vandal:
+    """Writes into every record it gets (stats, full value, histogram), counting refusals."""
+
+    label = "vandal"
+
+    def __init__(self) -> None:
+        self.tried = self.refused = 0
+
+    def _try(self, attempt) -> None:
+        self.tried += 1
+        try:
+            attempt()
+        except (TypeError, ValueError):  # a read-only dict; a read-only numpy array
+            self.refused += 1
+
+    def write(self, records) -> None:
+        for r in records:
+            self._try(lambda r=r: operator.setitem(r.stats, "mean", -1e9))
+            self._try(lambda r=r: r.stats.update(max=-1e9))
+            if r.value is not None:
+                self._try(lambda r=r: operator.setitem(r.value, ..., -1e9))
+            if r.histogram is not None:
+                self._try(lambda r=r: operator.setitem(r.histogram[1], ..., 0))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _BatchVandal(_Vandal):
+    label = "batch-vandal"
+
+    def write_batch(self, batch) -> None:
+        for columns in batch.columns():
+            self._try(lambda c=columns: operator.setitem(c.stats, ..., -1e9))
+            self._try(lambda c=columns: operator.setitem(c.index, 0, 99))
+            if columns.counts is not None:
+                self._try(lambda c=columns: operator.setitem(c.counts, ..., 0))
+        self.write(batch.records())
+
+
+def test_an_exporter_cannot_change_the_records_the_others_hold():
+    import jax
+
+    def step(x):
+        def body(c, _):
+            c = c + 1.0
+            sowtel.sow(c, "h")
+            sowtel.sow(c, "hist", summary="histogram")
+            sowtel.sow(c, "v", summary="full")
+            return c, None
+        return jax.lax.scan(body, x, None, length=4)[0]
+
+    vandal, batch_vandal, memory = _Vandal(), _BatchVandal(), MemoryExporter()
+    f = sowtel.jit(step)
+    x = jnp.arange(8.0)
+    with sowtel.enable(exporter=[vandal, batch_vandal, memory]) as session:
+        for _ in range(10):
+            x = f(x)
+        assert session.flush(timeout=60.0)
+    records = memory.records
+    assert len(records) == 10 * 4 * 3
+    corrupted = 0
+    for r in records:
+        # The scan's value at (step, index): arange(8) + 4 * step + index + 1.
+        expected = np.arange(8.0) + 4 * r.step + r.index + 1
+        ok = r.stats["mean"] == pytest.approx(expected.mean())
+        ok &= r.stats["max"] == pytest.approx(expected.max())
+        if r.value is not None:
+            ok &= bool(np.array_equal(r.value, expected))
+        if r.histogram is not None:
+            ok &= int(r.histogram[1].sum()) == 8
+        corrupted += not ok
+    assert corrupted == 0, f"{corrupted} of {len(records)} records changed by another exporter"
+    for v in (vandal, batch_vandal):
+        assert v.tried > len(records) and v.refused == v.tried
+
+
+def test_the_same_exporter_instance_twice_is_refused_naming_it():
+    memory = MemoryExporter()
+    with pytest.raises(ValueError, match=r"exporter 'memory' \(.*MemoryExporter.*\) is given "
+                                         r"twice, at positions 0 and 2 .* pass it once"):
+        sowtel.enable(exporter=[memory, "memory", memory])
+    assert sowtel.status()["enabled"] is False  # nothing was enabled
+    vandal = _Vandal()
+    with pytest.raises(ValueError, match=r"exporter 'vandal' .* given twice, at positions 0 "
+                                         r"and 1"):
+        Dispatcher([vandal, vandal], convert=list)
+    # Two instances of one class are two exporters.
+    with sowtel.enable(exporter=[memory, MemoryExporter()]) as session:
+        assert list(session.status()["exported"]) == ["memory", "memory#2"]

@@ -194,6 +194,85 @@ def test_a_jitted_function_called_several_times_streams_as_one_site() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# One name rule for every path.
+
+BAD_NAMES = ["../../etc/x", "/abs", "a b", "h[3]", "a//b", "<img src=x onerror=alert(1)>",
+             "trailing\n"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_export_refuses_what_sow_and_log_refuse_with_the_same_error(name: str) -> None:
+    with pytest.raises(ValueError) as sown:
+        sow(X, name)
+    rule = str(sown.value)  # "sow name ... has ...: <what is allowed>"
+    with sowtel.enable(exporter="memory") as session:
+        with pytest.raises(ValueError) as logged:
+            sowtel.log({name: 1.0}, step=0)
+        with pytest.raises(ValueError) as exported:
+            sowtel.export({name: {"primal": np.ones(3, np.float32)}}, step=0)
+        assert sowtel.flush()
+        assert session.exporters[0].records == []  # nothing of them was handed over
+    assert str(logged.value) == f"sowtel.log: {rule}"
+    assert str(exported.value) == f"sowtel.export: {rule}"
+
+
+CLASHING = {"a/b": np.float32(1.0), "a": {"b": np.float32(2.0)}, "k[0]": np.float32(3.0),
+            "x y": np.float32(4.0), "..": np.float32(5.0), "%2F": np.float32(6.0)}
+ESCAPED = {"v/a%2Fb": 1.0, "v/a/b": 2.0, "v/k%5B0%5D": 3.0, "v/x%20y": 4.0, "v/%2E%2E": 5.0,
+           "v/%252F": 6.0}
+
+
+@pytest.mark.parametrize("path", ["sowtel.jit", "callbacks", "export"])
+def test_pytree_keys_give_one_valid_name_a_leaf(path: str) -> None:
+    tree = jax.tree_util.tree_map(jnp.asarray, CLASHING)
+
+    def f(t):
+        return jax.tree_util.tree_reduce(lambda a, b: a + b, sow(t, "v"))
+
+    captured = save_intermediates(f)(tree)[1] if path == "export" else None
+    with sowtel.enable(exporter="memory") as session:
+        if path == "sowtel.jit":
+            sowtel.jit(f)(tree)
+        elif path == "callbacks":
+            jax.jit(f)(tree)
+        else:
+            sowtel.export(captured, step=0)
+        records = _records(session)
+    got = {r.name: r.stats["mean"] for r in records}
+    # Every leaf its own name, each a valid one: "a/b" as a key is not the path a -> b.
+    assert len(records) == len(ESCAPED) and got == ESCAPED
+    for name in got:
+        sowtel.naming.check_name(name.replace("%", "_"))
+
+
+def test_a_key_like_an_index_makes_no_phantom_site_in_the_plugin(tmp_path) -> None:
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider
+    from tensorboard.backend.event_processing import plugin_event_multiplexer as pem
+
+    from sowtel.tensorboard_plugin import DEPTH_SUFFIX, NONFINITE_TAG, PLUGIN_NAME, parse_content
+    from sowtel.tensorboard_plugin._run import RunIndex
+
+    def f(x):
+        return sow({"k[0]": x, "w": x * 2.0}, "blocks")["w"].sum()
+
+    with sowtel.enable(exporter="tensorboard", logdir=tmp_path / "run"):
+        for step in range(2):
+            with sowtel.at_step(step):
+                sowtel.jit(f)(X)
+    # TensorBoard's own reader, as the plugin gets it.
+    multiplexer = pem.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path))
+    ctx = context.RequestContext()
+    index = RunIndex(provider, ctx, "", "run", PLUGIN_NAME, parse_content, DEPTH_SUFFIX,
+                     NONFINITE_TAG)
+    assert sorted(index.sites) == ["blocks/k%5B0%5D", "blocks/w"]
+    assert all(not info.positions for info in index.sites.values())  # no scan index read
+
+
+# ---------------------------------------------------------------------------------------------
 # Validation whatever is enabled.
 
 BAD_CALLS = {

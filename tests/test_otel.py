@@ -705,3 +705,61 @@ def test_an_unreachable_endpoint_leaves_training_alone_and_disable_is_bounded(
                            "flush_timeouts"}
     if behaviour == "unavailable":
         assert receiver.requests > 0 and errors.get("export_failures.traces", 0) > 0
+
+
+# -- threads --------------------------------------------------------------------------------
+
+
+def _otel_threads(old: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
+    # sowtel's own thread, and the SDK's (batch span processor, periodic metric reader),
+    # started since the threads ``old``.
+    return [t for t in threading.enumerate()
+            if t.name.startswith(("sowtel-otel", "Otel")) and t not in old]
+
+
+def _wait_for_no_otel_threads(seconds: float,
+                              old: frozenset[threading.Thread] = frozenset()) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while _otel_threads(old) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [t.name for t in _otel_threads(old)]
+
+
+def test_sessions_leave_no_exporter_thread_behind():
+    old = frozenset(threading.enumerate())
+    for step in range(20):
+        tracer_provider, spans, meter_provider, _ = sdk_providers()
+        otel = OTelExporter(tracer_provider=tracer_provider, meter_provider=meter_provider)
+        with sowtel.enable(exporter=otel):
+            sowtel.log({"loss": 1.0}, step=step)
+        assert len(spans.get_finished_spans()) == 1  # the session did export
+    # A thread per session would be 20 here; they end with their exporter's close().
+    assert _wait_for_no_otel_threads(10.0, old) == []
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_disable_against_a_black_holed_endpoint_is_quick_and_leaves_no_thread(protocol):
+    endpoint, _, stop = serve_otlp(protocol, "hang")  # accepts connections, never answers
+    old = frozenset(threading.enumerate())
+    try:
+        otel = OTelExporter(otlp_endpoint=endpoint, otlp_protocol=protocol)
+        sowtel.enable(exporter=otel)
+        for step in range(3):
+            sowtel.log({"loss": float(step)}, step=step)
+        # The first export runs into the endpoint's silence: waited for, not timed (each
+        # request is bounded by timeout_s, 2 s).
+        deadline = time.monotonic() + 60.0
+        while not otel.errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert otel.errors
+        start = time.monotonic()
+        final = sowtel.disable()
+        elapsed = time.monotonic() - start
+        # Known to fail, the exporter interrupts its exports instead of waiting timeout_s
+        # (2 s) for a shutdown that cannot succeed.
+        assert elapsed < 1.0, f"disable() took {elapsed:.2f} s"
+        assert final["accounts"]["otel"]["pending"] == 0
+        # Every thread ends once the request in flight gives up (timeout_s).
+        assert _wait_for_no_otel_threads(30.0, old) == []
+    finally:
+        stop()

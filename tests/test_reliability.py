@@ -106,17 +106,18 @@ def test_queue_drops_convert_failures_and_pytree_items_add_up(made):
     made.append(d)
     assert d.put((-1, 1))
     assert inside.wait(5.0)
-    # queue_size counts records: items of 3 records are taken while fewer than 10 wait (0, 3,
-    # 6, 9: four items, 12 records), the next 11 are refused: 33 records dropped, not 11.
-    assert [d.put((i, 3), records=3) for i in range(15)] == [True] * 4 + [False] * 11
+    # queue_size counts records, the one being converted included: items of 3 records are
+    # taken while fewer than 10 wait (1, 4, 7: three items, 9 records), the next 12 are
+    # refused: 36 records dropped, not 12.
+    assert [d.put((i, 3), records=3) for i in range(15)] == [True] * 3 + [False] * 12
     gate.set()
     assert d.flush(timeout=10.0)
     assert d.put(13, records=2)  # convert raises on it: 2 records failed
     assert d.flush(timeout=10.0)
     s = d.status()
-    assert len(memory.records) == 1 + 12
-    assert s["drop_reasons"]["memory"] == {"queue_full": 33}
-    assert (s["exported"]["memory"], s["failed"]["memory"]) == (13, 2)
+    assert len(memory.records) == 1 + 9
+    assert s["drop_reasons"]["memory"] == {"queue_full": 36}
+    assert (s["exported"]["memory"], s["failed"]["memory"]) == (10, 2)
     assert_adds_up(s, received=1 + 45 + 2)
 
 

@@ -73,7 +73,6 @@ from sowtel.exporters.otel._providers import (
     check_service_name,
     is_api_default,
     process_index_and_count,
-    run_with_deadline,
 )
 from sowtel.records import SCALAR_SUMMARY, STAT_KEYS, Record, nonfinite_count
 from sowtel.to_records import RecordBatch, SiteColumns
@@ -591,8 +590,12 @@ class OTelExporter:
     def close(self) -> None:
         """Ends every span, flushes, and shuts down the providers the exporter created.
 
-        Returns within ``timeout_s`` even if the OTLP endpoint is down or never answers;
-        providers passed in (or global ones) are flushed, not shut down.
+        Returns within ``timeout_s`` even if the OTLP endpoint is down or never answers, and
+        at once when exports are already known to fail (an export failed, or a flush is still
+        waiting on the endpoint): then pending exports are interrupted rather than waited for.
+        Providers passed in (or global ones) are flushed, not shut down. The exporter's own
+        thread ends once the call it may be stuck in returns (an OTLP request is bounded by
+        ``timeout_s`` too); no thread is left behind.
         """
         if self._closed:
             return
@@ -601,17 +604,23 @@ class OTelExporter:
         self._closed = True
         owned = self._owns_tracer_provider or self._owns_meter_provider
         work = self._shutdown_owned if owned else self._force_flush
-        finished = self._bounded("close", work, deadline - time.monotonic())
+        stuck = self._stuck is not None and not self._stuck.is_set()
+        troubled = time.monotonic() - self._trouble_at < TROUBLE_BACKOFF_S
+        finished = False
+        if not (stuck or troubled):
+            finished = self._bounded("close", work, deadline - time.monotonic())
         if not finished:
-            # Interrupt retries and close connections, so the worker threads end soon after.
+            # Interrupt retries and close connections, so the SDK's threads end soon after.
             for exporter in self._counted_exporters:
                 try:
                     exporter.abort()
                 except Exception as e:
                     self._count_error("abort", e)
             if owned:
-                # Releases the providers' threads in the background; nothing waits for it.
-                run_with_deadline(work, 0.0, "shutdown")
+                # Releases the providers' threads, on this exporter's own thread once the call
+                # it may be stuck in returns; nothing waits for it.
+                self._runner.submit(work, "shutdown")
+        self._runner.stop()
         self._hub.remove(self._state)
         if self._prometheus_server is not None:
             self._prometheus_server.shutdown()

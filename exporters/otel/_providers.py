@@ -110,14 +110,24 @@ class Runner:
     The SDK's ``force_flush`` ignores its timeout and an OTLP exporter retries for as long as
     its own, so those calls run here while the caller waits at most its deadline. One thread
     serves every flush of an exporter (a thread a flush would be started thousands of times in
-    a run); it is started on first use.
+    a run); it is started on first use, and :meth:`stop` ends it once the calls queued before
+    it are done, so a closed exporter leaves no thread behind.
+
+    Example:
+        >>> runner = Runner("sowtel-otel-example")
+        >>> runner.run(lambda: None, 5.0, "a call")
+        True
+        >>> runner.stop()
+        >>> runner.join(5.0)
+        True
     """
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._calls: collections.deque[Callable[[], None] | None] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
+        self._last: threading.Thread | None = None  # the newest thread, for join()
 
     def run(self, fn: Callable[[], object], timeout_s: float, name: str) -> bool:
         """Runs ``fn`` there; returns whether it finished, without raising, within
@@ -133,17 +143,46 @@ class Runner:
             finally:
                 done.set()
 
-        with self._ready:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
-                self._thread.start()
-            self._calls.append(call)
-            self._ready.notify()
+        self._queue(call)
         finished = done.wait(max(0.0, timeout_s))
         if failure:
             _log.warning("sowtel otel exporter: %s failed: %r", name, failure[0])
             return False
         return finished
+
+    def submit(self, fn: Callable[[], object], name: str) -> None:
+        """Queues ``fn`` behind the calls already queued, without waiting for it."""
+
+        def call() -> None:
+            try:
+                fn()
+            except BaseException as e:  # nobody waits for it: logged here
+                _log.warning("sowtel otel exporter: %s failed: %r", name, e)
+
+        self._queue(call)
+
+    def stop(self) -> None:
+        """Ends the thread once the calls queued so far are done (at once if it never ran)."""
+        with self._ready:
+            if self._thread is not None:
+                self._calls.append(None)
+                self._ready.notify()
+
+    def join(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the thread to end; returns whether it has."""
+        thread = self._last
+        if thread is not None:
+            thread.join(timeout_s)
+        return thread is None or not thread.is_alive()
+
+    def _queue(self, call: Callable[[], None]) -> None:
+        with self._ready:
+            if self._thread is None:
+                self._thread = self._last = threading.Thread(
+                    target=self._serve, name=self._name, daemon=True)
+                self._thread.start()
+            self._calls.append(call)
+            self._ready.notify()
 
     def _serve(self) -> None:
         while True:
@@ -151,13 +190,14 @@ class Runner:
                 while not self._calls:
                     self._ready.wait()
                 call = self._calls.popleft()
+                if call is None:
+                    if self._calls:
+                        self._calls.append(None)  # queued after stop(): served first
+                        continue
+                    # Under the lock: a call queued from now on starts a thread of its own.
+                    self._thread = None
+                    return
             call()
-
-
-def run_with_deadline(fn: Callable[[], object], timeout_s: float, name: str) -> bool:
-    """Runs ``fn`` on a thread of its own; returns whether it finished within ``timeout_s``
-    (for a call made once, such as a shutdown left to finish in the background)."""
-    return Runner(f"sowtel-otel-{name}").run(fn, timeout_s, name)
 
 
 class CountingSpanExporter(SpanExporter):
