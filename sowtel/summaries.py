@@ -3,7 +3,8 @@
 The same definitions run in two places: :func:`device_summary` inside the compiled program (JAX
 ops, before the host callback) and :func:`host_summary` on numpy arrays (for
 :func:`sowtel.export` of captured intermediates). Both follow the rules of the ``"stats"``
-summary: statistics ignore non-finite elements and count them apart; ``std`` has ddof=0; ``l2``
+summary (:func:`packed_summary` takes those of many values at once, as a sown pytree's leaves
+are): statistics ignore non-finite elements and count them apart; ``std`` has ddof=0; ``l2``
 is the Euclidean norm of the finite elements (a value with none has NaN ``mean``, ``std``,
 ``min``, ``max``, ``l2`` and ``mean_abs``); integers and bools are summarised as floats.
 
@@ -541,9 +542,8 @@ def _pack_key(x: Any) -> tuple[Any, ...] | None:
 def _rows(values: list[Any], ftype: Any, copy: bool) -> tuple[Any, np.ndarray]:
     """``values`` (raveled, as ``ftype``) as the rows of one array, each padded with zeros to
     the longest; and their sizes."""
-    import jax.numpy as jnp
-
     import jax
+    import jax.numpy as jnp
 
     sizes = np.array([int(v.size) for v in values])
     width = int(sizes.max())
@@ -586,8 +586,9 @@ def _variadic_rows(x: Any, mask: Any, counts: bool) -> tuple[Any, ...]:
     inits = (zero, zero, zero, jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype),
              zero, i32(0)) + (i32(0),) * (3 * counts)
     vals = jnp.where(mask, x, 0)
-    operands = (mask.astype(ftype), vals, jnp.zeros_like(x), jnp.where(mask, x, jnp.inf),
-                jnp.where(mask, x, -jnp.inf), jnp.abs(vals), (x == 0).astype(i32))
+    operands: tuple[Any, ...] = (
+        mask.astype(ftype), vals, jnp.zeros_like(x), jnp.where(mask, x, jnp.inf),
+        jnp.where(mask, x, -jnp.inf), jnp.abs(vals), (x == 0).astype(i32))
     if counts:
         operands += (jnp.isnan(x).astype(i32), jnp.isposinf(x).astype(i32),
                      jnp.isneginf(x).astype(i32))
@@ -637,14 +638,10 @@ def _stats_rows(x: Any, sizes: np.ndarray, is_float: bool, variadic: bool
                 z - pads, bad)
 
     if variadic:
-        if is_float or valid is not None:
-            keep = jnp.isfinite(x) if is_float else valid
-            if is_float and valid is not None:
-                keep = keep & valid
-            c, mean, var, mn, mx, mean_abs, zeros, bad = _variadic_rows(x, keep, is_float)
-        else:
-            c, mean, var, mn, mx, mean_abs, zeros, bad = _variadic_rows(
-                x, jnp.ones(x.shape, bool), False)
+        keep = jnp.isfinite(x) if is_float else jnp.ones(x.shape, bool)
+        if valid is not None:
+            keep = keep & valid
+        c, mean, var, mn, mx, mean_abs, zeros, bad = _variadic_rows(x, keep, is_float)
         std = jnp.sqrt(var)
         zeros = zeros - pads
         stats = (c, mean, std, mn, mx, mean_abs, zeros, bad)
