@@ -80,7 +80,8 @@ def _child(variant: str, kind: str, n: int, steps: int) -> dict[str, float]:
         from sowtel.exporters.memory import MemoryExporter
 
         exporter = MemoryExporter(max_records=n)
-        session = sowtel.enable(exporter=exporter)
+        # A step sends N records: the queue holds a few steps (the default 10,000 would drop).
+        session = sowtel.enable(exporter=exporter, queue_size=max(10_000, 4 * n))
         fn = sowtel.jit(step) if variant == "sowtel.jit" else jax.jit(step)
     start = time.perf_counter()
     tree = jax.block_until_ready(fn(tree))
