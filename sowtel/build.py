@@ -42,7 +42,9 @@ __all__ = ["summary_records", "records_from_intermediates", "leaf_name",
 
 def summary_records(site: StreamSite, arrays: Sequence[np.ndarray], *, step: int, index: Index,
                     seq: int, wall_time: float, process_index: int) -> list[Record]:
-    """One record per leaf of ``site`` from its device summary ``arrays`` (leaf after leaf)."""
+    """One record per leaf of ``site`` from its device summary ``arrays`` (as sent: leaf
+    after leaf, or packed, see ``StreamSite.packing``)."""
+    arrays = site.per_leaf(arrays)
     per_leaf = site.arrays_per_leaf
     out = []
     for k, leaf_name in enumerate(site.leaf_names):

@@ -71,7 +71,7 @@ from sowtel.primitive import (
     leaf_names,
 )
 from sowtel.records import loop_entries
-from sowtel.summaries import DEFAULT_BINS, flatten, site_summary
+from sowtel.summaries import DEFAULT_BINS, flatten, sites_summary
 
 __all__ = ["jit", "Jitted", "CompiledSummaries", "SplitJitted", "name_after"]
 
@@ -541,7 +541,9 @@ class Jitted:
             if arrays is not None:  # finished in logging_step, with every site's
                 in_blocks.add(info.order)
             else:
-                arrays = [a for v in leaves for a in site_summary(v, summary, info.bins)]
+                arrays, packing = sites_summary(leaves, summary, info.bins)
+                if packing is not None:
+                    info = dataclasses.replace(info, packing=packing)
             return info, [*arrays, jnp.ones((), jnp.int32)]
 
         def stride(every: int) -> None:

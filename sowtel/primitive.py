@@ -37,7 +37,7 @@ import math
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -48,7 +48,16 @@ import numpy as np
 from sowtel import _jax_compat as jc
 from sowtel import naming
 from sowtel.records import SUMMARIES, loop_entries
-from sowtel.summaries import ARRAYS_PER_LEAF, DEFAULT_BINS, apart, device_summary, reads_copy
+from sowtel.summaries import (
+    ARRAYS_PER_LEAF,
+    DEFAULT_BINS,
+    Packing,
+    apart_all,
+    pack_plan,
+    packed_summary,
+    packing_of,
+    reads_copy,
+)
 
 __all__ = ["sow", "sow_p", "at_step", "Context", "StreamConfig", "SiteStatic", "StreamSite"]
 
@@ -822,6 +831,9 @@ class StreamSite:
     # Per enclosing scan (as ``loops``), the order at which it began: records' execution
     # order interleaves the sites of one scan iteration by iteration (records.order_key).
     entries: tuple[int, ...] = ()
+    # How the leaves' summaries were packed together (summaries.packed_summary); None: leaf
+    # after leaf, as device_summary gives them.
+    packing: Packing | None = None
 
     @functools.cached_property
     def scans(self) -> tuple[tuple[int, bool], ...]:
@@ -869,6 +881,18 @@ class StreamSite:
     def sizes(self) -> tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 
+    @functools.cached_property
+    def n_summary(self) -> int:
+        """The summary arrays the device sends (before the extras)."""
+        if self.packing is not None:
+            return self.packing.count
+        return self.arrays_per_leaf * len(self.leaf_names)
+
+    def per_leaf(self, arrays: Sequence[Any]) -> Sequence[Any]:
+        """The site's summary arrays leaf after leaf, as :func:`~sowtel.summaries.
+        device_summary` gives them (views of packed ones; any leading axes of positions kept)."""
+        return arrays if self.packing is None else self.packing.unpack(arrays)
+
 
 def leaf_names(site: SiteStatic) -> tuple[str, ...]:
     """The record names of a site's leaves: ``name`` for an array, ``name/<path>`` in a pytree,
@@ -913,7 +937,8 @@ def _emit_lowering(ctx: Any, *args: Any, site: StreamSite, export_process: int) 
 jc.mlir.register_lowering(sow_emit_p, _emit_lowering)
 
 
-def _site_summary(ctx: Any, values: list[Any], summary: str, bins: int) -> list[Any]:
+def _site_summary(ctx: Any, values: list[Any], summary: str, bins: int,
+                  plan: dict[tuple[Any, ...], list[int]] | None = None) -> list[Any]:
     """The summary arrays of one occurrence of a site, computed in the program.
 
     In a program partitioned over the devices of several processes, ``stats`` are computed in
@@ -936,7 +961,8 @@ def _site_summary(ctx: Any, values: list[Any], summary: str, bins: int) -> list[
                 gathered = jax.lax.with_sharding_constraint(part, replicated)
                 out.extend(multihost.merge_partials(gathered))
             return out
-    return [a for v in values for a in device_summary(v, summary, bins, copy=False)]
+    # A pytree's leaves together (the lowering planned the same packing from their avals).
+    return packed_summary(values, summary, bins, copy=False, plan=plan)[0]
 
 
 _warned_counted: set[str] = set()
@@ -1082,6 +1108,12 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         bins=DEFAULT_BINS, loops=naming.program_loops(enclosing), extras=sent, order=order,
         entries=loop_entries(enclosing, order),
     )
+    # Several processes: stats in two levels, leaf by leaf (_site_summary); inside shard_map
+    # (a per-shard site) each leaf on its own too.
+    pack = jc.global_devices(ctx) is None and "shard" not in site.extras
+    groups = pack_plan(list(leaf_avals), summary) if pack else None
+    if groups is not None:
+        info = dataclasses.replace(info, packing=packing_of(groups, len(leaf_avals), summary))
     in_branch = bool(jc.branch_path(ctx))
     if in_branch:
         info = dataclasses.replace(info, in_branch=True)
@@ -1093,12 +1125,12 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
         values, extras = _split(operands, site)
         values = taken_rows(values, site, extras)
         if reads_copy():  # before the every=N cond, whose operands XLA must write out
-            values = [apart(v) for v in values]
+            values = apart_all(values)
         extras = [x for k, x in zip(site.extras, extras, strict=True)
                   if k not in ("taken", "batch")]
 
         def emit() -> None:
-            arrays = _site_summary(ctx, values, summary, info.bins)
+            arrays = _site_summary(ctx, values, summary, info.bins, groups)
             sow_emit_p.bind(*arrays, *extras, site=info,
                             export_process=stream.export_process)
 

@@ -462,7 +462,7 @@ class Session:
                 for item in group:
                     out.extend(self._records_of(*item))
                 continue
-            n_summary = site.arrays_per_leaf * len(site.leaf_names)
+            n_summary = site.n_summary
             places = [self._place(site, arrays[n_summary:], occurrence, host_step)
                       for site, arrays, occurrence, host_step, _, _ in group]
             out.extend(site_records(
@@ -505,7 +505,7 @@ class Session:
 
     def _records_of(self, site: StreamSite, arrays: tuple[np.ndarray, ...], occurrence: int,
                     host_step: int | None, seq: int, wall_time: float) -> list[Record]:
-        n_summary = site.arrays_per_leaf * len(site.leaf_names)
+        n_summary = site.n_summary
         step, index = self._place(site, arrays[n_summary:], occurrence, host_step)
         return summary_records(site, arrays[:n_summary], step=step, index=index, seq=seq,
                                wall_time=wall_time, process_index=self.process_index)

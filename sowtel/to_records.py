@@ -346,9 +346,10 @@ def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Seque
                  process_index: int) -> SiteColumns:
     """A site's records at ``len(index)`` positions from its device summary ``arrays``.
 
-    ``arrays`` are the site's summary arrays leaf after leaf, each with one leading axis of
-    positions (in the order of ``index``).
+    ``arrays`` are the site's summary arrays as sent (leaf after leaf, or packed: see
+    ``StreamSite.packing``), each with one leading axis of positions (in the order of ``index``).
     """
+    arrays = site.per_leaf(arrays)
     n = len(index)
     per_leaf = site.arrays_per_leaf
     leaves = len(site.leaf_names)
@@ -407,7 +408,7 @@ def site_records(site: StreamSite, arrays: Sequence[Sequence[np.ndarray]], *,
         >>> [(r.step, r.seq, r.wall_time, r.stats["nan"]) for r in records]
         [(4, 9, 0.5, 0.0), (5, 10, 0.7, 2.0)]
     """
-    count = len(site.leaf_names) * site.arrays_per_leaf
+    count = site.n_summary
     stacked = [np.stack([np.asarray(a[k]) for a in arrays]) for k in range(count)]
     records = site_columns(site, stacked, index=index, step=0, seqs=seqs, wall_time=0.0,
                            process_index=process_index).records()
