@@ -135,6 +135,7 @@ _warned_foreign = False
 # thread that forwards to the main thread a SIGTERM another thread took (see _forward).
 _wakeup: tuple[int, int] | None = None
 _forwarder: threading.Thread | None = None
+_forwarder_stops: dict[int, bool] = {}  # thread ident -> asked to end
 _received = 0  # calls of sowtel's SIGTERM handler so far
 _fork_hooks: list[Callable[[], None]] = []
 _fork_objects: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -153,9 +154,26 @@ def register(dispatcher: Any) -> None:
 
 
 def unregister(dispatcher: Any) -> None:
-    """Removes a dispatcher that is closed."""
+    """Removes a dispatcher that is closed; with the last one, the forwarding thread ends (a
+    process with no live session leaves no sowtel thread behind)."""
     with _hooks_lock:
         _live.pop(id(dispatcher), None)
+        if not _live:
+            _stop_forwarder()
+
+
+def _stop_forwarder() -> None:
+    global _forwarder
+    thread, _forwarder = _forwarder, None
+    if thread is None or _wakeup is None:
+        return
+    _forwarder_stops[thread.ident or 0] = True
+    try:
+        os.write(_wakeup[1], b"\0")  # not a signal number: wakes the thread to end
+    except OSError:
+        return
+    if thread is not threading.current_thread():
+        thread.join(1.0)
 
 
 def _install_exit_hook() -> None:
@@ -276,18 +294,21 @@ def _forward(read: int) -> None:
         new = data.count(signal.SIGTERM)
         taken = min(own, new)
         own -= taken
-        if new == taken:
-            continue
-        deadline = time.monotonic() + 0.2
-        while _received == before and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if _received != before or signal.getsignal(signal.SIGTERM) is not _on_sigterm:
-            continue  # the main thread took it up (or the handler is not sowtel's to wake)
-        own += 1
-        try:
-            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
-        except (OSError, ValueError):
-            own -= 1
+        # The last session closed: this thread ends (after forwarding a SIGTERM read with it).
+        stopping = _forwarder_stops.pop(threading.get_ident(), False)
+        if new > taken:
+            deadline = time.monotonic() + 0.2
+            while _received == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # Unless the main thread took it up (or the handler is not sowtel's to wake).
+            if _received == before and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+                own += 1
+                try:
+                    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
+                except (OSError, ValueError):
+                    own -= 1
+        if stopping:
+            return
 
 
 def keep_sigterm() -> None:
