@@ -14,7 +14,8 @@ STAMP_NEW := $(VENV_NEW)/.installed
 # The two ends of the supported range: .venv holds the oldest, .venv-new the newest.
 JAX_OLD ?= jax==0.10.2 jaxlib==0.10.2
 JAX_NEW ?= jax>=0.12,<0.13 jaxlib>=0.12,<0.13
-# The suites that exercise JAX itself (tracing, transforms, lowering), run on both JAX ends.
+# The suites that exercise JAX itself (tracing, transforms, lowering), run on both JAX ends
+# (the exporters' own suites, test_trackers included, run on the oldest end only).
 JAX_TESTS ?= tests/test_tap.py tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/test_sow.py \
 	tests/test_session.py tests/test_summaries.py tests/test_dumps.py tests/test_postmortem.py \
 	tests/test_docstrings.py tests/test_examples.py tests/test_flax.py tests/test_naming.py \
@@ -22,7 +23,7 @@ JAX_TESTS ?= tests/test_tap.py tests/test_capture_matrix.py tests/test_streaming
 	tests/test_transform_regressions.py tests/test_transform_labels.py \
 	tests/test_explicit_sharding.py tests/test_startup.py tests/test_locate.py \
 	tests/test_nonfinite.py tests/test_columnar.py tests/test_hardening.py \
-	tests/test_watch.py tests/test_frameworks.py tests/test_trackers.py \
+	tests/test_watch.py tests/test_frameworks.py tests/test_many_leaves.py \
 	tests/test_fuzz_transforms.py tests/test_ported_models.py tests/test_peer_ports.py \
 	tests/test_bitwise.py tests/test_ecosystem.py tests/test_library_primitives.py tests/test_compare.py \
 	tests/test_alerts.py
