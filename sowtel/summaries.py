@@ -232,6 +232,33 @@ def _separate(x: Any) -> tuple[Any, ...]:
     return n, mean, m2, mn, mx, a, zeros, (none, none, none)
 
 
+def _merge_moments(p: tuple[Any, ...], q: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The pairwise merge of the variadic reduce (Chan et al.): count, mean, variance, min,
+    max, mean |x|, then the integer counts, summed."""
+    import jax.numpy as jnp
+
+    count = p[0] + q[0]
+    delta = q[1] - p[1]
+    w = jnp.where(count > 0, q[0] / jnp.where(count > 0, count, 1), 0)
+    v = 1 - w
+    # Means of the variance and of |x|, not sums: no partial result exceeds the value's
+    # largest magnitude (or the variance itself), so none overflows where the statistics do
+    # not. delta^2 w v as (delta w)(delta v): a quarter of delta^2 at most.
+    return (count, p[1] + delta * w, p[2] * v + q[2] * w + (delta * w) * (delta * v),
+            jnp.minimum(p[3], q[3]), jnp.maximum(p[4], q[4]), p[5] * v + q[5] * w,
+            *(a + b for a, b in zip(p[6:], q[6:], strict=True)))
+
+
+def _moment_inits(ftype: Any, counts: bool) -> tuple[Any, ...]:
+    """The identity of :func:`_merge_moments`, with the three non-finite counts if ``counts``."""
+    import jax.numpy as jnp
+
+    zero = jnp.zeros((), ftype)
+    i32 = jnp.int32
+    return (zero, zero, zero, jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype),
+            zero, i32(0)) + (i32(0),) * (3 * counts)
+
+
 def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
     """What :func:`_separate` returns (with the NaN, +inf and -inf counts), of the elements
     ``mask`` keeps (all when None), from one variadic reduce: each element enters as a count of
@@ -244,23 +271,10 @@ def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
 
     ftype = x.dtype
     i32 = jnp.int32
-    zero = jnp.zeros((), ftype)
     counts = mask is not None
 
-    def merge(p: tuple[Any, ...], q: tuple[Any, ...]) -> tuple[Any, ...]:
-        count = p[0] + q[0]
-        delta = q[1] - p[1]
-        w = jnp.where(count > 0, q[0] / jnp.where(count > 0, count, 1), 0)
-        v = 1 - w
-        # Means of the variance and of |x|, not sums: no partial result exceeds the value's
-        # largest magnitude (or the variance itself), so none overflows where the statistics
-        # do not. delta^2 w v as (delta w)(delta v): a quarter of delta^2 at most.
-        return (count, p[1] + delta * w, p[2] * v + q[2] * w + (delta * w) * (delta * v),
-                jnp.minimum(p[3], q[3]), jnp.maximum(p[4], q[4]), p[5] * v + q[5] * w,
-                *(a + b for a, b in zip(p[6:], q[6:], strict=True)))
-
-    inits = (zero, zero, zero, jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype),
-             zero, i32(0)) + (i32(0),) * (3 * counts)
+    merge = _merge_moments
+    inits = _moment_inits(ftype, counts)
     operands: tuple[Any, ...]
     if mask is None:
         operands = (jnp.ones_like(x), x, jnp.zeros_like(x), x, x, jnp.abs(x),
@@ -572,19 +586,8 @@ def _variadic_rows(x: Any, mask: Any, counts: bool) -> tuple[Any, ...]:
 
     ftype = x.dtype
     i32 = jnp.int32
-    zero = jnp.zeros((), ftype)
-
-    def merge(p: tuple[Any, ...], q: tuple[Any, ...]) -> tuple[Any, ...]:
-        count = p[0] + q[0]
-        delta = q[1] - p[1]
-        w = jnp.where(count > 0, q[0] / jnp.where(count > 0, count, 1), 0)
-        v = 1 - w
-        return (count, p[1] + delta * w, p[2] * v + q[2] * w + (delta * w) * (delta * v),
-                jnp.minimum(p[3], q[3]), jnp.maximum(p[4], q[4]), p[5] * v + q[5] * w,
-                *(a + b for a, b in zip(p[6:], q[6:], strict=True)))
-
-    inits = (zero, zero, zero, jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype),
-             zero, i32(0)) + (i32(0),) * (3 * counts)
+    merge = _merge_moments
+    inits = _moment_inits(ftype, counts)
     vals = jnp.where(mask, x, 0)
     operands: tuple[Any, ...] = (
         mask.astype(ftype), vals, jnp.zeros_like(x), jnp.where(mask, x, jnp.inf),
