@@ -115,7 +115,18 @@ class ConsoleExporter:
             self.stream.write("\n".join(lines) + "\n")
 
     def write_alerts(self, alerts: Sequence[Any]) -> None:
-        """Prints each alert of a :mod:`sowtel.alerts` rule as a line ``[sowtel] ALERT ...``."""
+        """Prints each alert of a :mod:`sowtel.alerts` rule as a line ``[sowtel] ALERT ...``.
+
+        Example:
+            >>> import io
+            >>> from sowtel.alerts import Alert, alert
+            >>> out = io.StringIO()
+            >>> found = Alert(3, "loss", "primal", None, "value", 2.0, "above",
+            ...               alert("loss", above=1.0))
+            >>> ConsoleExporter(out).write_alerts([found])
+            >>> out.getvalue().split(";")[0]
+            "[sowtel] ALERT alert at step 3: 'loss' (primal) value = 2, above 1"
+        """
         self.stream.write("".join(f"[sowtel] ALERT {a}\n" for a in alerts))
 
     def flush(self) -> None:

@@ -166,7 +166,17 @@ class MemoryExporter:
                     "MemoryExporter(max_records=...) to keep more", self.max_records)
 
     def write_alerts(self, alerts: Sequence[Any]) -> None:
-        """Keeps the alerts of :mod:`sowtel.alerts` rules (:attr:`alerts`)."""
+        """Keeps the alerts of :mod:`sowtel.alerts` rules (:attr:`alerts`).
+
+        Example:
+            >>> from sowtel.alerts import Alert, alert
+            >>> memory = MemoryExporter()
+            >>> found = Alert(3, "loss", "primal", None, "value", 2.0, "above",
+            ...               alert("loss", above=1.0))
+            >>> memory.write_alerts([found])
+            >>> [(a.step, a.name, a.kind) for a in memory.alerts]
+            [(3, 'loss', 'above')]
+        """
         with self._lock:
             self._alerts.extend(alerts)
 

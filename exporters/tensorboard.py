@@ -767,7 +767,22 @@ class TensorBoardExporter:
         health panel. A step's alerts are written again whole with each new one, as
         TensorBoard keeps a step's last; an alert of a step older than the last one written is
         written at that step (its own is in its line), since TensorBoard's loaders drop a tag's
-        later steps when an earlier one follows them."""
+        later steps when an earlier one follows them.
+
+        Example:
+            >>> import tempfile
+            >>> from tensorboard.backend.event_processing import event_accumulator as ea
+            >>> from sowtel.alerts import Alert, alert
+            >>> logdir = tempfile.mkdtemp()
+            >>> exporter = TensorBoardExporter(logdir)
+            >>> found = Alert(3, "loss", "primal", None, "value", 2.0, "above",
+            ...               alert("loss", above=1.0))
+            >>> exporter.write_alerts([found])
+            >>> exporter.close()
+            >>> acc = ea.EventAccumulator(logdir, size_guidance={ea.TENSORS: 0}); _ = acc.Reload()
+            >>> [t.step for t in acc.Tensors(RULE_ALERT_TAG + "/text_summary")]
+            [3]
+        """
         if self._closed or not alerts:
             return
         for found in sorted(alerts, key=lambda a: a.step):

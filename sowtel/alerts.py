@@ -498,7 +498,16 @@ class Alerts:
 
     def take_fired(self) -> list[Alert]:
         """The alerts fired since the last call, oldest first, for the exporters that show
-        alerts (their ``write_alerts``; the dispatcher calls this)."""
+        alerts (their ``write_alerts``; the dispatcher calls this).
+
+        Example:
+            >>> rules = make_alerts([alert("loss", above=1.0)], "warn")
+            >>> rules.observe([Record(name="loss", mode="primal", tag=LOG_TAG, step=3,
+            ...                       index=None, wall_time=0.0, summary=SCALAR_SUMMARY,
+            ...                       shape=(), dtype="float32", stats={"value": 2.0})])
+            >>> [(a.step, a.kind) for a in rules.take_fired()], rules.take_fired()
+            ([(3, 'above')], [])
+        """
         with self._lock:
             out = list(self._outbox)
             self._outbox.clear()

@@ -464,7 +464,26 @@ class OTelExporter:
     def write_alerts(self, alerts: Sequence[Any]) -> None:
         """Adds each alert of a :mod:`sowtel.alerts` rule as a span event
         (:data:`RULE_ALERT_EVENT_NAME`) of its step's span, as a record's event is added: its
-        step's span ends when a later step's record arrives, or on :meth:`flush`."""
+        step's span ends when a later step's record arrives, or on :meth:`flush`.
+
+        Example:
+            >>> from opentelemetry.sdk.trace import TracerProvider
+            >>> from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+            >>> from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+            ...     InMemorySpanExporter)
+            >>> from sowtel.alerts import Alert, alert
+            >>> spans, provider = InMemorySpanExporter(), TracerProvider()
+            >>> provider.add_span_processor(SimpleSpanProcessor(spans))
+            >>> otel = OTelExporter(tracer_provider=provider)
+            >>> found = Alert(3, "loss", "primal", None, "value", 2.0, "above",
+            ...               alert("loss", above=1.0))
+            >>> otel.write_alerts([found])
+            >>> otel.flush()
+            >>> [(e.name, e.attributes["sowtel.alert.kind"])
+            ...  for s in spans.get_finished_spans() for e in s.events]
+            [('sowtel.alert', 'above')]
+            >>> otel.close()
+        """
         if self._closed or not alerts:
             return
         for found in alerts:
