@@ -26,7 +26,7 @@ JAX_TESTS ?= tests/test_tap.py tests/test_capture_matrix.py tests/test_streaming
 	tests/test_watch.py tests/test_frameworks.py tests/test_many_leaves.py \
 	tests/test_fuzz_transforms.py tests/test_ported_models.py tests/test_peer_ports.py \
 	tests/test_bitwise.py tests/test_ecosystem.py tests/test_library_primitives.py tests/test_compare.py \
-	tests/test_alerts.py
+	tests/test_alerts.py tests/test_batched_cond_nested.py
 # The derivative fuzzer's budget for `make fuzz` (the suite runs a fixed, smaller one).
 FUZZ_EXAMPLES ?= 2000
 

@@ -21,6 +21,7 @@ Example:
     ['cotangent', 'primal']
 """
 
+from sowtel import _cond_rows  # noqa: F401  (sowtel's rule for a vmapped cond)
 from sowtel.alerts import AlertError, AlertWarning, alert
 from sowtel.capture import Intermediates, save_intermediates
 from sowtel.compare import Divergence, compare_runs

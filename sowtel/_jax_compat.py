@@ -31,6 +31,13 @@ when that is gone.
 - ``batched_branch_predicate``: under ``vmap`` of a ``cond`` with a batched predicate, the rows
   that take the branch being run, from the ``predicate`` local of ``_cond_batching_rule``; when
   it is gone, every row reports the branch's values (as before).
+- ``wrap_cond_batching``, ``batched_cond_operands``, ``select_branch_inputs``,
+  ``select_branch_outputs``, ``vmap_axis``: a rule in front of JAX's batching rule of
+  ``cond`` (its ``fancy_primitive_batchers`` entry), doing what JAX's does for a batched
+  predicate with JAX's own selects (``_bcast_select``, ``_bcast_select_n``); where the entry is
+  gone, JAX's rule runs alone and nested sows report every row.
+- ``current_trace`` / ``trace_encloses``: the trace a bind goes to, and whether a ``vmap``'s
+  trace encloses it (``parent_trace`` links, a ``BatchTrace``'s ``tag``).
 - ``traced_for``: what the innermost trace is tracing (``"while_cond"``, ``"scan"``, ...).
 - ``manual_axes``: the mesh axes that are manual here (inside ``shard_map`` / ``pmap``).
 - ``as_jaxpr`` / ``jaxpr_and_consts``: sub-jaxprs of an equation's parameters. JAX 0.10 wraps a
@@ -608,6 +615,73 @@ def batched_branch_predicate(depth: int = 8) -> tuple[Any, int, int] | None:
             return local["predicate"], id(frame), local["i"]
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def wrap_cond_batching(rule: Callable[..., Any]) -> None:
+    """Puts ``rule(original, axis_data, args, dims, **params)`` in front of JAX's batching rule
+    of ``cond`` (a ``fancy_primitive_batchers`` entry, checked on JAX 0.10.2 and 0.12). Where
+    the entry is not there, nothing changes."""
+    original = batching.fancy_primitive_batchers.get(_conditionals.cond_p)
+    if original is None or getattr(original, "_sowtel_wrapped", False):
+        return
+
+    def batch_cond(axis_data: Any, args: Any, dims: Any, **params: Any) -> Any:
+        return rule(original, axis_data, args, dims, **params)
+
+    batch_cond._sowtel_wrapped = True  # type: ignore[attr-defined]
+    batching.fancy_primitive_batchers[_conditionals.cond_p] = batch_cond
+
+
+def batched_cond_operands(axis_data: Any, args: Any, dims: Any) -> list[Any]:
+    """A vmapped cond's index and operands, each with its batch axis first (as JAX's rule)."""
+    return [batching.bdim_at_front(x, d, axis_data.size,
+                                   mesh_axis=getattr(axis_data, "explicit_mesh_axis", None))
+            for x, d in zip(args, dims, strict=True)]
+
+
+def select_branch_inputs(taken: Any, x: Any) -> Any:
+    """``x`` where a row takes the branch, ``stop_gradient(x)`` elsewhere (JAX's rule does so,
+    for reverse-mode autodiff's sake)."""
+    return _conditionals._bcast_select(taken, x, jax.lax.stop_gradient(x))
+
+
+def select_branch_outputs(index: Any, outs: list[Any]) -> Any:
+    """Per row, the output of the branch ``index`` names (JAX's rule's select)."""
+    return _conditionals._bcast_select_n(index, *outs)
+
+
+def current_trace() -> Any:
+    """The trace that binding a primitive here goes to."""
+    return core.trace_ctx.trace
+
+
+def _same_vmap(here: Any, trace: Any) -> bool:
+    tag = getattr(trace, "tag", None)
+    return isinstance(here, batching.BatchTrace) and tag is not None and here.tag is tag
+
+
+def trace_encloses(trace: Any, depth: int = 200) -> bool:
+    """Whether ``trace`` is the current trace or one it traces inside (its parents, as
+    ``parent_trace`` links them: a body traced inside ``vmap`` has the ``vmap``'s trace there;
+    a batching rule runs in the trace below its own). A trace of the same ``vmap`` counts as
+    ``trace``: ``vmap`` runs a ``custom_jvp`` function in one of its own."""
+    here = core.trace_ctx.trace
+    for _ in range(depth):
+        if here is None:
+            return False
+        if here is trace or _same_vmap(here, trace):
+            return True
+        here = getattr(here, "parent_trace", None)
+    return False
+
+
+def vmap_axis(axis_data: Any) -> dict[str, Any]:
+    """``jax.vmap`` keywords that recreate the ``vmap`` a batching rule runs under."""
+    return {"axis_name": getattr(axis_data, "name", None),
+            "axis_size": axis_data.size,
+            "spmd_axis_name": getattr(axis_data, "spmd_name", None)}
+
+
 _FLAX_AXES_SCAN = os.path.join("flax", "core", "axes_scan.py")
 
 

@@ -430,14 +430,39 @@ class SowPrimitive(jc.core.Primitive):
         if site is not None and scan3 and site.scan3 != scan3:
             site = dataclasses.replace(site, scan3=scan3)
             params = {**params, "site": site}
-        if site is not None and "taken" not in site.extras:
-            found = jc.batched_branch_predicate()
+        if site is not None:
+            rows = ROWS.get()
+            found = None
+            if rows is not None and jc.trace_encloses(rows[3]):
+                found = rows[:3]
+            else:
+                found = jc.batched_branch_predicate()
             if found is not None:
-                taken, cond, branch = found
-                params = {**params, "site": dataclasses.replace(
-                    site, extras=(*site.extras, "taken"), branch=(cond, branch))}
-                args = (*args, taken)
+                args, params = _with_rows(args, params, site, *found)
         return super().bind(*args, **params)
+
+
+# While sowtel's rule of a vmapped cond runs one of its branches under vmap (sowtel._cond_rows):
+# (the rows that take it, per row; the cond's key; the branch's index; that vmap's trace). A
+# sow bound in that trace or in a body traced inside it takes the rows; one bound below it
+# (the batching rule's own bind, with the rows batched as its operand) has them already.
+ROWS: contextvars.ContextVar[tuple[Any, int, int, Any] | None] = contextvars.ContextVar(
+    "sowtel_rows", default=None)
+
+
+def _with_rows(args: tuple[Any, ...], params: dict[str, Any], site: SiteStatic, taken: Any,
+               cond: int, branch: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A sow's operands and parameters with the rows of a vmapped cond's branch: a ``"taken"``
+    extra, or, where an outer cond's rows are there already, both (the rows that take both)."""
+    if "taken" not in site.extras:
+        site = dataclasses.replace(site, extras=(*site.extras, "taken"), branch=(cond, branch))
+        return (*args, taken), {**params, "site": site}
+    at = len(args) - len(site.extras) + site.extras.index("taken")
+    if site.branch is not None and site.branch[0] == cond:  # this cond's rows, bound again
+        return args, params
+    both = jnp.logical_and(args[at], taken)
+    site = dataclasses.replace(site, branch=(cond, branch))
+    return (*args[:at], both, *args[at + 1:]), {**params, "site": site}
 
 
 sow_p = SowPrimitive("sow")
