@@ -125,10 +125,11 @@ def stream(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
     return {r.mode: r for r in records}
 
 
+@pytest.mark.parametrize("kind", ["checkpoint", "jit"])
 @pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
-def test_streaming_sends_the_masked_rows_of_a_checkpointed_site(transport: str) -> None:
-    f = jax.vmap(jax.grad(program(checkpointed)))
-    primal, cot = expected(checkpointed)
+def test_streaming_sends_the_masked_rows_of_a_nested_site(transport: str, kind: str) -> None:
+    f = jax.vmap(jax.grad(program(NESTED[kind])))
+    primal, cot = expected(NESTED[kind])
     jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
     by_mode = stream(jit(f), XS)
     assert set(by_mode) == {"primal", "cotangent"}
