@@ -61,16 +61,10 @@ import numpy as np
 
 from sowtel import _exit, capture, multihost, naming
 from sowtel import _jax_compat as jc
-from sowtel.primitive import (
-    CONTEXT,
-    Context,
-    StreamConfig,
-    StreamSite,
-    current_context,
-    host_step,
-    leaf_names,
-)
+from sowtel.context import CONTEXT, Context, StreamConfig, current_context
+from sowtel.primitive import StreamSite, leaf_names
 from sowtel.records import loop_entries
+from sowtel.steps import host_step
 from sowtel.summaries import DEFAULT_BINS, flatten, sites_summary
 
 __all__ = ["jit", "Jitted", "CompiledSummaries", "SplitJitted", "name_after"]

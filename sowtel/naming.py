@@ -50,8 +50,8 @@ from sowtel import _jax_compat as jc
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
 
-__all__ = ["check_name", "leaf_segment", "leaf_name", "scope", "scoped", "runs_backward",
-           "numbered", "number_in_program", "occurrence_name", "occurrence_names",
+__all__ = ["check_name", "check_tag", "leaf_segment", "leaf_name", "scope", "scoped",
+           "runs_backward", "numbered", "number_in_program", "occurrence_name", "occurrence_names",
            "occurrence_slots", "program_loops", "ProgramNames"]
 
 
@@ -99,6 +99,19 @@ def check_name(name: Any, what: str = "sow name") -> str:
             raise ValueError(f"{what} {name!r} has a {segment!r} segment, which is not allowed "
                              f"(names are never paths): {_NAME_RULE}")
     return name
+
+
+def check_tag(tag: Any) -> str:
+    """THE tag rule: a tag (``sow(tag=...)``, ``save_intermediates(tag=...)``) is a non-empty
+    str. Returns ``tag``, else raises ``ValueError`` naming the value.
+
+    Example:
+        >>> check_tag("intermediates")
+        'intermediates'
+    """
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"sow tag must be a non-empty str, got {tag!r}")
+    return tag
 
 
 _KEY_ENTRIES = tuple(getattr(jax.tree_util, k) for k in

@@ -27,19 +27,15 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
-import fnmatch
 import functools
 import itertools
 import math
-import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +43,9 @@ import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
+from sowtel.context import RECEIVERS, StreamConfig, check_positive_int, current_context
 from sowtel.records import SUMMARIES, loop_entries
+from sowtel.steps import traced_step
 from sowtel.summaries import (
     ARRAYS_PER_LEAF,
     DEFAULT_BINS,
@@ -59,140 +57,10 @@ from sowtel.summaries import (
     reads_copy,
 )
 
-__all__ = ["sow", "sow_p", "at_step", "Context", "StreamConfig", "SiteStatic", "StreamSite"]
-
-# ---------------------------------------------------------------------------------------------
-# What is switched on: a jit-cache-keyed context, read whenever a sow is bound.
-
-
-@dataclasses.dataclass(frozen=True)
-class Globs:
-    """A name filter of glob patterns, compared by value (so it can key the jit cache)."""
-
-    patterns: tuple[str, ...]
-
-    def __call__(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
-
-
-# every= values of the sites traced under each streaming configuration (and the configuration's
-# own): a host-side step divisible by none of them logs nothing. A few small ints per setting.
-STRIDES: dict[Any, set[int]] = {}
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamConfig:
-    """What a session streams: the part of ``enable()``'s settings that shapes compiled programs.
-
-    It, not the session, keys the jit cache: a new session with the same settings reuses every
-    program compiled for the previous one, and the programs deliver to whichever session is
-    active when their callbacks run.
-
-    Example:
-        >>> config = StreamConfig(tags=("intermediates",), include=Globs(("block*",)))
-        >>> config.selects("block0/act", "intermediates"), config.selects("head", "intermediates")
-        (True, False)
-        >>> config == StreamConfig(tags=("intermediates",), include=Globs(("block*",)))
-        True
-    """
-
-    tags: tuple[str, ...] = ("intermediates",)
-    modes: tuple[str, ...] = ("primal", "tangent", "cotangent")
-    include: Callable[[str], bool] | None = None
-    exclude: Callable[[str], bool] | None = None
-    summary: str = "stats"
-    every: int = 1
-    #: The process that exports the records of sites whose values span processes.
-    export_process: int = 0
-
-    def selects(self, name: str, tag: str) -> bool:
-        if tag not in self.tags:
-            return False
-        if self.include is not None and not self.include(name):
-            return False
-        return not (self.exclude is not None and self.exclude(name))
-
-    def wants(self, mode: str) -> bool:
-        return mode in self.modes or mode.split(".")[-1] in self.modes
-
-    def summary_for(self, site_summary: str | None) -> str:
-        return site_summary or self.summary
-
-    def every_for(self, site_every: int | None) -> int:
-        every = site_every or self.every
-        STRIDES.setdefault(self, {self.every}).add(every)
-        return every
-
-    def strides(self) -> set[int]:
-        """The ``every=`` values of this setting and of the sites traced under it so far."""
-        return STRIDES.get(self) or {self.every}
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-    """What sows bound now should do: stream with ``stream``, and/or be captured for ``capture``."""
-
-    stream: StreamConfig | None = None
-    capture: str | None = None
-    # Set by a host-side at_step on a step that logs nothing: sows bind nothing, so the call
-    # runs the uninstrumented program.
-    quiet: bool = False
-
-
-# Part of every jit cache key: toggling enable() or entering save_intermediates retraces.
-CONTEXT = jax.make_user_context(None)
-
-
-class StreamPolicy(Protocol):
-    """What the streaming session does for the primitive (``sowtel.session.Session``)."""
-
-    def receive(self, site: StreamSite, arrays: tuple[np.ndarray, ...]) -> None: ...
-
-    def count_late(self, site: StreamSite) -> None: ...
-
-    def skip(self, site: StreamSite, occurrences: int) -> None: ...
-
-    def logs_at(self, step: int) -> bool: ...
-
-    def host_step_block(self, step: int) -> contextlib.AbstractContextManager[None]: ...
-
-
-class _Receivers:
-    """The session host callbacks deliver to, and the last one closed (which counts late ones)."""
-
-    active: StreamPolicy | None = None
-    closed: StreamPolicy | None = None
-
-
-RECEIVERS = _Receivers()
-
-
-def current_context() -> Context | None:
-    value = CONTEXT.value
-    return value if isinstance(value, Context) else None
-
+__all__ = ["sow", "sow_p", "SiteStatic", "StreamSite"]
 
 # ---------------------------------------------------------------------------------------------
 # Validation.
-
-# THE name rule lives in sowtel.naming (every path checks names there).
-check_name = naming.check_name
-
-
-def check_tag(tag: Any) -> str:
-    if not isinstance(tag, str) or not tag:
-        raise ValueError(f"sow tag must be a non-empty str, got {tag!r}")
-    return tag
-
-
-def check_positive_int(value: Any, what: str) -> int:
-    """``value`` as an int if it is one above 0; ``what`` is ``"<function> <argument>"``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        func, _, arg = what.rpartition(" ")
-        raise ValueError(f"{func}({arg}={value!r}): {arg} must be a positive int, such as 1 "
-                         "or 10")
-    return int(value)
-
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
@@ -245,120 +113,6 @@ def _unflattenable(value: Any, name: str, error: Exception) -> ValueError:
 
 def _as_array_leaf(leaf: Any) -> Any:
     return jnp.asarray(leaf) if isinstance(leaf, (bool, int, float, complex)) else leaf
-
-
-# ---------------------------------------------------------------------------------------------
-# Steps.
-
-_STEP = threading.local()
-
-
-@contextmanager
-def at_step(step: Any) -> Iterator[None]:
-    """Records of sows inside carry ``step`` as their step; ``every=N`` skips the other steps.
-
-    Two ways to use it:
-
-    - **inside traced code** (in the jitted function), ``step`` is a device value (an integer
-      tracer or array): records carry it, and ``every=N`` is decided on the device, so a step
-      that does not log sends nothing to the host;
-    - **around the call** of a jitted function, ``step`` is a Python int: a step that logs
-      nothing runs the program compiled without sows (the same program as with streaming off),
-      and one that logs runs the instrumented one. Two programs are compiled, and the steps
-      that do not log cost nothing at all.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, sowtel
-        >>> @jax.jit
-        ... def train_step(params, step):
-        ...     with sowtel.at_step(step):              # device-side step
-        ...         h = sowtel.sow(params * 2, "h", every=10)
-        ...     return h.sum()
-        >>> @jax.jit
-        ... def plain_step(params):
-        ...     return sowtel.sow(params * 2, "h").sum()
-        >>> with sowtel.enable(exporter="memory", every=10):
-        ...     for step in range(20):
-        ...         with sowtel.at_step(step):          # host-side step
-        ...             _ = plain_step(jnp.ones(3))
-    """
-    if isinstance(step, bool) or not (
-        isinstance(step, (int, np.integer))
-        or (hasattr(step, "dtype") and jnp.issubdtype(step.dtype, jnp.integer))
-    ):
-        raise ValueError(
-            f"at_step step must be an integer scalar (Python int or integer array), got {step!r}"
-        )
-    if hasattr(step, "shape") and tuple(step.shape) != ():
-        raise ValueError(f"at_step step must be a scalar, got shape {tuple(step.shape)}")
-    if not jc.is_tracing() and not isinstance(step, jc.core.Tracer):
-        with _host_step(int(step)):
-            yield
-        return
-    stack = _STEP.__dict__.setdefault("stack", [])
-    stack.append(step)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-# The step of the innermost host-side at_step, per thread (and per asyncio task).
-HOST_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "sowtel_host_step", default=None)
-
-
-def host_step() -> int | None:
-    """The step of the host-side :func:`at_step` around this call, in this thread; or None.
-
-    Example:
-        >>> with at_step(7):
-        ...     inside = host_step()
-        >>> inside, host_step()
-        (7, None)
-    """
-    return HOST_STEP.get()
-
-
-@contextmanager
-def _host_step(step: int) -> Iterator[None]:
-    token = HOST_STEP.set(step)
-    try:
-        ctx = current_context()
-        policy = RECEIVERS.active
-        if ctx is None or ctx.stream is None or policy is None:
-            yield
-            return
-        if _in_asyncio_task():
-            # Tasks share their thread, and JAX's jit context is per thread: a quiet step's
-            # switch held across an await would reach the other tasks' calls (a logging step
-            # run quiet loses its records). So in a task every step runs the instrumented
-            # program, in a block the callbacks read their step from, and the host drops the
-            # records of steps that do not log.
-            with policy.host_step_block(step):
-                yield
-            return
-        logs = policy.logs_at(step)
-        with (policy.host_step_block(step) if logs else contextlib.nullcontext()), \
-                CONTEXT(dataclasses.replace(ctx, quiet=not logs)):
-            yield
-    finally:
-        HOST_STEP.reset(token)
-
-
-def _in_asyncio_task() -> bool:
-    asyncio = sys.modules.get("asyncio")  # never imported: no task can be running
-    if asyncio is None:
-        return False
-    try:
-        return asyncio.current_task() is not None
-    except RuntimeError:  # no running event loop in this thread
-        return False
-
-
-def _current_step() -> Any | None:
-    stack = _STEP.__dict__.get("stack")
-    return stack[-1] if stack else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,8 +314,8 @@ def sow(
         >>> inter["layer/h"]["primal"]
         Array([0., 0.], dtype=float32)
     """
-    check_name(name)
-    check_tag(tag)
+    naming.check_name(name)
+    naming.check_tag(tag)
     if summary is not None and summary not in SUMMARIES:
         raise ValueError(f"sow summary={summary!r} is not a summary: use one of {SUMMARIES}")
     if every is not None:
@@ -594,7 +348,7 @@ def sow(
         return value
     extras: list[Any] = []
     kinds: list[str] = []
-    step = _current_step()
+    step = traced_step()
     if step is not None:
         extras.append(jnp.asarray(step))
         kinds.append("step")
