@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
 
 __all__ = ["Globs", "StreamConfig", "Context", "CONTEXT", "StreamPolicy", "RECEIVERS",
-           "current_context", "check_positive_int"]
+           "current_context", "check_positive_int", "Strides", "STRIDES", "is_due"]
 
 # What is switched on: a jit-cache-keyed context, read whenever a sow is bound.
 
@@ -46,9 +46,64 @@ class Globs:
         return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
 
-# every= values of the sites traced under each streaming configuration (and the configuration's
-# own): a host-side step divisible by none of them logs nothing. A few small ints per setting.
-STRIDES: dict[Any, set[int]] = {}
+# -- strides: which steps log ------------------------------------------------------------------
+
+
+def is_due(step: Any, every: int) -> Any:
+    """THE stride decision: whether a site of ``every=every`` logs at ``step``.
+
+    ``step`` is a Python int (decided on the host) or an integer device value (decided in the
+    program, under a traced :func:`sowtel.at_step`: a traced bool).
+
+    Example:
+        >>> is_due(20, 10), is_due(25, 10), is_due(3, 1)
+        (True, False, True)
+    """
+    return step % every == 0
+
+
+class Strides:
+    """THE stride registry: per streaming configuration, the ``every=`` values known so far,
+    the configuration's own and those of the sites traced under it.
+
+    A step due at none of them logs nothing (:meth:`due`). :data:`STRIDES` holds what every
+    sow bound under a configuration met (a host-side :func:`sowtel.at_step` reads it);
+    each :func:`sowtel.jit` function keeps one of its own, for its own sites, whose due
+    strides key its logging programs. A few small ints per setting.
+
+    Example:
+        >>> config = StreamConfig(every=1)
+        >>> strides = Strides()
+        >>> strides.add(config, 10)
+        >>> sorted(strides.of(config)), strides.due(config, 5), strides.strided(config)
+        ([1, 10], frozenset({1}), True)
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[StreamConfig, set[int]] = {}
+
+    def __contains__(self, config: StreamConfig) -> bool:
+        return config in self._known
+
+    def of(self, config: StreamConfig) -> set[int]:
+        """The strides known for ``config`` (the live set: additions show in it)."""
+        return self._known.setdefault(config, {config.every})
+
+    def add(self, config: StreamConfig, every: int) -> None:
+        self.of(config).add(every)
+
+    def known(self, config: StreamConfig) -> set[int]:
+        """The strides known for ``config``, its own ``every`` if none (registers nothing)."""
+        return self._known.get(config) or {config.every}
+
+    def due(self, config: StreamConfig, step: int) -> frozenset[int]:
+        """The strides of ``config`` at which ``step`` logs (:func:`is_due`); empty: it logs
+        nothing."""
+        return frozenset(e for e in self.known(config) if is_due(step, e))
+
+    def strided(self, config: StreamConfig) -> bool:
+        """Whether some steps log nothing (a stride above 1)."""
+        return any(e > 1 for e in self.known(config))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +146,16 @@ class StreamConfig:
 
     def every_for(self, site_every: int | None) -> int:
         every = site_every or self.every
-        STRIDES.setdefault(self, {self.every}).add(every)
+        STRIDES.add(self, every)
         return every
 
     def strides(self) -> set[int]:
         """The ``every=`` values of this setting and of the sites traced under it so far."""
-        return STRIDES.get(self) or {self.every}
+        return STRIDES.known(self)
+
+
+# Every sow bound under a configuration adds its every= here.
+STRIDES = Strides()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,7 @@ import numpy as np
 
 from sowtel import _exit, capture, multihost, naming
 from sowtel import _jax_compat as jc
-from sowtel.context import CONTEXT, Context, StreamConfig, current_context
+from sowtel.context import CONTEXT, Context, StreamConfig, Strides, current_context
 from sowtel.primitive import StreamSite, leaf_names
 from sowtel.records import loop_entries
 from sowtel.steps import host_step
@@ -157,7 +157,7 @@ class _Programs:
         # (stream settings, due strides, gather, health, histograms) -> jax.jit
         self.programs: dict[Any, Any] = {}
         self.traced: set[Any] = set()  # keys of the programs traced whole once
-        self.strides: dict[StreamConfig, set[int]] = {}
+        self.strides = Strides()
         # Per stream setting: whether the function has sites that keep their host callbacks
         # (in while_loop bodies, in library primitives), which take the call's step from the
         # host.
@@ -299,7 +299,7 @@ class Jitted:
         config = ctx.stream
         assert config is not None, "checked by __call__"
         if config not in self._strides:
-            self._strides[config] = {config.every}
+            self._strides.of(config)
             self._callbacks[config] = False
             if not self._due(config, step):
                 self._discover(config, args, kwargs)
@@ -356,7 +356,7 @@ class Jitted:
                         self._remember(key, args, kwargs)
                         self._warm_plain(args, kwargs)
             except _NewStride as new:  # raised while tracing: nothing ran
-                self._strides[config].add(new.every)
+                self._strides.add(config, new.every)
                 continue
             session.receive_compiled(summaries, step)
             if guard is not None and (summaries.sites or self._callbacks.get(config)):
@@ -370,13 +370,13 @@ class Jitted:
             return next(self._steps[1])
 
     def _due(self, config: StreamConfig, step: int) -> frozenset[int]:
-        return frozenset(e for e in self._strides[config] if step % e == 0)
+        return self._strides.due(config, step)
 
     def _discover(self, config: StreamConfig, args: Any, kwargs: Any) -> None:
         # One trace (no compilation) to learn the every= of the function's sites, and whether
         # some are in while_loop bodies: needed only when the first call's step is due at none
         # of the strides known so far (a logging program's own trace learns them otherwise).
-        self._strides.setdefault(config, {config.every})
+        self._strides.of(config)
         self._callbacks.setdefault(config, False)
         with CONTEXT(Context(stream=config)):
             self._program(config, None).trace(*args, **kwargs)
@@ -439,7 +439,7 @@ class Jitted:
 
     def _strided(self, config: StreamConfig) -> bool:
         """Whether some steps log nothing (a stride above 1): they run the plain program."""
-        return any(e > 1 for e in self._strides[config])
+        return self._strides.strided(config)
 
     def _remember(self, key: tuple[Any, ...], args: Any, kwargs: Any) -> None:
         try:
@@ -485,7 +485,7 @@ class Jitted:
             try:
                 program.trace(*args, **kwargs)
             except _NewStride as new:
-                self._strides[config].add(new.every)
+                self._strides.add(config, new.every)
                 continue
             return program
 
@@ -505,7 +505,7 @@ class Jitted:
         # comes through a Jitted, which holds the function.
         fun_ref = weakref.ref(self._fun)
         callbacks = self._callbacks
-        strides = self._strides.setdefault(config, {config.every})
+        strides = self._strides.of(config)
         in_blocks: set[int] = set()  # sites whose stats are summarised per device (multihost)
 
         def reduce(params: dict[str, Any], leaves: list[Any]) -> tuple[Any, list[Any]] | None:

@@ -43,7 +43,7 @@ import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
-from sowtel.context import RECEIVERS, StreamConfig, check_positive_int, current_context
+from sowtel.context import RECEIVERS, StreamConfig, check_positive_int, current_context, is_due
 from sowtel.records import SUMMARIES, loop_entries
 from sowtel.steps import traced_step
 from sowtel.summaries import (
@@ -890,7 +890,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
 
         if every > 1 and "step" in site.extras and not in_branch:
             step = extras[sent.index("step")]
-            jax.lax.cond(step % every == 0, emit, lambda: None)
+            jax.lax.cond(is_due(step, every), emit, lambda: None)
         else:
             emit()
         return []
