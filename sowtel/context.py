@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 if TYPE_CHECKING:
-    from sowtel.primitive import StreamSite
+    from sowtel.sites import StreamSite
 
 __all__ = ["Globs", "StreamConfig", "Context", "CONTEXT", "StreamPolicy", "RECEIVERS",
            "current_context", "check_positive_int", "Strides", "STRIDES", "is_due"]

@@ -62,10 +62,9 @@ import numpy as np
 from sowtel import _exit, capture, multihost, naming
 from sowtel import _jax_compat as jc
 from sowtel.context import CONTEXT, Context, StreamConfig, Strides, current_context
-from sowtel.primitive import StreamSite, leaf_names
-from sowtel.records import loop_entries
+from sowtel.sites import StreamSite, stream_site
 from sowtel.steps import host_step
-from sowtel.summaries import DEFAULT_BINS, flatten, sites_summary
+from sowtel.summaries import flatten, sites_summary
 
 __all__ = ["jit", "Jitted", "CompiledSummaries", "SplitJitted", "name_after"]
 
@@ -524,13 +523,8 @@ class Jitted:
                 summary = "histogram"  # a step of enable(histogram_every=...)
             site = params["site"]
             order = next(_order)
-            info = StreamSite(
-                name=site.name, mode=params["mode"], tag=site.tag, leaf_names=leaf_names(site),
-                shapes=tuple(tuple(v.shape) for v in leaves),
-                dtypes=tuple(str(v.dtype) for v in leaves), summary=summary, every=every,
-                bins=DEFAULT_BINS, loops=site.loops, extras=(), order=order,
-                entries=loop_entries(params["enclosing"], order),
-            )
+            info = stream_site(site, params["mode"], leaves, summary=summary, every=every,
+                               loops=site.loops, enclosing=params["enclosing"], order=order)
             arrays = multihost.partial_summaries(leaves, summary, info.bins, gather)
             if arrays is not None:  # finished in logging_step, with every site's
                 in_blocks.add(info.order)
@@ -578,11 +572,8 @@ class Jitted:
             sites = []
             arrays: list[Any] = []
             for c, name in zip(caps, names, strict=True):
-                site = c.site
-                if name != site.name:
-                    site = dataclasses.replace(site, name=name, leaf_names=tuple(
-                        name + leaf[len(site.name):] for leaf in site.leaf_names))
-                sites.append(SiteSummary(site, c.stacked, len(c.leaves)))
+                sites.append(SiteSummary(naming.renamed(c.site, name), c.stacked,
+                                         len(c.leaves)))
                 arrays.extend(c.leaves)
             result = jax.tree_util.tree_unflatten(out_tree, outs)
             if multihost.spans_processes():

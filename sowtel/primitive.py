@@ -31,10 +31,9 @@ import contextvars
 import dataclasses
 import functools
 import itertools
-import math
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,12 +43,10 @@ import numpy as np
 from sowtel import _jax_compat as jc
 from sowtel import naming
 from sowtel.context import RECEIVERS, StreamConfig, check_positive_int, current_context, is_due
-from sowtel.records import SUMMARIES, loop_entries
+from sowtel.records import SUMMARIES
+from sowtel.sites import StreamSite, stream_site
 from sowtel.steps import traced_step
 from sowtel.summaries import (
-    ARRAYS_PER_LEAF,
-    DEFAULT_BINS,
-    Packing,
     apart_all,
     pack_plan,
     packed_summary,
@@ -57,7 +54,7 @@ from sowtel.summaries import (
     reads_copy,
 )
 
-__all__ = ["sow", "sow_p", "SiteStatic", "StreamSite"]
+__all__ = ["sow", "sow_p", "SiteStatic"]
 
 # ---------------------------------------------------------------------------------------------
 # Validation.
@@ -563,99 +560,6 @@ jc.pe.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
 # Streaming lowering: on-device summary, then one host callback per site.
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamSite:
-    """A streaming site as the host sees it; built once per compilation, shared by its records."""
-
-    name: str
-    mode: str
-    tag: str
-    leaf_names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    summary: str
-    every: int
-    bins: int
-    loops: tuple[tuple[int, bool], ...] | None
-    extras: tuple[str, ...]
-    order: int = 0  # position in the compiled program: lowering follows the jaxpr's order
-    # In a cond's branch: every occurrence is sent, the host applies ``every`` (a skipped
-    # branch tells the host what it skipped, whatever the step).
-    in_branch: bool = False
-    # Per enclosing scan (as ``loops``), the order at which it began: records' execution
-    # order interleaves the sites of one scan iteration by iteration (records.order_key).
-    entries: tuple[int, ...] = ()
-    # How the leaves' summaries were packed together (summaries.packed_summary); None: leaf
-    # after leaf, as device_summary gives them.
-    packing: Packing | None = None
-
-    @functools.cached_property
-    def scans(self) -> tuple[tuple[int, bool], ...]:
-        """``Record.scans`` of the site's records: ``(entry, reverse)`` per enclosing scan (a
-        scan whose entry is unknown counts as entered at the site itself)."""
-        loops = self.loops or ()
-        entries = self.entries if len(self.entries) == len(loops) else (self.order,) * len(loops)
-        return tuple((e, bool(r)) for e, (_, r) in zip(entries, loops, strict=True))
-
-    # Derived once per site, read on every callback.
-    @functools.cached_property
-    def period(self) -> int:
-        """Callbacks per execution of the enclosing scans (1 outside scans)."""
-        n = 1
-        for length, _ in self.loops or ():
-            n *= max(length, 1)
-        return n
-
-    @functools.cached_property
-    def counter_key(self) -> tuple[str, str, Any]:
-        """Occurrences are counted per (name, mode, loops) (and shard)."""
-        return (self.name, self.mode, self.loops)
-
-    @functools.cached_property
-    def sharded(self) -> bool:
-        return bool(self.extras) and self.extras[-1] == "shard"
-
-    @functools.cached_property
-    def host_every(self) -> int:
-        """The stride the host applies: 1 when the device decides it (under at_step)."""
-        return 1 if "step" in self.extras and not self.in_branch else self.every
-
-    @functools.cached_property
-    def full_nbytes(self) -> int:
-        """Bytes a ``"full"`` record holds (for the queue's byte bound); 0 for summaries."""
-        if self.summary != "full":
-            return 0
-        return sum(n * np.dtype(d).itemsize for n, d in zip(self.sizes, self.dtypes, strict=True))
-
-    @functools.cached_property
-    def arrays_per_leaf(self) -> int:
-        return ARRAYS_PER_LEAF[self.summary]
-
-    @functools.cached_property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(math.prod(s) for s in self.shapes)
-
-    @functools.cached_property
-    def n_summary(self) -> int:
-        """The summary arrays the device sends (before the extras)."""
-        if self.packing is not None:
-            return self.packing.count
-        return self.arrays_per_leaf * len(self.leaf_names)
-
-    def per_leaf(self, arrays: Sequence[Any]) -> Sequence[Any]:
-        """The site's summary arrays leaf after leaf, as :func:`~sowtel.summaries.
-        device_summary` gives them (views of packed ones; any leading axes of positions kept)."""
-        return arrays if self.packing is None else self.packing.unpack(arrays)
-
-
-def leaf_names(site: SiteStatic) -> tuple[str, ...]:
-    """The record names of a site's leaves: ``name`` for an array, ``name/<path>`` in a pytree,
-    each key escaped by :func:`sowtel.naming.leaf_segment` (so no two leaves share a name)."""
-    skeleton = jax.tree_util.tree_unflatten(site.treedef, range(site.treedef.num_leaves))
-    paths = jax.tree_util.tree_flatten_with_path(skeleton)[0]
-    return tuple(naming.leaf_name(site.name, path) for path, _ in paths)
-
-
 _lowering_order = itertools.count()
 
 sow_emit_p = jc.core.Primitive("sow_emit")
@@ -855,13 +759,9 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
     sent = tuple(k for k in site.extras if k not in ("taken", "batch"))
     order = next(_lowering_order)
     enclosing = jc.lowering_loops(site.scan3)
-    info = StreamSite(
-        name=site.name, mode=mode, tag=site.tag, leaf_names=leaf_names(site),
-        shapes=tuple(tuple(a.shape) for a in leaf_avals),
-        dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
-        bins=DEFAULT_BINS, loops=naming.program_loops(enclosing), extras=sent, order=order,
-        entries=loop_entries(enclosing, order),
-    )
+    info = stream_site(site, mode, leaf_avals, summary=summary, every=every,
+                       loops=naming.program_loops(enclosing), enclosing=enclosing, order=order,
+                       extras=sent)
     # Several processes: stats in two levels, leaf by leaf (_site_summary); inside shard_map
     # (a per-shard site) each leaf on its own too.
     pack = jc.global_devices(ctx) is None and "shard" not in site.extras

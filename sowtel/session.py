@@ -59,8 +59,9 @@ from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
 from sowtel.nonfinite import MAX_POSTMORTEMS, Guard, make_guard
-from sowtel.primitive import StreamSite, sow_p
+from sowtel.primitive import sow_p
 from sowtel.records import BASE_MODES, Record, record_index
+from sowtel.sites import StreamSite
 from sowtel.summaries import HISTOGRAM_EVERY, check_summary
 from sowtel.to_records import (
     CompiledConverter,
