@@ -92,7 +92,8 @@ def put_threads(n: int, threads: int = 4) -> float:
 def receiver(n: int) -> float:
     """Seconds per record through the receiver a host callback calls (real session code)."""
     import sowtel
-    from sowtel.primitive import StreamSite, _deliver
+    from sowtel.primitive import _deliver
+    from sowtel.sites import StreamSite
 
     with sowtel.enable(exporter=MemoryExporter(max_records=1), queue_size=n + 1) as session:
         site = StreamSite(

@@ -30,9 +30,10 @@ from sowtel.jit import jit
 from sowtel.locate import NonFiniteEvent, NonFiniteReport, locate_nonfinite
 from sowtel.naming import scope
 from sowtel.nonfinite import NonFiniteError, NonFiniteWarning
-from sowtel.primitive import at_step, sow
+from sowtel.primitive import sow
 from sowtel.records import Record
 from sowtel.session import Session, disable, enable, export, flush, log, status
+from sowtel.steps import at_step
 from sowtel.tap import tap
 
 __version__ = "0.1.0"

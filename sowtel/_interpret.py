@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sowtel import _jax_compat as jc
-from sowtel.primitive import CONTEXT, Context, current_context, sow_effect, sow_p
+from sowtel.context import CONTEXT, Context, current_context
+from sowtel.primitive import sow_effect, sow_p
 
 __all__ = ["Reruns", "fallback_sites", "hides_sows", "library_rule", "site_params", "sites_of"]
 

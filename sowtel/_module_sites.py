@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from sowtel import naming
-from sowtel.primitive import check_tag
+from sowtel.naming import check_tag
 from sowtel.primitive import sow as _sow
 
 #: ``filter(module, method_name) -> bool``, as Flax's ``capture_intermediates`` takes it.
@@ -63,7 +63,7 @@ def sow_output(value: Any, name: str, base: str | None, *, tag: str, summary: st
 
 
 def check_options(tag: str, every: int | None) -> None:
-    from sowtel.primitive import check_positive_int
+    from sowtel.context import check_positive_int
 
     check_tag(tag)
     if every is not None:

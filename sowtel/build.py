@@ -12,7 +12,7 @@ either way.
 
 Example:
     >>> import numpy as np
-    >>> from sowtel.primitive import StreamSite
+    >>> from sowtel.sites import StreamSite
     >>> site = StreamSite(name="h", mode="primal", tag="intermediates", leaf_names=("h",),
     ...                   shapes=((2,),), dtypes=("float32",), summary="health", every=1,
     ...                   bins=30, loops=(), extras=())
@@ -35,7 +35,7 @@ from sowtel.records import BASE_MODES, Index, Record, record_index
 from sowtel.summaries import check_summary, decode_device_summary, host_summary
 
 if TYPE_CHECKING:
-    from sowtel.primitive import StreamSite
+    from sowtel.sites import StreamSite
 
 __all__ = ["summary_records", "records_from_intermediates", "leaf_name",
            "program_order"]

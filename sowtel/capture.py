@@ -63,16 +63,10 @@ from jax.sharding import PartitionSpec
 
 from sowtel import _interpret, naming
 from sowtel import _jax_compat as jc
+from sowtel.context import CONTEXT, Context, current_context
 from sowtel.intermediates import nothing_captured
-from sowtel.primitive import (
-    CONTEXT,
-    Context,
-    check_tag,
-    current_context,
-    fill_like,
-    sow_p,
-    taken_rows,
-)
+from sowtel.naming import check_tag
+from sowtel.primitive import fill_like, sow_p, taken_rows
 
 __all__ = ["Intermediates", "TapPass", "eval_taps", "save_intermediates", "trace_flat"]
 

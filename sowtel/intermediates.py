@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sowtel import primitive
-from sowtel.primitive import CONTEXT, Context
+from sowtel.context import CONTEXT, Context
 
 __all__ = ["nothing_captured", "sown_tags"]
 

@@ -61,17 +61,10 @@ import numpy as np
 
 from sowtel import _exit, capture, multihost, naming
 from sowtel import _jax_compat as jc
-from sowtel.primitive import (
-    CONTEXT,
-    Context,
-    StreamConfig,
-    StreamSite,
-    current_context,
-    host_step,
-    leaf_names,
-)
-from sowtel.records import loop_entries
-from sowtel.summaries import DEFAULT_BINS, flatten, sites_summary
+from sowtel.context import CONTEXT, Context, StreamConfig, Strides, current_context
+from sowtel.sites import StreamSite, stream_site
+from sowtel.steps import host_step
+from sowtel.summaries import flatten, sites_summary
 
 __all__ = ["jit", "Jitted", "CompiledSummaries", "SplitJitted", "name_after"]
 
@@ -163,7 +156,7 @@ class _Programs:
         # (stream settings, due strides, gather, health, histograms) -> jax.jit
         self.programs: dict[Any, Any] = {}
         self.traced: set[Any] = set()  # keys of the programs traced whole once
-        self.strides: dict[StreamConfig, set[int]] = {}
+        self.strides = Strides()
         # Per stream setting: whether the function has sites that keep their host callbacks
         # (in while_loop bodies, in library primitives), which take the call's step from the
         # host.
@@ -305,7 +298,7 @@ class Jitted:
         config = ctx.stream
         assert config is not None, "checked by __call__"
         if config not in self._strides:
-            self._strides[config] = {config.every}
+            self._strides.of(config)
             self._callbacks[config] = False
             if not self._due(config, step):
                 self._discover(config, args, kwargs)
@@ -362,7 +355,7 @@ class Jitted:
                         self._remember(key, args, kwargs)
                         self._warm_plain(args, kwargs)
             except _NewStride as new:  # raised while tracing: nothing ran
-                self._strides[config].add(new.every)
+                self._strides.add(config, new.every)
                 continue
             session.receive_compiled(summaries, step)
             if guard is not None and (summaries.sites or self._callbacks.get(config)):
@@ -376,13 +369,13 @@ class Jitted:
             return next(self._steps[1])
 
     def _due(self, config: StreamConfig, step: int) -> frozenset[int]:
-        return frozenset(e for e in self._strides[config] if step % e == 0)
+        return self._strides.due(config, step)
 
     def _discover(self, config: StreamConfig, args: Any, kwargs: Any) -> None:
         # One trace (no compilation) to learn the every= of the function's sites, and whether
         # some are in while_loop bodies: needed only when the first call's step is due at none
         # of the strides known so far (a logging program's own trace learns them otherwise).
-        self._strides.setdefault(config, {config.every})
+        self._strides.of(config)
         self._callbacks.setdefault(config, False)
         with CONTEXT(Context(stream=config)):
             self._program(config, None).trace(*args, **kwargs)
@@ -445,7 +438,7 @@ class Jitted:
 
     def _strided(self, config: StreamConfig) -> bool:
         """Whether some steps log nothing (a stride above 1): they run the plain program."""
-        return any(e > 1 for e in self._strides[config])
+        return self._strides.strided(config)
 
     def _remember(self, key: tuple[Any, ...], args: Any, kwargs: Any) -> None:
         try:
@@ -491,7 +484,7 @@ class Jitted:
             try:
                 program.trace(*args, **kwargs)
             except _NewStride as new:
-                self._strides[config].add(new.every)
+                self._strides.add(config, new.every)
                 continue
             return program
 
@@ -511,7 +504,7 @@ class Jitted:
         # comes through a Jitted, which holds the function.
         fun_ref = weakref.ref(self._fun)
         callbacks = self._callbacks
-        strides = self._strides.setdefault(config, {config.every})
+        strides = self._strides.of(config)
         in_blocks: set[int] = set()  # sites whose stats are summarised per device (multihost)
 
         def reduce(params: dict[str, Any], leaves: list[Any]) -> tuple[Any, list[Any]] | None:
@@ -530,13 +523,8 @@ class Jitted:
                 summary = "histogram"  # a step of enable(histogram_every=...)
             site = params["site"]
             order = next(_order)
-            info = StreamSite(
-                name=site.name, mode=params["mode"], tag=site.tag, leaf_names=leaf_names(site),
-                shapes=tuple(tuple(v.shape) for v in leaves),
-                dtypes=tuple(str(v.dtype) for v in leaves), summary=summary, every=every,
-                bins=DEFAULT_BINS, loops=site.loops, extras=(), order=order,
-                entries=loop_entries(params["enclosing"], order),
-            )
+            info = stream_site(site, params["mode"], leaves, summary=summary, every=every,
+                               loops=site.loops, enclosing=params["enclosing"], order=order)
             arrays = multihost.partial_summaries(leaves, summary, info.bins, gather)
             if arrays is not None:  # finished in logging_step, with every site's
                 in_blocks.add(info.order)
@@ -584,11 +572,8 @@ class Jitted:
             sites = []
             arrays: list[Any] = []
             for c, name in zip(caps, names, strict=True):
-                site = c.site
-                if name != site.name:
-                    site = dataclasses.replace(site, name=name, leaf_names=tuple(
-                        name + leaf[len(site.name):] for leaf in site.leaf_names))
-                sites.append(SiteSummary(site, c.stacked, len(c.leaves)))
+                sites.append(SiteSummary(naming.renamed(c.site, name), c.stacked,
+                                         len(c.leaves)))
                 arrays.extend(c.leaves)
             result = jax.tree_util.tree_unflatten(out_tree, outs)
             if multihost.spans_processes():

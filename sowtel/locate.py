@@ -43,7 +43,9 @@ import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
-from sowtel.primitive import CONTEXT, Context, check_tag, sow_p
+from sowtel.context import CONTEXT, Context
+from sowtel.naming import check_tag
+from sowtel.primitive import sow_p
 
 __all__ = ["NonFiniteEvent", "NonFiniteReport", "locate_nonfinite"]
 

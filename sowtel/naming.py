@@ -35,24 +35,22 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import jax
 
 from sowtel import _exit
 from sowtel import _jax_compat as jc
 
-if TYPE_CHECKING:
-    from sowtel.primitive import StreamSite
-
-__all__ = ["check_name", "leaf_segment", "leaf_name", "scope", "scoped", "runs_backward",
-           "numbered", "number_in_program", "occurrence_name", "occurrence_names",
-           "occurrence_slots", "program_loops", "ProgramNames"]
+__all__ = ["check_name", "check_tag", "leaf_segment", "leaf_name", "scope", "scoped",
+           "runs_backward", "numbered", "number_in_program", "occurrence_name", "occurrence_names",
+           "occurrence_slots", "program_loops", "ProgramNames", "Site", "renamed"]
 
 
 # -- THE name rule -------------------------------------------------------------------------------
@@ -99,6 +97,19 @@ def check_name(name: Any, what: str = "sow name") -> str:
             raise ValueError(f"{what} {name!r} has a {segment!r} segment, which is not allowed "
                              f"(names are never paths): {_NAME_RULE}")
     return name
+
+
+def check_tag(tag: Any) -> str:
+    """THE tag rule: a tag (``sow(tag=...)``, ``save_intermediates(tag=...)``) is a non-empty
+    str. Returns ``tag``, else raises ``ValueError`` naming the value.
+
+    Example:
+        >>> check_tag("intermediates")
+        'intermediates'
+    """
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"sow tag must be a non-empty str, got {tag!r}")
+    return tag
 
 
 _KEY_ENTRIES = tuple(getattr(jax.tree_util, k) for k in
@@ -367,6 +378,43 @@ def warn_repeated(name: str) -> None:
     )
 
 
+class Site(Protocol):
+    """What naming reads of a streaming site (a frozen dataclass, ``sowtel.sites.StreamSite``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def leaf_names(self) -> tuple[str, ...]: ...
+
+
+S = TypeVar("S", bound=Site)
+
+
+def renamed(site: S, name: str) -> S:
+    """THE site renaming: ``site`` reported as ``name`` (a repeated name's occurrence, see
+    :func:`occurrence_name`), its leaves' names following (``h/w`` becomes ``h_0/w``).
+
+    Example:
+      >>> import dataclasses
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Streamed:
+      ...     name: str
+      ...     mode: str
+      ...     leaf_names: tuple[str, ...]
+      >>> renamed(Streamed("h", "primal", ("h/w", "h/b")), "h_0").leaf_names
+      ('h_0/w', 'h_0/b')
+    """
+    if name == site.name:
+        return site
+    return cast(S, dataclasses.replace(
+        cast(Any, site), name=name,
+        leaf_names=tuple(name + leaf[len(site.name):] for leaf in site.leaf_names)))
+
+
 class ProgramNames:
     """The names a ``sowtel.jit`` logging program gives its sites that stream through host
     callbacks (in ``while_loop`` bodies), per ``(name, mode)`` in program order.
@@ -401,7 +449,7 @@ class ProgramNames:
         return settled[slot] if slot < len(settled) else None
 
 
-class NumberedSite:
+class NumberedSite(Generic[S]):
     """A streaming site and the others of its name in the same program.
 
     Its name is settled on the first callback, when the whole program has been lowered: until
@@ -410,35 +458,29 @@ class NumberedSite:
 
     __slots__ = ("_site", "_slot", "_counts", "_resolved", "_names")
 
-    def __init__(self, site: StreamSite, slot: int, counts: dict[str, list[int]],
+    def __init__(self, site: S, slot: int, counts: dict[str, list[int]],
                  names: ProgramNames | None = None) -> None:
         self._site = site
         self._slot = slot
         # {mode: [sites of the name in that mode]} of the program, shared by its sites
         self._counts = counts
-        self._resolved: StreamSite | None = None
+        self._resolved: S | None = None
         self._names = names
 
-    def __call__(self) -> StreamSite:
+    def __call__(self) -> S:
         resolved = self._resolved
         if resolved is None:
             resolved = self._resolved = self._resolve()
         return resolved
 
-    def _resolve(self) -> StreamSite:
-        import dataclasses
-
+    def _resolve(self) -> S:
         site = self._site
         name = None if self._names is None else self._names.get(site.name, site.mode,
                                                                    self._slot)
         if name is None:
             counts = {mode: n[0] for mode, n in self._counts.items()}
             name = occurrence_name(site.name, site.mode, self._slot, counts)
-        if name == site.name:
-            return site
-        return dataclasses.replace(
-            site, name=name,
-            leaf_names=tuple(name + leaf[len(site.name):] for leaf in site.leaf_names))
+        return renamed(site, name)
 
 
 def _occurrence(earlier: list[tuple[Any, tuple[int, ...], int]],
@@ -459,7 +501,7 @@ def _occurrence(earlier: list[tuple[Any, tuple[int, ...], int]],
     return counts, None
 
 
-def number_in_program(ctx: Any, site: StreamSite) -> NumberedSite:
+def number_in_program(ctx: Any, site: S) -> NumberedSite[S]:
     """Notes ``site`` among the sites of the program being lowered (lowering follows trace order).
 
     Called by the streaming lowering with the lowering context of the sow; returns what the host
@@ -482,7 +524,7 @@ def number_in_program(ctx: Any, site: StreamSite) -> NumberedSite:
     return NumberedSite(site, slot, modes, names)
 
 
-def note_branches(ctx: Any, site: StreamSite, names: ProgramNames | None = None) -> None:
+def note_branches(ctx: Any, site: Site, names: ProgramNames | None = None) -> None:
     """Notes which cond/switch branches enclose ``site`` (for :func:`number_in_program`), and
     the names its program settled (``sowtel.jit``'s, see :class:`ProgramNames`)."""
     program = jc.module_state(ctx)

@@ -417,9 +417,9 @@ def write_postmortem(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     ``locate.txt`` / ``locate.json`` from :func:`sowtel.locate_nonfinite`. Returns the folder.
     """
     from sowtel.capture import save_intermediates
+    from sowtel.context import CONTEXT
     from sowtel.dumps import dump
     from sowtel.locate import locate_nonfinite
-    from sowtel.primitive import CONTEXT
 
     folder = Path(logdir) / "postmortem" / f"step_{step}"
     folder.mkdir(parents=True, exist_ok=True)

@@ -57,8 +57,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sowtel.naming import check_name
-from sowtel.primitive import check_positive_int, check_tag, current_context
+from sowtel.context import check_positive_int, current_context
+from sowtel.naming import check_name, check_tag
 from sowtel.primitive import sow as _sow
 
 __all__ = ["watch", "RATIO_EPS"]

@@ -27,19 +27,14 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
-import fnmatch
 import functools
 import itertools
-import math
-import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +42,11 @@ import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
-from sowtel.records import SUMMARIES, loop_entries
+from sowtel.context import RECEIVERS, StreamConfig, check_positive_int, current_context, is_due
+from sowtel.records import SUMMARIES
+from sowtel.sites import StreamSite, stream_site
+from sowtel.steps import traced_step
 from sowtel.summaries import (
-    ARRAYS_PER_LEAF,
-    DEFAULT_BINS,
-    Packing,
     apart_all,
     pack_plan,
     packed_summary,
@@ -59,140 +54,10 @@ from sowtel.summaries import (
     reads_copy,
 )
 
-__all__ = ["sow", "sow_p", "at_step", "Context", "StreamConfig", "SiteStatic", "StreamSite"]
-
-# ---------------------------------------------------------------------------------------------
-# What is switched on: a jit-cache-keyed context, read whenever a sow is bound.
-
-
-@dataclasses.dataclass(frozen=True)
-class Globs:
-    """A name filter of glob patterns, compared by value (so it can key the jit cache)."""
-
-    patterns: tuple[str, ...]
-
-    def __call__(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
-
-
-# every= values of the sites traced under each streaming configuration (and the configuration's
-# own): a host-side step divisible by none of them logs nothing. A few small ints per setting.
-STRIDES: dict[Any, set[int]] = {}
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamConfig:
-    """What a session streams: the part of ``enable()``'s settings that shapes compiled programs.
-
-    It, not the session, keys the jit cache: a new session with the same settings reuses every
-    program compiled for the previous one, and the programs deliver to whichever session is
-    active when their callbacks run.
-
-    Example:
-        >>> config = StreamConfig(tags=("intermediates",), include=Globs(("block*",)))
-        >>> config.selects("block0/act", "intermediates"), config.selects("head", "intermediates")
-        (True, False)
-        >>> config == StreamConfig(tags=("intermediates",), include=Globs(("block*",)))
-        True
-    """
-
-    tags: tuple[str, ...] = ("intermediates",)
-    modes: tuple[str, ...] = ("primal", "tangent", "cotangent")
-    include: Callable[[str], bool] | None = None
-    exclude: Callable[[str], bool] | None = None
-    summary: str = "stats"
-    every: int = 1
-    #: The process that exports the records of sites whose values span processes.
-    export_process: int = 0
-
-    def selects(self, name: str, tag: str) -> bool:
-        if tag not in self.tags:
-            return False
-        if self.include is not None and not self.include(name):
-            return False
-        return not (self.exclude is not None and self.exclude(name))
-
-    def wants(self, mode: str) -> bool:
-        return mode in self.modes or mode.split(".")[-1] in self.modes
-
-    def summary_for(self, site_summary: str | None) -> str:
-        return site_summary or self.summary
-
-    def every_for(self, site_every: int | None) -> int:
-        every = site_every or self.every
-        STRIDES.setdefault(self, {self.every}).add(every)
-        return every
-
-    def strides(self) -> set[int]:
-        """The ``every=`` values of this setting and of the sites traced under it so far."""
-        return STRIDES.get(self) or {self.every}
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-    """What sows bound now should do: stream with ``stream``, and/or be captured for ``capture``."""
-
-    stream: StreamConfig | None = None
-    capture: str | None = None
-    # Set by a host-side at_step on a step that logs nothing: sows bind nothing, so the call
-    # runs the uninstrumented program.
-    quiet: bool = False
-
-
-# Part of every jit cache key: toggling enable() or entering save_intermediates retraces.
-CONTEXT = jax.make_user_context(None)
-
-
-class StreamPolicy(Protocol):
-    """What the streaming session does for the primitive (``sowtel.session.Session``)."""
-
-    def receive(self, site: StreamSite, arrays: tuple[np.ndarray, ...]) -> None: ...
-
-    def count_late(self, site: StreamSite) -> None: ...
-
-    def skip(self, site: StreamSite, occurrences: int) -> None: ...
-
-    def logs_at(self, step: int) -> bool: ...
-
-    def host_step_block(self, step: int) -> contextlib.AbstractContextManager[None]: ...
-
-
-class _Receivers:
-    """The session host callbacks deliver to, and the last one closed (which counts late ones)."""
-
-    active: StreamPolicy | None = None
-    closed: StreamPolicy | None = None
-
-
-RECEIVERS = _Receivers()
-
-
-def current_context() -> Context | None:
-    value = CONTEXT.value
-    return value if isinstance(value, Context) else None
-
+__all__ = ["sow", "sow_p", "SiteStatic"]
 
 # ---------------------------------------------------------------------------------------------
 # Validation.
-
-# THE name rule lives in sowtel.naming (every path checks names there).
-check_name = naming.check_name
-
-
-def check_tag(tag: Any) -> str:
-    if not isinstance(tag, str) or not tag:
-        raise ValueError(f"sow tag must be a non-empty str, got {tag!r}")
-    return tag
-
-
-def check_positive_int(value: Any, what: str) -> int:
-    """``value`` as an int if it is one above 0; ``what`` is ``"<function> <argument>"``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        func, _, arg = what.rpartition(" ")
-        raise ValueError(f"{func}({arg}={value!r}): {arg} must be a positive int, such as 1 "
-                         "or 10")
-    return int(value)
-
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
@@ -245,120 +110,6 @@ def _unflattenable(value: Any, name: str, error: Exception) -> ValueError:
 
 def _as_array_leaf(leaf: Any) -> Any:
     return jnp.asarray(leaf) if isinstance(leaf, (bool, int, float, complex)) else leaf
-
-
-# ---------------------------------------------------------------------------------------------
-# Steps.
-
-_STEP = threading.local()
-
-
-@contextmanager
-def at_step(step: Any) -> Iterator[None]:
-    """Records of sows inside carry ``step`` as their step; ``every=N`` skips the other steps.
-
-    Two ways to use it:
-
-    - **inside traced code** (in the jitted function), ``step`` is a device value (an integer
-      tracer or array): records carry it, and ``every=N`` is decided on the device, so a step
-      that does not log sends nothing to the host;
-    - **around the call** of a jitted function, ``step`` is a Python int: a step that logs
-      nothing runs the program compiled without sows (the same program as with streaming off),
-      and one that logs runs the instrumented one. Two programs are compiled, and the steps
-      that do not log cost nothing at all.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, sowtel
-        >>> @jax.jit
-        ... def train_step(params, step):
-        ...     with sowtel.at_step(step):              # device-side step
-        ...         h = sowtel.sow(params * 2, "h", every=10)
-        ...     return h.sum()
-        >>> @jax.jit
-        ... def plain_step(params):
-        ...     return sowtel.sow(params * 2, "h").sum()
-        >>> with sowtel.enable(exporter="memory", every=10):
-        ...     for step in range(20):
-        ...         with sowtel.at_step(step):          # host-side step
-        ...             _ = plain_step(jnp.ones(3))
-    """
-    if isinstance(step, bool) or not (
-        isinstance(step, (int, np.integer))
-        or (hasattr(step, "dtype") and jnp.issubdtype(step.dtype, jnp.integer))
-    ):
-        raise ValueError(
-            f"at_step step must be an integer scalar (Python int or integer array), got {step!r}"
-        )
-    if hasattr(step, "shape") and tuple(step.shape) != ():
-        raise ValueError(f"at_step step must be a scalar, got shape {tuple(step.shape)}")
-    if not jc.is_tracing() and not isinstance(step, jc.core.Tracer):
-        with _host_step(int(step)):
-            yield
-        return
-    stack = _STEP.__dict__.setdefault("stack", [])
-    stack.append(step)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-# The step of the innermost host-side at_step, per thread (and per asyncio task).
-HOST_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "sowtel_host_step", default=None)
-
-
-def host_step() -> int | None:
-    """The step of the host-side :func:`at_step` around this call, in this thread; or None.
-
-    Example:
-        >>> with at_step(7):
-        ...     inside = host_step()
-        >>> inside, host_step()
-        (7, None)
-    """
-    return HOST_STEP.get()
-
-
-@contextmanager
-def _host_step(step: int) -> Iterator[None]:
-    token = HOST_STEP.set(step)
-    try:
-        ctx = current_context()
-        policy = RECEIVERS.active
-        if ctx is None or ctx.stream is None or policy is None:
-            yield
-            return
-        if _in_asyncio_task():
-            # Tasks share their thread, and JAX's jit context is per thread: a quiet step's
-            # switch held across an await would reach the other tasks' calls (a logging step
-            # run quiet loses its records). So in a task every step runs the instrumented
-            # program, in a block the callbacks read their step from, and the host drops the
-            # records of steps that do not log.
-            with policy.host_step_block(step):
-                yield
-            return
-        logs = policy.logs_at(step)
-        with (policy.host_step_block(step) if logs else contextlib.nullcontext()), \
-                CONTEXT(dataclasses.replace(ctx, quiet=not logs)):
-            yield
-    finally:
-        HOST_STEP.reset(token)
-
-
-def _in_asyncio_task() -> bool:
-    asyncio = sys.modules.get("asyncio")  # never imported: no task can be running
-    if asyncio is None:
-        return False
-    try:
-        return asyncio.current_task() is not None
-    except RuntimeError:  # no running event loop in this thread
-        return False
-
-
-def _current_step() -> Any | None:
-    stack = _STEP.__dict__.get("stack")
-    return stack[-1] if stack else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,8 +336,8 @@ def sow(
         >>> inter["layer/h"]["primal"]
         Array([0., 0.], dtype=float32)
     """
-    check_name(name)
-    check_tag(tag)
+    naming.check_name(name)
+    naming.check_tag(tag)
     if summary is not None and summary not in SUMMARIES:
         raise ValueError(f"sow summary={summary!r} is not a summary: use one of {SUMMARIES}")
     if every is not None:
@@ -619,7 +370,7 @@ def sow(
         return value
     extras: list[Any] = []
     kinds: list[str] = []
-    step = _current_step()
+    step = traced_step()
     if step is not None:
         extras.append(jnp.asarray(step))
         kinds.append("step")
@@ -834,99 +585,6 @@ jc.pe.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
 # Streaming lowering: on-device summary, then one host callback per site.
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamSite:
-    """A streaming site as the host sees it; built once per compilation, shared by its records."""
-
-    name: str
-    mode: str
-    tag: str
-    leaf_names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    summary: str
-    every: int
-    bins: int
-    loops: tuple[tuple[int, bool], ...] | None
-    extras: tuple[str, ...]
-    order: int = 0  # position in the compiled program: lowering follows the jaxpr's order
-    # In a cond's branch: every occurrence is sent, the host applies ``every`` (a skipped
-    # branch tells the host what it skipped, whatever the step).
-    in_branch: bool = False
-    # Per enclosing scan (as ``loops``), the order at which it began: records' execution
-    # order interleaves the sites of one scan iteration by iteration (records.order_key).
-    entries: tuple[int, ...] = ()
-    # How the leaves' summaries were packed together (summaries.packed_summary); None: leaf
-    # after leaf, as device_summary gives them.
-    packing: Packing | None = None
-
-    @functools.cached_property
-    def scans(self) -> tuple[tuple[int, bool], ...]:
-        """``Record.scans`` of the site's records: ``(entry, reverse)`` per enclosing scan (a
-        scan whose entry is unknown counts as entered at the site itself)."""
-        loops = self.loops or ()
-        entries = self.entries if len(self.entries) == len(loops) else (self.order,) * len(loops)
-        return tuple((e, bool(r)) for e, (_, r) in zip(entries, loops, strict=True))
-
-    # Derived once per site, read on every callback.
-    @functools.cached_property
-    def period(self) -> int:
-        """Callbacks per execution of the enclosing scans (1 outside scans)."""
-        n = 1
-        for length, _ in self.loops or ():
-            n *= max(length, 1)
-        return n
-
-    @functools.cached_property
-    def counter_key(self) -> tuple[str, str, Any]:
-        """Occurrences are counted per (name, mode, loops) (and shard)."""
-        return (self.name, self.mode, self.loops)
-
-    @functools.cached_property
-    def sharded(self) -> bool:
-        return bool(self.extras) and self.extras[-1] == "shard"
-
-    @functools.cached_property
-    def host_every(self) -> int:
-        """The stride the host applies: 1 when the device decides it (under at_step)."""
-        return 1 if "step" in self.extras and not self.in_branch else self.every
-
-    @functools.cached_property
-    def full_nbytes(self) -> int:
-        """Bytes a ``"full"`` record holds (for the queue's byte bound); 0 for summaries."""
-        if self.summary != "full":
-            return 0
-        return sum(n * np.dtype(d).itemsize for n, d in zip(self.sizes, self.dtypes, strict=True))
-
-    @functools.cached_property
-    def arrays_per_leaf(self) -> int:
-        return ARRAYS_PER_LEAF[self.summary]
-
-    @functools.cached_property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(math.prod(s) for s in self.shapes)
-
-    @functools.cached_property
-    def n_summary(self) -> int:
-        """The summary arrays the device sends (before the extras)."""
-        if self.packing is not None:
-            return self.packing.count
-        return self.arrays_per_leaf * len(self.leaf_names)
-
-    def per_leaf(self, arrays: Sequence[Any]) -> Sequence[Any]:
-        """The site's summary arrays leaf after leaf, as :func:`~sowtel.summaries.
-        device_summary` gives them (views of packed ones; any leading axes of positions kept)."""
-        return arrays if self.packing is None else self.packing.unpack(arrays)
-
-
-def leaf_names(site: SiteStatic) -> tuple[str, ...]:
-    """The record names of a site's leaves: ``name`` for an array, ``name/<path>`` in a pytree,
-    each key escaped by :func:`sowtel.naming.leaf_segment` (so no two leaves share a name)."""
-    skeleton = jax.tree_util.tree_unflatten(site.treedef, range(site.treedef.num_leaves))
-    paths = jax.tree_util.tree_flatten_with_path(skeleton)[0]
-    return tuple(naming.leaf_name(site.name, path) for path, _ in paths)
-
-
 _lowering_order = itertools.count()
 
 sow_emit_p = jc.core.Primitive("sow_emit")
@@ -1126,13 +784,9 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
     sent = tuple(k for k in site.extras if k not in ("taken", "batch"))
     order = next(_lowering_order)
     enclosing = jc.lowering_loops(site.scan3)
-    info = StreamSite(
-        name=site.name, mode=mode, tag=site.tag, leaf_names=leaf_names(site),
-        shapes=tuple(tuple(a.shape) for a in leaf_avals),
-        dtypes=tuple(str(a.dtype) for a in leaf_avals), summary=summary, every=every,
-        bins=DEFAULT_BINS, loops=naming.program_loops(enclosing), extras=sent, order=order,
-        entries=loop_entries(enclosing, order),
-    )
+    info = stream_site(site, mode, leaf_avals, summary=summary, every=every,
+                       loops=naming.program_loops(enclosing), enclosing=enclosing, order=order,
+                       extras=sent)
     # Several processes: stats in two levels, leaf by leaf (_site_summary); inside shard_map
     # (a per-shard site) each leaf on its own too.
     pack = jc.global_devices(ctx) is None and "shard" not in site.extras
@@ -1161,7 +815,7 @@ def _sow_lowering(ctx: Any, *args: Any, site: SiteStatic, mode: str, capture: bo
 
         if every > 1 and "step" in site.extras and not in_branch:
             step = extras[sent.index("step")]
-            jax.lax.cond(step % every == 0, emit, lambda: None)
+            jax.lax.cond(is_due(step, every), emit, lambda: None)
         else:
             emit()
         return []

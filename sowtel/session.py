@@ -47,21 +47,21 @@ from sowtel import _exit, multihost
 from sowtel import _jax_compat as jc
 from sowtel.alerts import Alert, Alerts, make_alerts
 from sowtel.build import records_from_intermediates, summary_records
-from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
-from sowtel.dispatcher import _labels as _exporter_labels
-from sowtel.exporters import Exporter, resolve
-from sowtel.nonfinite import MAX_POSTMORTEMS, Guard, make_guard
-from sowtel.primitive import (
+from sowtel.context import (
     CONTEXT,
     RECEIVERS,
     Context,
     Globs,
     StreamConfig,
-    StreamSite,
     check_positive_int,
-    sow_p,
 )
+from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
+from sowtel.dispatcher import _labels as _exporter_labels
+from sowtel.exporters import Exporter, resolve
+from sowtel.nonfinite import MAX_POSTMORTEMS, Guard, make_guard
+from sowtel.primitive import sow_p
 from sowtel.records import BASE_MODES, Record, record_index
+from sowtel.sites import StreamSite
 from sowtel.summaries import HISTOGRAM_EVERY, check_summary
 from sowtel.to_records import (
     CompiledConverter,

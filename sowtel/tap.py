@@ -65,8 +65,9 @@ import jax.extend as jex
 
 from sowtel import _jax_compat as jc
 from sowtel import capture, naming
-from sowtel.naming import check_name
-from sowtel.primitive import check_tag, current_context, sow, sow_p
+from sowtel.context import current_context
+from sowtel.naming import check_name, check_tag
+from sowtel.primitive import sow, sow_p
 
 __all__ = ["tap", "site_name"]
 

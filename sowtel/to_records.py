@@ -10,7 +10,7 @@ columns directly; one with only ``write(records)`` gets ``batch.records()``, bui
 
 Example:
     >>> import numpy as np
-    >>> from sowtel.primitive import StreamSite
+    >>> from sowtel.sites import StreamSite
     >>> site = StreamSite(name="h", mode="primal", tag="intermediates", leaf_names=("h",),
     ...                   shapes=((2,),), dtypes=("float32",), summary="health", every=1,
     ...                   bins=30, loops=((3, False),), extras=())
@@ -48,7 +48,7 @@ from sowtel.records import (
 from sowtel.summaries import host_summary, stats_table
 
 if TYPE_CHECKING:
-    from sowtel.primitive import StreamSite
+    from sowtel.sites import StreamSite
 
 __all__ = ["SiteColumns", "RecordBatch", "site_columns", "site_records", "log_records",
            "compiled_columns", "first_nonfinite", "record_nbytes"]
@@ -398,7 +398,7 @@ def site_records(site: StreamSite, arrays: Sequence[Sequence[np.ndarray]], *,
     take each callback's step and time. Records come callback after callback, leaf after leaf.
 
     Example:
-        >>> from sowtel.primitive import StreamSite
+        >>> from sowtel.sites import StreamSite
         >>> site = StreamSite(name="h", mode="primal", tag="intermediates", leaf_names=("h",),
         ...                   shapes=((2,),), dtypes=("float32",), summary="health", every=1,
         ...                   bins=30, loops=(), extras=())

@@ -109,7 +109,7 @@ def test_a_step_is_one_table_a_site_and_write_only_exporters_get_the_same_record
 
 
 def test_tables_decode_as_the_per_record_decoder_does_nonfinite_and_constant_rows_included():
-    from sowtel.primitive import StreamSite
+    from sowtel.sites import StreamSite
     from sowtel.to_records import site_columns
 
     site = StreamSite(name="h", mode="primal", tag="intermediates", leaf_names=("h",),

@@ -17,7 +17,8 @@ MODULES = [
     "sowtel.exporters._tensorboard_layout", "sowtel.dashboard", "sowtel.dashboards",
     "sowtel.intermediates", "sowtel.compare", "sowtel._run_read",
     "sowtel.exporters._tensorboard_order",
-    "sowtel._interpret", "sowtel.alerts", "sowtel.tap", "sowtel._cond_rows",
+    "sowtel._interpret", "sowtel.alerts", "sowtel.tap", "sowtel.context", "sowtel.steps",
+    "sowtel.sites", "sowtel._cond_rows", "sowtel.naming",
 ]
 
 
@@ -28,5 +29,6 @@ def test_docstring_examples(name: str) -> None:
     assert result.failed == 0, f"{result.failed} failing example(s) in {name}"
     if name in ("sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.jit",
                 "sowtel.build", "sowtel.locate", "sowtel.compare", "sowtel._run_read",
-                "sowtel.alerts", "sowtel.tap"):
+                "sowtel.alerts", "sowtel.tap", "sowtel.context", "sowtel.steps",
+                "sowtel.sites"):
         assert result.attempted > 0
