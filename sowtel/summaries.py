@@ -22,7 +22,18 @@ from typing import Any
 
 import numpy as np
 
-from sowtel.records import HEALTH_KEYS, STAT_KEYS, SUMMARIES, inexact
+from sowtel.records import (
+    DEVICE_COUNTS,
+    DEVICE_MOMENTS,
+    HEALTH_KEYS,
+    MOMENT_COL,
+    NONFINITE_KINDS,
+    STAT_COL,
+    STAT_KEYS,
+    SUMMARIES,
+    inexact,
+    key_span,
+)
 
 #: Default number of histogram buckets.
 DEFAULT_BINS = 30
@@ -404,6 +415,21 @@ def reads_copy() -> bool:
     return chosen != "0"
 
 
+def _wire_moments(axis: int = 0, **moments: Any) -> Any:
+    # The moments a device sends, in THE order (sowtel.records.DEVICE_MOMENTS).
+    import jax.numpy as jnp
+
+    return jnp.stack([moments[k] for k in DEVICE_MOMENTS], axis=axis)
+
+
+def _wire_counts(nonfinite: Any, zeros: Any, axis: int = 0) -> Any:
+    # The counts a device sends: the NaN, +inf and -inf counts, then the zeros.
+    import jax.numpy as jnp
+
+    counts = {**dict(zip(NONFINITE_KINDS, nonfinite, strict=True)), "zeros": zeros}
+    return jnp.stack([counts[k] for k in DEVICE_COUNTS], axis=axis)
+
+
 def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
                    form: str | None = None, copy: bool | None = None) -> list[Any]:
     """JAX ops that reduce ``x`` on the device to the arrays the host receives.
@@ -469,7 +495,9 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
     if size == 0:
         zero = jnp.zeros((), ftype)
         nan = jnp.asarray(jnp.nan, ftype)
-        out = [jnp.stack([nan, zero, nan, nan, zero, zero]), jnp.zeros((4,), cdtype)]
+        empty = {"mean": nan, "std": zero, "min": nan, "max": nan, "n": zero, "mean_abs": zero}
+        out = [jnp.stack([empty[k] for k in DEVICE_MOMENTS]),
+               jnp.zeros((len(DEVICE_COUNTS),), cdtype)]
         if summary == "histogram":
             out.append(jnp.zeros((bins,), cdtype))
         return out
@@ -507,8 +535,8 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
         n, mean, std, mn, mx, mean_abs, zeros, bad = fast
     # The host derives the rest (stats_table), so that little scalar arithmetic is compiled a
     # site (six kernels a site on XLA:CPU when it all was).
-    out = [jnp.stack([mean, std, mn, mx, n, mean_abs]).astype(ftype),
-           jnp.stack([*bad, zeros]).astype(cdtype)]
+    out = [_wire_moments(mean=mean, std=std, min=mn, max=mx, n=n, mean_abs=mean_abs
+                         ).astype(ftype), _wire_counts(bad, zeros).astype(cdtype)]
     if summary == "histogram":
         empty = n == 0
         lo = jnp.where(empty, 0, mn)
@@ -675,8 +703,9 @@ def _stats_rows(x: Any, sizes: np.ndarray, is_float: bool, variadic: bool
         else:
             stats = fast
     c, mean, std, mn, mx, mean_abs, zeros, bad = stats
-    moments = jnp.stack([mean, std, mn, mx, c, mean_abs], axis=1).astype(ftype)
-    return moments, jnp.stack([*bad, zeros], axis=1).astype(i32)
+    moments = _wire_moments(mean=mean, std=std, min=mn, max=mx, n=c, mean_abs=mean_abs,
+                            axis=1).astype(ftype)
+    return moments, _wire_counts(bad, zeros, axis=1).astype(i32)
 
 
 def _group_summary(values: list[Any], summary: str, bins: int, ftype: Any, is_float: bool,
@@ -699,7 +728,7 @@ def _group_summary(values: list[Any], summary: str, bins: int, ftype: Any, is_fl
     moments, counts = _stats_rows(x, sizes, is_float, variadic)
     if summary != "histogram":
         return [moments, counts]
-    n, mn, mx = moments[:, 4], moments[:, 2], moments[:, 3]
+    n, mn, mx = (moments[:, MOMENT_COL[k]] for k in ("n", "min", "max"))
     empty = n == 0
     lo = jnp.where(empty, 0, mn)[:, None]
     hi = jnp.where(empty, 0, mx)[:, None]
@@ -892,6 +921,11 @@ def sites_summary(values: list[Any], summary: str, bins: int = DEFAULT_BINS
     return arrays, packing_of(groups, len(values), summary)
 
 
+# The statistics of the finite elements, and the counts, as they lie in a STAT_KEYS table.
+_OF_FINITE = key_span(STAT_KEYS, ("mean", "std", "min", "max", "l2", "mean_abs"))
+_COUNTS = key_span(STAT_KEYS, DEVICE_COUNTS)
+
+
 def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """``stats`` of ``N`` device summaries as a float64 table ``(N, len(STAT_KEYS))``.
 
@@ -908,26 +942,23 @@ def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> n
         [[3.0, 2.0, 2.0, 0.0, 4.0, 4.0, 2.0, 1.0, 0.0, 0.0, 1.0]]
     """
     moments = np.asarray(moments, np.float64)
-    mean, std, mn, mx, n, mean_abs = moments.T
+    mean, std, n = (moments[:, MOMENT_COL[k]] for k in ("mean", "std", "n"))
     table = np.empty((len(moments), len(STAT_KEYS)))
-    table[:, 0] = sizes
+    table[:, STAT_COL["size"]] = sizes
     with np.errstate(invalid="ignore", over="ignore"):
-        table[:, 1] = mean
-        table[:, 2] = std
-        table[:, 3] = mn
-        table[:, 4] = mx
+        for k in ("mean", "std", "min", "max", "mean_abs"):
+            table[:, STAT_COL[k]] = moments[:, MOMENT_COL[k]]
         # sum x^2 = n (std^2 + mean^2), both terms positive: no cancellation; where the
         # squares overflow float64 (values near 1e300), scaled by hypot.
         l2 = np.sqrt(n * (mean * mean + std * std))
         over = np.isinf(l2) & np.isfinite(mean) & np.isfinite(std)
         if over.any():
             l2[over] = np.sqrt(n[over]) * np.hypot(mean[over], std[over])
-        table[:, 5] = l2
-        table[:, 6] = mean_abs
+        table[:, STAT_COL["l2"]] = l2
     empty = n == 0
     if empty.any():
-        table[empty, 1:7] = np.nan  # mean std min max l2 mean_abs: none of no element
-    table[:, 7:11] = counts
+        table[empty, _OF_FINITE] = np.nan  # none of no element
+    table[:, _COUNTS] = counts
     return table
 
 

@@ -33,13 +33,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sowtel.records import (
+    DEVICE_COUNTS,
+    DEVICE_MOMENTS,
+    HEALTH_COL,
     HEALTH_KEYS,
     LOG_TAG,
+    NONFINITE_KINDS,
     SCALAR_SUMMARY,
+    STAT_COL,
     STAT_KEYS,
     FrozenStats,
     Record,
     is_nonfinite,
+    key_span,
     nonfinite_columns,
     nonfinite_rows,
     read_only,
@@ -59,6 +65,11 @@ Index = int | tuple[int, ...] | None
 _NONFINITE = {"stats": nonfinite_columns(STAT_KEYS), "histogram": nonfinite_columns(STAT_KEYS),
               "full": nonfinite_columns(STAT_KEYS), "health": nonfinite_columns(HEALTH_KEYS)}
 _new_record = object.__new__
+# Where a stats table holds its non-finite counts, as a view; the device arrays' shapes.
+_STATS_NONFINITE = key_span(STAT_KEYS, NONFINITE_KINDS)
+_MOMENTS, _COUNTS = (len(DEVICE_MOMENTS),), (len(DEVICE_COUNTS),)
+# Where a health table holds what its device array sends (the non-finite counts).
+_HEALTH_COUNTS = key_span(HEALTH_KEYS, NONFINITE_KINDS)
 
 
 def record_nbytes(record: Record) -> int:
@@ -319,16 +330,17 @@ def _decode(summary: str, arrays: Sequence[np.ndarray], size: int, bins: int,
     if summary == "shape":
         return (), np.zeros((n, 0)), None, None
     if summary == "health":
-        table = np.empty((n, 4))
-        table[:, 0] = size
-        table[:, 1:] = np.reshape(arrays[0], (n, 3))  # assigning converts to float64
+        table = np.empty((n, len(HEALTH_KEYS)))
+        table[:, HEALTH_COL["size"]] = size
+        # assigning converts to float64
+        table[:, _HEALTH_COUNTS] = np.reshape(arrays[0], (n, len(NONFINITE_KINDS)))
         return HEALTH_KEYS, table, None, None
-    table = stats_table(np.reshape(arrays[0], (n, 6)), np.reshape(arrays[1], (n, 4)),
-                        np.full(n, float(size)))
+    table = stats_table(np.reshape(arrays[0], (n, len(DEVICE_MOMENTS))),
+                        np.reshape(arrays[1], (n, len(DEVICE_COUNTS))), np.full(n, float(size)))
     if summary != "histogram":
         return STAT_KEYS, table, None, None
-    lo = table[:, 3].copy()
-    hi = table[:, 4].copy()
+    lo = table[:, STAT_COL["min"]].copy()
+    hi = table[:, STAT_COL["max"]].copy()
     bad = ~np.isfinite(lo)
     lo[bad] = hi[bad] = 0.0
     edges = np.empty((n, bins + 1))
@@ -485,19 +497,19 @@ class _StepPlan:
             at += entry.n_arrays
             where = tuple(b for b, _, _ in spots)
             if (site.summary != "stats" or len(site.leaf_names) != 1 or entry.stacked
-                    or [shape for _, _, shape in spots] != [(6,), (4,), ()]
+                    or [shape for _, _, shape in spots] != [_MOMENTS, _COUNTS, ()]
                     or buffers not in (None, where)):
                 self.rows.append(None)
                 continue
             buffers = where  # type: ignore[assignment]
             self.rows.append(len(sizes))
-            moments.extend(range(spots[0][1], spots[0][1] + 6))
-            counts.extend(range(spots[1][1], spots[1][1] + 4))
+            moments.extend(range(spots[0][1], spots[0][1] + len(DEVICE_MOMENTS)))
+            counts.extend(range(spots[1][1], spots[1][1] + len(DEVICE_COUNTS)))
             ran.append(spots[2][1])
             sizes.append(site.sizes[0])
         self.buffers = buffers
-        self.moments = np.array(moments, np.intp).reshape(-1, 6)
-        self.counts = np.array(counts, np.intp).reshape(-1, 4)
+        self.moments = np.array(moments, np.intp).reshape(-1, len(DEVICE_MOMENTS))
+        self.counts = np.array(counts, np.intp).reshape(-1, len(DEVICE_COUNTS))
         self.ran = np.array(ran, np.intp)
         self.sizes = np.array(sizes, np.float64)
 
@@ -510,7 +522,7 @@ class _StepPlan:
         m, c, r = (buffers[b] for b in self.buffers)
         table = stats_table(m[self.moments], c[self.counts], self.sizes)
         ran: np.ndarray = r[self.ran] != 0
-        nonfinite: np.ndarray = np.any(table[:, 7:10], axis=1)
+        nonfinite: np.ndarray = np.any(table[:, _STATS_NONFINITE], axis=1)
         return table, ran, nonfinite
 
 
