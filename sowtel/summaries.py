@@ -116,10 +116,32 @@ def host_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> dict[str, An
     hist = None
     if summary == "histogram":
         lo, hi = (mn, mx) if n else (0.0, 0.0)
-        edges = np.linspace(lo, hi, bins + 1) if hi > lo else lo + np.arange(bins + 1) * 1.0
-        counts = _bucket_counts_host(finite, lo, hi, bins)
-        hist = (edges, counts)
+        hist = (histogram_edges(lo, hi, bins)[0], _bucket_counts_host(finite, lo, hi, bins))
     return {"stats": stats, "histogram": hist}
+
+
+def histogram_edges(lo: Any, hi: Any, bins: int) -> np.ndarray:
+    """THE bucket edges of a histogram, every path's: ``bins + 1`` edges evenly spaced from
+    the least to the greatest finite element (``lo``, ``hi``), the last one ``hi`` exactly;
+    unit-wide buckets from ``lo`` when the two are equal; from 0 when ``lo`` is not finite
+    (no finite element). ``lo`` and ``hi`` are one value's or ``(n,)`` values'; the edges
+    are float64, ``(n, bins + 1)``.
+
+    Example:
+        >>> histogram_edges([-1.0, 1.0, np.nan], [2.0, 1.0, np.nan], 4).tolist()
+        [[-1.0, -0.25, 0.5, 1.25, 2.0], [1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0]]
+    """
+    lo = np.array(lo, np.float64, ndmin=1)  # copies: the caller's arrays stay as they are
+    hi = np.array(hi, np.float64, ndmin=1)
+    bad = ~np.isfinite(lo)
+    lo[bad] = hi[bad] = 0.0
+    edges = np.empty((len(lo), bins + 1))
+    spread = hi > lo
+    if spread.any():
+        edges[spread] = np.linspace(lo[spread], hi[spread], bins + 1, axis=1)
+    if (~spread).any():
+        edges[~spread] = lo[~spread, None] + np.arange(bins + 1) * 1.0
+    return edges
 
 
 def _bucket_counts_host(finite: np.ndarray, lo: float, hi: float, bins: int) -> np.ndarray:
@@ -980,9 +1002,6 @@ def decode_device_summary(
     stats = dict(zip(STAT_KEYS, table.tolist(), strict=True))
     hist = None
     if summary == "histogram":
-        lo, hi = stats["min"], stats["max"]
-        if not np.isfinite(lo):
-            lo = hi = 0.0
-        edges = np.linspace(lo, hi, bins + 1) if hi > lo else lo + np.arange(bins + 1) * 1.0
-        hist = (edges, np.asarray(arrays[2], dtype=np.float64))
+        hist = (histogram_edges(stats["min"], stats["max"], bins)[0],
+                np.asarray(arrays[2], dtype=np.float64))
     return {"stats": {k: stats[k] for k in STAT_KEYS}, "histogram": hist}

@@ -51,7 +51,7 @@ from sowtel.records import (
     read_only,
     record_index,
 )
-from sowtel.summaries import host_summary, stats_table
+from sowtel.summaries import histogram_edges, host_summary, stats_table
 
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
@@ -339,16 +339,7 @@ def _decode(summary: str, arrays: Sequence[np.ndarray], size: int, bins: int,
                         np.reshape(arrays[1], (n, len(DEVICE_COUNTS))), np.full(n, float(size)))
     if summary != "histogram":
         return STAT_KEYS, table, None, None
-    lo = table[:, STAT_COL["min"]].copy()
-    hi = table[:, STAT_COL["max"]].copy()
-    bad = ~np.isfinite(lo)
-    lo[bad] = hi[bad] = 0.0
-    edges = np.empty((n, bins + 1))
-    spread = hi > lo
-    if spread.any():
-        edges[spread] = np.linspace(lo[spread], hi[spread], bins + 1, axis=1)
-    if (~spread).any():
-        edges[~spread] = lo[~spread, None] + np.arange(bins + 1) * 1.0
+    edges = histogram_edges(table[:, STAT_COL["min"]], table[:, STAT_COL["max"]], bins)
     counts = np.asarray(arrays[2], np.float64).reshape(n, bins)
     return STAT_KEYS, table, edges, counts
 
