@@ -7,59 +7,23 @@
 - ``save_intermediates`` results (``sowtel.export``, dumps) are summarised on the host by
   :func:`records_from_intermediates`.
 
-The two streaming transports end in :func:`summary_records`, so a site gives the same records
-either way.
-
-Example:
-    >>> import numpy as np
-    >>> from sowtel.primitive import StreamSite
-    >>> site = StreamSite(name="h", mode="primal", tag="intermediates", leaf_names=("h",),
-    ...                   shapes=((2,),), dtypes=("float32",), summary="health", every=1,
-    ...                   bins=30, loops=(), extras=())
-    >>> [r] = summary_records(site, [np.array([0, 1, 0])], step=3, index=None, seq=0,
-    ...                       wall_time=0.0, process_index=0)
-    >>> r.name, r.step, r.stats["posinf"]
-    ('h', 3, 1.0)
+Both streaming transports decode in :func:`sowtel.to_records.site_columns`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from sowtel import naming
-from sowtel.records import BASE_MODES, Index, Record, record_index
-from sowtel.summaries import check_summary, decode_device_summary, host_summary
+from sowtel.records import BASE_MODES, Record, record_index
+from sowtel.summaries import check_summary, host_summary
 
-if TYPE_CHECKING:
-    from sowtel.primitive import StreamSite
-
-__all__ = ["summary_records", "records_from_intermediates", "leaf_name",
+__all__ = ["records_from_intermediates", "leaf_name",
            "program_order"]
-
-def summary_records(site: StreamSite, arrays: Sequence[np.ndarray], *, step: int, index: Index,
-                    seq: int, wall_time: float, process_index: int) -> list[Record]:
-    """One record per leaf of ``site`` from its device summary ``arrays`` (as sent: leaf
-    after leaf, or packed, see ``StreamSite.packing``)."""
-    arrays = site.per_leaf(arrays)
-    per_leaf = site.arrays_per_leaf
-    out = []
-    for k, leaf_name in enumerate(site.leaf_names):
-        leaf_arrays = list(arrays[k * per_leaf:(k + 1) * per_leaf])
-        decoded = decode_device_summary(leaf_arrays, site.summary, site.sizes[k], site.bins)
-        value = leaf_arrays[0] if site.summary == "full" else None
-        out.append(Record(
-            name=leaf_name, mode=site.mode, tag=site.tag, step=step, index=index,
-            wall_time=wall_time, summary=site.summary, shape=site.shapes[k],
-            dtype=site.dtypes[k], value=value, stats=decoded["stats"],
-            histogram=decoded["histogram"], process_index=process_index, seq=seq,
-            order=site.order, scans=site.scans,
-        ))
-    return out
-
 
 # ----------------------------------------------------------------------------- intermediates
 

@@ -46,7 +46,7 @@ import numpy as np
 from sowtel import _exit, multihost
 from sowtel import _jax_compat as jc
 from sowtel.alerts import Alert, Alerts, make_alerts
-from sowtel.build import records_from_intermediates, summary_records
+from sowtel.build import records_from_intermediates
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
 from sowtel.dispatcher import _labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
@@ -507,8 +507,8 @@ class Session:
                     host_step: int | None, seq: int, wall_time: float) -> list[Record]:
         n_summary = site.n_summary
         step, index = self._place(site, arrays[n_summary:], occurrence, host_step)
-        return summary_records(site, arrays[:n_summary], step=step, index=index, seq=seq,
-                               wall_time=wall_time, process_index=self.process_index)
+        return site_records(site, [arrays[:n_summary]], steps=[step], index=[index], seqs=[seq],
+                            wall_times=[wall_time], process_index=self.process_index)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

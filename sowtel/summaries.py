@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ import numpy as np
 from sowtel.records import (
     DEVICE_COUNTS,
     DEVICE_MOMENTS,
+    HEALTH_COL,
     HEALTH_KEYS,
     MOMENT_COL,
     NONFINITE_KINDS,
@@ -946,6 +948,8 @@ def sites_summary(values: list[Any], summary: str, bins: int = DEFAULT_BINS
 # The statistics of the finite elements, and the counts, as they lie in a STAT_KEYS table.
 _OF_FINITE = key_span(STAT_KEYS, ("mean", "std", "min", "max", "l2", "mean_abs"))
 _COUNTS = key_span(STAT_KEYS, DEVICE_COUNTS)
+# Where a health table holds what its device array sends (the non-finite counts).
+_HEALTH_COUNTS = key_span(HEALTH_KEYS, NONFINITE_KINDS)
 
 
 def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -984,24 +988,46 @@ def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> n
     return table
 
 
+def decode_summaries(summary: str, arrays: Sequence[np.ndarray], size: int, bins: int, n: int
+                     ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """THE decoder: one leaf's :func:`device_summary` arrays at ``n`` positions (each with a
+    leading axis of positions), now on the host, as the statistics' keys, their float64 table
+    ``(n, len(keys))`` (:func:`stats_table`), and for ``"histogram"`` the edges
+    ``(n, bins + 1)`` (:func:`histogram_edges`) and bucket counts ``(n, bins)`` (else None).
+    Every path decodes here: ``sowtel.jit``'s steps, the host callbacks, and one value's
+    arrays (:func:`decode_device_summary`). A ``"full"`` value is summarised on the host.
+
+    Example:
+        >>> keys, table, _, _ = decode_summaries("health", [np.array([[0, 1, 0], [2, 0, 0]])],
+        ...                                      5, 30, 2)
+        >>> keys, table.tolist()
+        (('size', 'nan', 'posinf', 'neginf'), [[5.0, 0.0, 1.0, 0.0], [5.0, 2.0, 0.0, 0.0]])
+    """
+    if summary == "shape":
+        return (), np.zeros((n, 0)), None, None
+    if summary == "health":
+        table = np.empty((n, len(HEALTH_KEYS)))
+        table[:, HEALTH_COL["size"]] = size
+        # assigning converts to float64
+        table[:, _HEALTH_COUNTS] = np.reshape(arrays[0], (n, len(NONFINITE_KINDS)))
+        return HEALTH_KEYS, table, None, None
+    table = stats_table(np.reshape(arrays[0], (n, len(DEVICE_MOMENTS))),
+                        np.reshape(arrays[1], (n, len(DEVICE_COUNTS))), np.full(n, float(size)))
+    if summary != "histogram":
+        return STAT_KEYS, table, None, None
+    edges = histogram_edges(table[:, STAT_COL["min"]], table[:, STAT_COL["max"]], bins)
+    counts = np.asarray(arrays[2], np.float64).reshape(n, bins)
+    return STAT_KEYS, table, edges, counts
+
+
 def decode_device_summary(
     arrays: list[np.ndarray], summary: str, size: int, bins: int = DEFAULT_BINS
 ) -> dict[str, Any]:
-    """Turns :func:`device_summary`'s arrays (now on the host) into ``stats`` and ``histogram``."""
+    """One value's :func:`device_summary` arrays (now on the host) as ``stats`` and
+    ``histogram``: :func:`decode_summaries` at one position."""
     if summary == "full":
         return {"stats": host_summary(arrays[0], "stats")["stats"], "histogram": None}
-    if summary == "shape":
-        return {"stats": {}, "histogram": None}
-    if summary == "health":
-        nan, posinf, neginf = arrays[0].tolist()
-        return {"stats": dict(zip(HEALTH_KEYS, (float(size), float(nan), float(posinf),
-                                                float(neginf)), strict=True)),
-                "histogram": None}
-    table = stats_table(np.asarray(arrays[0])[None], np.asarray(arrays[1])[None],
-                        np.array([size], np.float64))[0]
-    stats = dict(zip(STAT_KEYS, table.tolist(), strict=True))
-    hist = None
-    if summary == "histogram":
-        hist = (histogram_edges(stats["min"], stats["max"], bins)[0],
-                np.asarray(arrays[2], dtype=np.float64))
-    return {"stats": {k: stats[k] for k in STAT_KEYS}, "histogram": hist}
+    keys, table, edges, counts = decode_summaries(
+        summary, [np.asarray(a)[None] for a in arrays], size, bins, 1)
+    hist = None if edges is None or counts is None else (edges[0], counts[0])
+    return {"stats": dict(zip(keys, table[0].tolist(), strict=True)), "histogram": hist}

@@ -35,12 +35,10 @@ import numpy as np
 from sowtel.records import (
     DEVICE_COUNTS,
     DEVICE_MOMENTS,
-    HEALTH_COL,
     HEALTH_KEYS,
     LOG_TAG,
     NONFINITE_KINDS,
     SCALAR_SUMMARY,
-    STAT_COL,
     STAT_KEYS,
     FrozenStats,
     Record,
@@ -51,7 +49,7 @@ from sowtel.records import (
     read_only,
     record_index,
 )
-from sowtel.summaries import histogram_edges, host_summary, stats_table
+from sowtel.summaries import decode_summaries, host_summary, stats_table
 
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
@@ -68,8 +66,6 @@ _new_record = object.__new__
 # Where a stats table holds its non-finite counts, as a view; the device arrays' shapes.
 _STATS_NONFINITE = key_span(STAT_KEYS, NONFINITE_KINDS)
 _MOMENTS, _COUNTS = (len(DEVICE_MOMENTS),), (len(DEVICE_COUNTS),)
-# Where a health table holds what its device array sends (the non-finite counts).
-_HEALTH_COUNTS = key_span(HEALTH_KEYS, NONFINITE_KINDS)
 
 
 def record_nbytes(record: Record) -> int:
@@ -321,29 +317,6 @@ class RecordBatch(Sequence[Record]):
         return self, None
 
 
-def _decode(summary: str, arrays: Sequence[np.ndarray], size: int, bins: int,
-            n: int) -> tuple[tuple[str, ...], np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """One leaf's device summaries at ``n`` positions -> keys, stats (n, K), edges, counts.
-
-    The vectorised form of :func:`sowtel.summaries.decode_device_summary`, with its rules.
-    """
-    if summary == "shape":
-        return (), np.zeros((n, 0)), None, None
-    if summary == "health":
-        table = np.empty((n, len(HEALTH_KEYS)))
-        table[:, HEALTH_COL["size"]] = size
-        # assigning converts to float64
-        table[:, _HEALTH_COUNTS] = np.reshape(arrays[0], (n, len(NONFINITE_KINDS)))
-        return HEALTH_KEYS, table, None, None
-    table = stats_table(np.reshape(arrays[0], (n, len(DEVICE_MOMENTS))),
-                        np.reshape(arrays[1], (n, len(DEVICE_COUNTS))), np.full(n, float(size)))
-    if summary != "histogram":
-        return STAT_KEYS, table, None, None
-    edges = histogram_edges(table[:, STAT_COL["min"]], table[:, STAT_COL["max"]], bins)
-    counts = np.asarray(arrays[2], np.float64).reshape(n, bins)
-    return STAT_KEYS, table, edges, counts
-
-
 def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Sequence[Index],
                  step: int, seqs: Sequence[int], wall_time: float,
                  process_index: int) -> SiteColumns:
@@ -365,14 +338,16 @@ def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Seque
         stats = np.array([[[host_summary(v, "stats")["stats"][k] for k in keys] for v in row]
                           for row in values], dtype=np.float64).reshape(n, leaves, len(keys))
     elif leaves == 1:  # the table is the site's, as a view
-        keys, table, e, c = _decode(site.summary, arrays[:per_leaf], site.sizes[0], site.bins, n)
+        keys, table, e, c = decode_summaries(site.summary, arrays[:per_leaf], site.sizes[0],
+                                             site.bins, n)
         stats = table[:, None, :]
         if e is not None and c is not None:
             edges, counts = e[:, None, :], c[:, None, :]
     else:
         for leaf in range(leaves):
-            keys, table, e, c = _decode(site.summary, arrays[leaf * per_leaf:(leaf + 1) * per_leaf],
-                                        site.sizes[leaf], site.bins, n)
+            keys, table, e, c = decode_summaries(
+                site.summary, arrays[leaf * per_leaf:(leaf + 1) * per_leaf], site.sizes[leaf],
+                site.bins, n)
             if stats is None:
                 stats = np.empty((n, leaves, table.shape[1]))
                 if e is not None and c is not None:
@@ -412,7 +387,10 @@ def site_records(site: StreamSite, arrays: Sequence[Sequence[np.ndarray]], *,
         [(4, 9, 0.5, 0.0), (5, 10, 0.7, 2.0)]
     """
     count = site.n_summary
-    stacked = [np.stack([np.asarray(a[k]) for a in arrays]) for k in range(count)]
+    if len(arrays) == 1:  # views: a full value keeps its own array
+        stacked = [np.asarray(a)[None] for a in arrays[0][:count]]
+    else:
+        stacked = [np.stack([np.asarray(a[k]) for a in arrays]) for k in range(count)]
     records = site_columns(site, stacked, index=index, step=0, seqs=seqs, wall_time=0.0,
                            process_index=process_index).records()
     width = len(site.leaf_names)
