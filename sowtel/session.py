@@ -46,9 +46,8 @@ import numpy as np
 from sowtel import _exit, multihost
 from sowtel import _jax_compat as jc
 from sowtel.alerts import Alert, Alerts, make_alerts
-from sowtel.build import records_from_intermediates
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
-from sowtel.dispatcher import _labels as _exporter_labels
+from sowtel.dispatcher import labels as exporter_labels
 from sowtel.exporters import Exporter, resolve
 from sowtel.nonfinite import MAX_POSTMORTEMS, Guard, make_guard
 from sowtel.primitive import (
@@ -68,6 +67,7 @@ from sowtel.to_records import (
     RecordBatch,
     first_nonfinite,
     log_records,
+    records_from_intermediates,
     site_records,
 )
 
@@ -551,7 +551,7 @@ class Session:
         # Records an exporter was handed (so counted as exported) and later let go of to stay
         # within its own bound, such as the memory exporter's max_records.
         s["evicted"] = {label: _evicted(e) for label, e in
-                        zip(_exporter_labels(self.exporters), self.exporters, strict=True)}
+                        zip(exporter_labels(self.exporters), self.exporters, strict=True)}
         s["accounts"] = accounts(s)  # with the session's own count of late records in
         return s
 

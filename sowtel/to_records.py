@@ -27,11 +27,21 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sowtel import naming
+from sowtel.intermediates import (
+    check_intermediates,
+    check_step,
+    program_order,
+    site_leaves,
+    stack_indices,
+    stacking,
+)
 from sowtel.records import (
     DEVICE_COUNTS,
     DEVICE_MOMENTS,
@@ -49,13 +59,13 @@ from sowtel.records import (
     read_only,
     record_index,
 )
-from sowtel.summaries import decode_summaries, host_summary, stats_table
+from sowtel.summaries import check_summary, decode_summaries, host_summary, stats_table
 
 if TYPE_CHECKING:
     from sowtel.primitive import StreamSite
 
 __all__ = ["SiteColumns", "RecordBatch", "site_columns", "site_records", "log_records",
-           "compiled_columns", "first_nonfinite", "record_nbytes"]
+           "compiled_columns", "first_nonfinite", "record_nbytes", "records_from_intermediates"]
 
 Index = int | tuple[int, ...] | None
 
@@ -662,3 +672,92 @@ def first_nonfinite(batch: RecordBatch, *, with_index: bool = False) -> tuple[An
     return None
 
 
+# -- save_intermediates results: summarised on the host (sowtel.export, the dumps) ------------
+
+
+def _process_index() -> int:
+    try:
+        import jax
+
+        return int(jax.process_index())
+    except Exception:  # no backend: records made on a plain host are process 0
+        return 0
+
+
+def _host_value(x: Any, site: str, mode: str, leaf: tuple[Any, ...]) -> np.ndarray:
+    if getattr(x, "is_fully_addressable", True) is False:
+        raise ValueError(
+            f"intermediates[{site!r}][{mode!r}]{''.join(f'[{p!r}]' for p in leaf)} is a "
+            f"jax.Array of global shape {tuple(x.shape)} spanning the devices of several "
+            "processes, which no host holds whole: stream it (sowtel.jit, or enable() with "
+            "jax.jit), or sowtel.dump it in every process and sowtel.load the parts in one")
+    return np.asarray(x)
+
+
+def records_from_intermediates(
+    intermediates: Mapping[str, Mapping[str, Any]],
+    *,
+    step: int,
+    summary: str = "stats",
+    tag: str = "intermediates",
+) -> list[Record]:
+    """Turns a ``save_intermediates`` result into the records streaming would produce.
+
+    One record per array leaf, in the order the program computed them (see
+    :func:`~sowtel.intermediates.program_order`: the forward pass in site order, then
+    cotangents in reverse site order), numbered by ``seq`` in that order; a pytree sown at one
+    site gives records named ``name/<leaf path>`` (``"pair/0"``, ``"params/w"``). Summaries
+    are computed on the host with :func:`sowtel.summaries.host_summary`, the same definitions
+    the device uses. A value stacked by ``scan`` or ``shard_map`` (see
+    :attr:`sowtel.Intermediates.stacked`) gives one record per iteration and shard, in index
+    order, with the ``index`` streaming gives them; a value whose leading axes do not match
+    its stacking (under a ``vmap`` of ``save_intermediates``) gives one record for the whole
+    stack (``index=None``).
+    :func:`sowtel.export` calls this and hands the records to the active exporters.
+
+    Example:
+      >>> import numpy as np
+      >>> recs = records_from_intermediates(
+      ...     {"pair": {"primal": (np.array([1.0, 3.0]), np.array(2))}}, step=5)
+      >>> [(r.name, r.step, r.stats["mean"]) for r in recs]
+      [('pair/0', 5, 2.0), ('pair/1', 5, 2.0)]
+    """
+    check_intermediates(intermediates, "intermediates")
+    for name in intermediates:
+        naming.check_name(name)  # the rule of sow names: records are named by it
+    step = check_step(step)
+    check_summary(summary)
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"tag={tag!r} must be a non-empty string")
+    wall_time = time.time()
+    process_index = _process_index()
+    values = [
+        (program_order(i, mode, j), site, mode, value, stacking(modes).get(mode, ()))
+        for i, (site, modes) in enumerate(intermediates.items())
+        for j, (mode, value) in enumerate(modes.items())
+    ]
+    values.sort(key=lambda v: v[0])
+    records: list[Record] = []
+    for _, site, mode, value, axes in values:
+        leaves = [(leaf, _host_value(x, site, mode, leaf)) for leaf, x in site_leaves(value)]
+        stacks = [stack_indices(axes, arr.shape) for _, arr in leaves]
+        # One record per leaf and element of the stack, a stack's leaves together (as streaming
+        # sends them); leaves that are not stacked as their site says come whole, after them.
+        positions = next((s for s in stacks if s is not None), [])
+        parts: list[tuple[tuple[Any, ...], np.ndarray, int | tuple[int, ...] | None]] = [
+            (leaf, np.asarray(arr[pos]), index)
+            for pos, index in positions
+            for (leaf, arr), stack in zip(leaves, stacks, strict=True) if stack is not None
+        ]
+        parts += [(leaf, arr, None)
+                  for (leaf, arr), stack in zip(leaves, stacks, strict=True) if stack is None]
+        for leaf, arr, index in parts:
+            s = host_summary(arr, summary)
+            records.append(Record(
+                name=naming.leaf_name(site, leaf), mode=mode, tag=tag, step=step, index=index,
+                wall_time=wall_time, summary=summary, shape=tuple(arr.shape),
+                dtype=arr.dtype.name, value=arr if summary == "full" else None,
+                stats=s["stats"], histogram=s["histogram"], process_index=process_index,
+                seq=len(records),
+            ))
+    return records
