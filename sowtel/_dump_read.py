@@ -44,7 +44,8 @@ from sowtel._dump_format import (
     rebuild,
     sowtel_version,
 )
-from sowtel.build import _check_mode, leaf_name
+from sowtel.intermediates import check_mode
+from sowtel.naming import leaf_name
 
 # ----------------------------------------------------------------------------- reading
 
@@ -442,7 +443,7 @@ class DumpFile(SiteStructure):
                 if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
                     raise self._bad(f"site {item[0]!r} has a malformed mode")
                 try:
-                    _check_mode(pair[0], f"site {item[0]!r}")
+                    check_mode(pair[0], f"site {item[0]!r}")
                 except ValueError as e:
                     raise self._bad(str(e)) from None
                 if pair[0] in modes:

@@ -35,7 +35,7 @@ from sowtel._dump_format import (
     part_name,
     sowtel_version,
 )
-from sowtel.build import _check_intermediates, _check_step, _is_leaf, _stacking
+from sowtel.intermediates import check_intermediates, check_step, is_leaf, stacking
 
 # ----------------------------------------------------------------------------- encoding
 
@@ -80,7 +80,7 @@ class Encoder:
         if type(x) is list or type(x) is tuple:
             kind = "list" if type(x) is list else "tuple"
             return {kind: [self.node(v, site, mode, (*leaf, i)) for i, v in enumerate(x)]}
-        if _is_leaf(x) and not isinstance(x, (str, bytes)):
+        if is_leaf(x) and not isinstance(x, (str, bytes)):
             if getattr(x, "is_fully_addressable", True) is False:
                 self.first_global = self.first_global or where
                 return self._global(x, where, site, mode, leaf)
@@ -353,9 +353,9 @@ def write_dump(
     metadata: dict[str, Any] | None = None,
 ) -> Path:
     """:func:`sowtel.dumps.dump` (documented there)."""
-    _check_intermediates(intermediates, "intermediates")
+    check_intermediates(intermediates, "intermediates")
     if step is not None:
-        step = _check_step(step)
+        step = check_step(step)
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict):
@@ -367,8 +367,8 @@ def write_dump(
         for name, modes in intermediates.items()
     ]
     stacked = {
-        name: {mode: [list(axis) for axis in axes] for mode, axes in _stacking(modes).items()}
-        for name, modes in intermediates.items() if _stacking(modes)
+        name: {mode: [list(axis) for axis in axes] for mode, axes in stacking(modes).items()}
+        for name, modes in intermediates.items() if stacking(modes)
     }
     if encoder.first_global is not None and encoder.first_local is not None:
         raise ValueError(

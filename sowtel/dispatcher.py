@@ -91,7 +91,8 @@ def _check_seconds(value: Any, name: str) -> float:
 _record_nbytes = record_nbytes
 
 
-def _labels(exporters: Sequence[Any]) -> list[str]:
+def labels(exporters: Sequence[Any]) -> list[str]:
+    """The exporters' labels, made unique: ``label`` (else the class name), then ``#2``..."""
     labels: list[str] = []
     for exporter in exporters:
         base = getattr(exporter, "label", None)
@@ -238,7 +239,7 @@ class Dispatcher:
                 e, label, max_records=queue_size, flush_interval=self._flush_interval,
                 timeout=self._exporter_timeout, release=self._release,
             )
-            for e, label in zip(exporters, _labels(exporters), strict=True)
+            for e, label in zip(exporters, labels(exporters), strict=True)
         ]
         self._thread = threading.Thread(target=self._run, name="sowtel-dispatcher", daemon=True)
         self._thread.start()

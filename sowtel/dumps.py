@@ -59,11 +59,11 @@ from sowtel._dump_format import (
 )
 from sowtel._dump_parts import open_step
 from sowtel._dump_read import DumpFile, DumpReader
-from sowtel.build import (  # records and intermediates structure, shared with streaming
-    leaf_name,
-    program_order,
-    records_from_intermediates,
-)
+
+# Records and the structure of intermediates, shared with streaming.
+from sowtel.intermediates import program_order
+from sowtel.naming import leaf_name
+from sowtel.to_records import records_from_intermediates
 
 __all__ = [
     "DumpEntry",

@@ -15,13 +15,17 @@ Example:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
 
 from sowtel import primitive
 from sowtel.context import CONTEXT, Context
+from sowtel.records import BASE_MODES, record_index
 
-__all__ = ["nothing_captured", "sown_tags"]
+__all__ = ["nothing_captured", "sown_tags", "program_order", "check_mode", "check_intermediates",
+           "check_step", "is_leaf", "site_leaves", "stacking", "stack_indices"]
 
 
 class _TagProbe(str):
@@ -64,3 +68,132 @@ def nothing_captured(fn: Callable[..., Any], tag: str, trace: Callable[[], Any])
                 "the values to capture with sowtel.sow(x, 'name') inside it")
     return (f"save_intermediates(tag={tag!r}) captured nothing: {what} sows only with the "
             f"tag(s) {seen}; pass tag={seen[0]!r}, or sow with tag={tag!r}")
+
+
+# -- The structure of intermediates: checks, leaves, stacking, program order ------------------
+#    (shared by sowtel.export, the dumps and the post-mortem report).
+
+
+def program_order(site_index: int, mode: str, mode_index: int = 0) -> tuple[int, int, int]:
+    """A sort key that puts captured values in the order the program computed them.
+
+    Sites are numbered in program order (the order of ``save_intermediates``' dict). Values
+    without a cotangent (primal, tangent) are computed in the forward pass, in site order; each
+    reverse pass runs after the one before it and walks the sites the other way, so modes with
+    one ``cotangent`` component come next in reverse site order, two in site order again, and so
+    on. ``mode_index`` orders the modes of one site within the same pass.
+
+    Example:
+      >>> entries = [(0, "primal"), (0, "cotangent"), (1, "primal"), (1, "cotangent")]
+      >>> sorted(entries, key=lambda e: program_order(*e))
+      [(0, 'primal'), (1, 'primal'), (1, 'cotangent'), (0, 'cotangent')]
+    """
+    passes = mode.split(".").count("cotangent")
+    return (passes, site_index if passes % 2 == 0 else -site_index, mode_index)
+
+
+def check_mode(mode: Any, where: str) -> str:
+    """``mode`` if it is a mode (``"primal"``, ``"cotangent.tangent"``), else ValueError."""
+    parts = mode.split(".") if isinstance(mode, str) else None
+    if not parts or any(p not in BASE_MODES for p in parts):
+        raise ValueError(
+            f"{where}: mode {mode!r} is not a mode: use one of {', '.join(BASE_MODES)} or a "
+            "composition of them joined by '.' (such as 'cotangent.tangent')"
+        )
+    return str(mode)
+
+
+def check_intermediates(intermediates: Any, what: str) -> Mapping[str, Mapping[str, Any]]:
+    """``intermediates`` if shaped as :func:`sowtel.save_intermediates` returns them
+    (``{name: {mode: value}}``), else TypeError or ValueError naming ``what``."""
+    if not isinstance(intermediates, Mapping):
+        raise TypeError(
+            f"{what} must be a dict {{name: {{mode: value}}}} as returned by "
+            f"sowtel.save_intermediates, got {type(intermediates).__name__}"
+        )
+    for name, modes in intermediates.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{what}: site name {name!r} must be a non-empty string")
+        if not isinstance(modes, Mapping):
+            raise TypeError(
+                f"{what}[{name!r}] must be a dict {{mode: value}} such as "
+                f"{{'primal': x}}, got {type(modes).__name__}: pass the intermediates exactly "
+                "as sowtel.save_intermediates returns them"
+            )
+        for mode in modes:
+            check_mode(mode, f"{what}[{name!r}]")
+    return intermediates
+
+
+def check_step(step: Any, what: str = "step") -> int:
+    """``step`` as an int, if it is one (never a bool), else TypeError."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(f"{what}={step!r} must be an int (the training step)")
+    return int(step)
+
+
+def is_leaf(x: Any) -> bool:
+    """Whether ``x`` is an array leaf of a sown value (an array, a numpy or Python scalar)."""
+    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+        return True
+    # jax.Array and other array-likes, recognised without importing jax.
+    return hasattr(x, "__array__") and hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def site_leaves(value: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """(leaf path, leaf) pairs of a sown value; dict/list/tuple in stored order, else jax's."""
+    out: list[tuple[tuple[Any, ...], Any]] = []
+
+    def walk(x: Any, leaf: tuple[Any, ...]) -> None:
+        if x is None:
+            return
+        if type(x) is dict:
+            for k, v in x.items():
+                walk(v, (*leaf, k))
+        elif type(x) is list or type(x) is tuple:
+            for i, v in enumerate(x):
+                walk(v, (*leaf, i))
+        elif is_leaf(x):
+            out.append((leaf, x))
+        else:
+            # Registered pytree nodes (namedtuples, flax structs, dataclasses): jax knows them.
+            import jax
+
+            for kp, v in jax.tree_util.tree_flatten_with_path(x)[0]:
+                walk(v, (*leaf, *(_key_part(k) for k in kp)))
+
+    walk(value, ())
+    return out
+
+
+def _key_part(k: Any) -> Any:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return str(k)
+
+
+def stacking(modes: Any) -> dict[str, tuple[tuple[str, int], ...]]:
+    """``{mode: stacked axes}`` of a site's modes dict (empty for a plain dict)."""
+    stacked = getattr(modes, "stacked", None)
+    return dict(stacked) if isinstance(stacked, dict) else {}
+
+
+def stack_indices(
+    axes: tuple[tuple[str, int], ...], shape: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], int | tuple[int, ...]]] | None:
+    """``(position, record index)`` for each element of a stack, or None when not stacked.
+
+    The record index is the one streaming gives (:func:`sowtel.records.record_index`); listed
+    in index order. None when ``shape`` does not start with the stacked axes (a ``vmap``
+    around ``save_intermediates`` puts its batch axis first).
+    """
+    lengths = tuple(n for _, n in axes)
+    if not axes or tuple(shape[:len(axes)]) != lengths:
+        return None
+    out: list[tuple[tuple[int, ...], int | tuple[int, ...]]] = []
+    for pos in np.ndindex(*lengths):
+        index = record_index([(kind, n, i) for (kind, n), i in zip(axes, pos, strict=True)])
+        assert index is not None  # axes is not empty
+        out.append((pos, index))
+    return out

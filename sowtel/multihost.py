@@ -52,6 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sowtel import _exit
 from sowtel import _jax_compat as jc
+from sowtel.records import DEVICE_COUNTS, DEVICE_MOMENTS, MOMENT_COL
 
 __all__ = ["initialize", "agree", "peer_timeout", "fetch", "owns", "spans_processes",
            "replicated_sharding", "gather_full_values", "partial_summaries",
@@ -318,6 +319,10 @@ def replicated_sharding(tree: Any) -> Any:
     return None
 
 
+# A block summary: the device's moments and counts side by side (THE layout: sowtel.records).
+_PARTIAL = len(DEVICE_MOMENTS) + len(DEVICE_COUNTS)
+
+
 def partial_summaries(leaves: Sequence[Any], summary: str, bins: int,
                       replicated: Any) -> list[Any] | None:
     """Inside a logging program: the first level of a global ``stats`` summary of each leaf.
@@ -371,7 +376,8 @@ def merge_partials(partial: Any) -> tuple[Any, Any]:
     import jax.numpy as jnp
 
     ftype = partial.dtype
-    mean_r, std_r, min_r, max_r, n_r, abs_r = (partial[..., i] for i in range(6))
+    mean_r, std_r, min_r, max_r, n_r, abs_r = (
+        partial[..., MOMENT_COL[k]] for k in ("mean", "std", "min", "max", "n", "mean_abs"))
     has = n_r > 0
     n = jnp.sum(n_r, axis=-1)
     w = jnp.where(has, n_r / jnp.maximum(n, 1)[..., None], 0)
@@ -382,11 +388,11 @@ def merge_partials(partial: Any) -> tuple[Any, Any]:
     dev = jnp.where(has, (mean_r - mean[..., None]) / scale, 0)
     sd = jnp.where(has, std_r / scale, 0)
     std = jnp.sqrt(jnp.sum(w * (sd * sd + dev * dev), axis=-1)) * scale[..., 0]
-    moments = jnp.stack([
-        mean, std, jnp.min(jnp.where(has, min_r, jnp.inf), axis=-1),
-        jnp.max(jnp.where(has, max_r, -jnp.inf), axis=-1), n,
-        jnp.sum(jnp.where(has, w * abs_r, 0), axis=-1)], axis=-1).astype(ftype)
-    counts = jnp.sum(partial[..., 6:10], axis=-2).astype(jnp.int32)
+    merged = {"mean": mean, "std": std, "min": jnp.min(jnp.where(has, min_r, jnp.inf), axis=-1),
+              "max": jnp.max(jnp.where(has, max_r, -jnp.inf), axis=-1), "n": n,
+              "mean_abs": jnp.sum(jnp.where(has, w * abs_r, 0), axis=-1)}
+    moments = jnp.stack([merged[k] for k in DEVICE_MOMENTS], axis=-1).astype(ftype)
+    counts = jnp.sum(partial[..., len(DEVICE_MOMENTS):_PARTIAL], axis=-2).astype(jnp.int32)
     return moments, counts
 
 
@@ -406,12 +412,12 @@ def combine_partials(caps: list[Any], orders: set[int], replicated: Any) -> list
         by_dtype.setdefault(str(caps[i].leaves[j].dtype), []).append((i, j))
     gathered: dict[tuple[int, int], Any] = {}
     for group in by_dtype.values():
-        flat = [caps[i].leaves[j].reshape(-1, parts, 10) for i, j in group]
+        flat = [caps[i].leaves[j].reshape(-1, parts, _PARTIAL) for i, j in group]
         together = jax.lax.with_sharding_constraint(jnp.concatenate(flat, 0), replicated)
         at = 0
         for (i, j), f in zip(group, flat, strict=True):
             lead = caps[i].leaves[j].shape[:-2]
-            gathered[(i, j)] = together[at:at + f.shape[0]].reshape(*lead, parts, 10)
+            gathered[(i, j)] = together[at:at + f.shape[0]].reshape(*lead, parts, _PARTIAL)
             at += f.shape[0]
     out = list(caps)
     for i, c in enumerate(caps):

@@ -14,6 +14,40 @@ STAT_KEYS: tuple[str, ...] = (
 )
 #: The keys of ``Record.stats`` for the ``"health"`` summary.
 HEALTH_KEYS: tuple[str, ...] = ("size", "nan", "posinf", "neginf")
+
+# -- THE stats column layout: every table of statistics and every array a device sends for a
+#    summary is read and written by these names, never by column numbers.
+
+#: The column of each statistic in a table of :data:`STAT_KEYS` rows: ``table[:, STAT_COL["min"]]``.
+STAT_COL: dict[str, int] = {k: i for i, k in enumerate(STAT_KEYS)}
+#: The column of each statistic in a table of :data:`HEALTH_KEYS` rows.
+HEALTH_COL: dict[str, int] = {k: i for i, k in enumerate(HEALTH_KEYS)}
+#: What a device sends for ``"stats"`` (and ``"histogram"``), first array: the moments of the
+#: finite elements, none larger than the largest finite magnitude (so that none overflows);
+#: ``"n"`` is the number of finite elements. The host derives ``l2`` from them.
+DEVICE_MOMENTS: tuple[str, ...] = ("mean", "std", "min", "max", "n", "mean_abs")
+#: ... second array: the counts. ``"health"`` sends the first three (the non-finite counts).
+DEVICE_COUNTS: tuple[str, ...] = ("nan", "posinf", "neginf", "zeros")
+#: The position of each of :data:`DEVICE_MOMENTS` in its array (its last axis).
+MOMENT_COL: dict[str, int] = {k: i for i, k in enumerate(DEVICE_MOMENTS)}
+#: The position of each of :data:`DEVICE_COUNTS` in its array (its last axis).
+COUNT_COL: dict[str, int] = {k: i for i, k in enumerate(DEVICE_COUNTS)}
+
+
+def key_span(keys: Sequence[str], names: Sequence[str]) -> slice:
+    """The columns of ``names`` in a ``keys`` layout as one slice; they must lie side by side
+    in that order (a view of a table, never a copy).
+
+    Example:
+        >>> key_span(STAT_KEYS, DEVICE_COUNTS), key_span(HEALTH_KEYS, ("nan", "posinf", "neginf"))
+        (slice(7, 11, None), slice(1, 4, None))
+    """
+    start = list(keys).index(names[0])
+    if tuple(keys[start:start + len(names)]) != tuple(names):
+        raise ValueError(f"{names} do not lie side by side in {keys}")
+    return slice(start, start + len(names))
+
+
 #: Summary kinds, from most to least data crossing to the host.
 SUMMARIES: tuple[str, ...] = ("full", "histogram", "stats", "health", "shape")
 #: Derivative modes a site can report.

@@ -18,11 +18,34 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from sowtel.records import HEALTH_KEYS, STAT_KEYS, SUMMARIES, inexact
+from sowtel._reductions import (
+    all_axes,
+    aval,
+    scaled_moments,
+    separate_moments,
+    stats_rows,
+    variadic_moments,
+    wire_counts,
+    wire_moments,
+)
+from sowtel.records import (
+    DEVICE_COUNTS,
+    DEVICE_MOMENTS,
+    HEALTH_COL,
+    HEALTH_KEYS,
+    MOMENT_COL,
+    NONFINITE_KINDS,
+    STAT_COL,
+    STAT_KEYS,
+    SUMMARIES,
+    inexact,
+    key_span,
+)
 
 #: Default number of histogram buckets.
 DEFAULT_BINS = 30
@@ -105,10 +128,32 @@ def host_summary(x: Any, summary: str, bins: int = DEFAULT_BINS) -> dict[str, An
     hist = None
     if summary == "histogram":
         lo, hi = (mn, mx) if n else (0.0, 0.0)
-        edges = np.linspace(lo, hi, bins + 1) if hi > lo else lo + np.arange(bins + 1) * 1.0
-        counts = _bucket_counts_host(finite, lo, hi, bins)
-        hist = (edges, counts)
+        hist = (histogram_edges(lo, hi, bins)[0], _bucket_counts_host(finite, lo, hi, bins))
     return {"stats": stats, "histogram": hist}
+
+
+def histogram_edges(lo: Any, hi: Any, bins: int) -> np.ndarray:
+    """THE bucket edges of a histogram, every path's: ``bins + 1`` edges evenly spaced from
+    the least to the greatest finite element (``lo``, ``hi``), the last one ``hi`` exactly;
+    unit-wide buckets from ``lo`` when the two are equal; from 0 when ``lo`` is not finite
+    (no finite element). ``lo`` and ``hi`` are one value's or ``(n,)`` values'; the edges
+    are float64, ``(n, bins + 1)``.
+
+    Example:
+        >>> histogram_edges([-1.0, 1.0, np.nan], [2.0, 1.0, np.nan], 4).tolist()
+        [[-1.0, -0.25, 0.5, 1.25, 2.0], [1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0]]
+    """
+    lo = np.array(lo, np.float64, ndmin=1)  # copies: the caller's arrays stay as they are
+    hi = np.array(hi, np.float64, ndmin=1)
+    bad = ~np.isfinite(lo)
+    lo[bad] = hi[bad] = 0.0
+    edges = np.empty((len(lo), bins + 1))
+    spread = hi > lo
+    if spread.any():
+        edges[spread] = np.linspace(lo[spread], hi[spread], bins + 1, axis=1)
+    if (~spread).any():
+        edges[~spread] = lo[~spread, None] + np.arange(bins + 1) * 1.0
+    return edges
 
 
 def _bucket_counts_host(finite: np.ndarray, lo: float, hi: float, bins: int) -> np.ndarray:
@@ -170,7 +215,7 @@ def flatten(x: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
-    sharding = getattr(_aval(x), "sharding", None)
+    sharding = getattr(aval(x), "sharding", None)
     spec = getattr(sharding, "spec", None)
     if sharding is None or spec is None or x.ndim < 2 or all(p is None for p in spec[1:]):
         return jnp.ravel(x)
@@ -178,145 +223,6 @@ def flatten(x: Any) -> Any:
 
     return jax.lax.reshape(x, (x.size,),
                            out_sharding=NamedSharding(sharding.mesh, PartitionSpec(None)))
-
-
-def _aval(x: Any) -> Any:
-    import jax
-
-    typeof = getattr(jax, "typeof", None)
-    try:
-        return typeof(x) if typeof is not None else None
-    except TypeError:  # not a JAX value
-        return None
-
-
-# Elements a first-level row of the variadic form reduces, for a 1-D value.
-_ROW = 256
-
-
-def _sharded(x: Any) -> bool:
-    spec = getattr(getattr(_aval(x), "sharding", None), "spec", None)
-    return spec is not None and any(p is not None for p in spec)
-
-
-def _all_axes(x: Any) -> tuple[int, ...]:
-    return tuple(range(x.ndim))
-
-
-def _separate(x: Any) -> tuple[Any, ...]:
-    """``(n, mean, sum (x - mean)^2, min, max, sum |x|, zeros, no counts)`` of every element,
-    each reduction over every axis of ``x`` (never reshaped: a sharded value stays as it is
-    sharded). The three sums are sibling reductions, each its own vectorised kernel on XLA:CPU;
-    the sum of squares is about the mean (a second pass, exact). The extrema and the zero count
-    come from one variadic reduce: minimum, maximum and integer addition are exact in any
-    order, so XLA:CPU vectorises that loop (it cannot reorder a floating-point sum), and one
-    read gives three statistics. Measured against forms without the conditional around the
-    masked statistics (on a copy of every value with its non-finite elements replaced): as fast
-    on the MLP, 4% faster on the transformer block, whose large values the copy reads twice
-    (see docs/benchmarks.md)."""
-    import jax
-    import jax.numpy as jnp
-
-    ftype = x.dtype
-    n = jnp.asarray(x.size, ftype)
-    mean = jnp.sum(x) / n
-    m2 = jnp.sum(jnp.square(x - mean))
-    a = jnp.sum(jnp.abs(x))
-    i32 = jnp.int32
-    mn, mx, zeros = jax.lax.reduce(
-        (x, x, (x == 0).astype(i32)),
-        (jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype), i32(0)),
-        lambda p, q: (jnp.minimum(p[0], q[0]), jnp.maximum(p[1], q[1]), p[2] + q[2]),
-        _all_axes(x))
-    none = i32(0)
-    return n, mean, m2, mn, mx, a, zeros, (none, none, none)
-
-
-def _merge_moments(p: tuple[Any, ...], q: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The pairwise merge of the variadic reduce (Chan et al.): count, mean, variance, min,
-    max, mean |x|, then the integer counts, summed."""
-    import jax.numpy as jnp
-
-    count = p[0] + q[0]
-    delta = q[1] - p[1]
-    w = jnp.where(count > 0, q[0] / jnp.where(count > 0, count, 1), 0)
-    v = 1 - w
-    # Means of the variance and of |x|, not sums: no partial result exceeds the value's
-    # largest magnitude (or the variance itself), so none overflows where the statistics do
-    # not. delta^2 w v as (delta w)(delta v): a quarter of delta^2 at most.
-    return (count, p[1] + delta * w, p[2] * v + q[2] * w + (delta * w) * (delta * v),
-            jnp.minimum(p[3], q[3]), jnp.maximum(p[4], q[4]), p[5] * v + q[5] * w,
-            *(a + b for a, b in zip(p[6:], q[6:], strict=True)))
-
-
-def _moment_inits(ftype: Any, counts: bool) -> tuple[Any, ...]:
-    """The identity of :func:`_merge_moments`, with the three non-finite counts if ``counts``."""
-    import jax.numpy as jnp
-
-    zero = jnp.zeros((), ftype)
-    i32 = jnp.int32
-    return (zero, zero, zero, jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype),
-            zero, i32(0)) + (i32(0),) * (3 * counts)
-
-
-def _variadic(x: Any, mask: Any) -> tuple[Any, ...]:
-    """What :func:`_separate` returns (with the NaN, +inf and -inf counts), of the elements
-    ``mask`` keeps (all when None), from one variadic reduce: each element enters as a count of
-    one, its value as the mean and no spread, and partial results merge pairwise (Chan et al.),
-    which needs no shift to stay accurate. Counts are int32 operands of the same reduce, exact
-    at any size. Over the last axis, then the others: two levels keep rounding at (rows + row
-    length) ulps, with no reshape of a sharded value."""
-    import jax
-    import jax.numpy as jnp
-
-    ftype = x.dtype
-    i32 = jnp.int32
-    counts = mask is not None
-
-    merge = _merge_moments
-    inits = _moment_inits(ftype, counts)
-    operands: tuple[Any, ...]
-    if mask is None:
-        operands = (jnp.ones_like(x), x, jnp.zeros_like(x), x, x, jnp.abs(x),
-                    (x == 0).astype(i32))
-    else:
-        vals = jnp.where(mask, x, 0)
-        operands = (mask.astype(ftype), vals, jnp.zeros_like(x), jnp.where(mask, x, jnp.inf),
-                    jnp.where(mask, x, -jnp.inf), jnp.abs(vals), (x == 0).astype(i32),
-                    jnp.isnan(x).astype(i32), jnp.isposinf(x).astype(i32),
-                    jnp.isneginf(x).astype(i32))
-    parts: tuple[Any, ...] = operands
-    if x.ndim == 1 and not _sharded(x):
-        # Rows of _ROW elements: one long accumulation could reach size ulps.
-        pad = -x.size % _ROW
-        parts = tuple(jnp.concatenate([o, jnp.full((pad,), i, o.dtype)]).reshape(-1, _ROW)
-                      for o, i in zip(operands, inits, strict=True))
-    if parts[0].ndim >= 2:
-        parts = jax.lax.reduce(parts, inits, merge, (parts[0].ndim - 1,))
-    k, m, var, mn, mx, mean_abs, z, *bad = jax.lax.reduce(parts, inits, merge,
-                                                          _all_axes(parts[0]))
-    return k, m, var, mn, mx, mean_abs, z, (tuple(bad) if counts else (i32(0),) * 3)
-
-
-def _scaled(x: Any) -> tuple[Any, ...]:
-    """:func:`_variadic` of the finite elements of ``x`` divided by the power of two at most
-    their largest magnitude (exact: only the exponent changes; the largest becomes 1 to 2), the
-    moments multiplied back: statistics of finite values that are finite and correct however
-    close to the dtype's largest their squares or sums come. The zeros are counted in ``x``
-    itself (a tiny element may round to zero once divided). The path of the values that hold a
-    NaN or an infinity, or whose sums overflowed (see :func:`device_summary`)."""
-    import jax
-    import jax.numpy as jnp
-
-    mask = jnp.isfinite(x)
-    big = jnp.max(jnp.where(mask, jnp.abs(x), 0))
-    _, exponent = jnp.frexp(jnp.where(big > 0, big, 1))
-    scale = jnp.ldexp(jnp.ones((), x.dtype), exponent - 1)
-    k, m, var, mn, mx, mean_abs, _, bad = _variadic(x / scale, mask)
-    zeros = jax.lax.reduce((x == 0).astype(jnp.int32), jnp.int32(0), jax.lax.add,
-                           _all_axes(x))
-    return (k, m * scale, var, mn * scale, mx * scale, mean_abs * scale, zeros, bad,
-            scale)
 
 
 def apart(x: Any) -> Any:
@@ -426,7 +332,7 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
     count in one more, and tests the sum of squares for being finite: only when it is not (the
     value holds a NaN or an infinity, or a sum overflowed), under a ``lax.cond``, are the
     statistics taken again with those elements masked out and counted, of the value divided by
-    the power of two below its largest magnitude (:func:`_scaled`): finite and correct for
+    the power of two below its largest magnitude (:func:`scaled_moments`): finite and correct for
     every finite value. Either way the moments sent are the mean, the standard
     deviation and the mean of ``|x|``, which never exceed the largest finite magnitude.
 
@@ -465,21 +371,23 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
         return [jnp.stack(jax.lax.reduce(
             tuple(f(xf).astype(cdtype) for f in (jnp.isnan, jnp.isposinf, jnp.isneginf)),
             (cdtype(0),) * 3, lambda p, q: tuple(a + b for a, b in zip(p, q, strict=True)),
-            _all_axes(xf)))]
+            all_axes(xf)))]
     if size == 0:
         zero = jnp.zeros((), ftype)
         nan = jnp.asarray(jnp.nan, ftype)
-        out = [jnp.stack([nan, zero, nan, nan, zero, zero]), jnp.zeros((4,), cdtype)]
+        empty = {"mean": nan, "std": zero, "min": nan, "max": nan, "n": zero, "mean_abs": zero}
+        out = [jnp.stack([empty[k] for k in DEVICE_MOMENTS]),
+               jnp.zeros((len(DEVICE_COUNTS),), cdtype)]
         if summary == "histogram":
             out.append(jnp.zeros((bins,), cdtype))
         return out
 
     if variadic:
-        n, mean, var, mn, mx, mean_abs, zeros, bad = _variadic(
+        n, mean, var, mn, mx, mean_abs, zeros, bad = variadic_moments(
             xf, jnp.isfinite(xf) if is_float else None)
         std = jnp.sqrt(var)
     else:
-        raw = _separate(xf)
+        raw = separate_moments(xf)
         n, _, m2, _, _, a, _, _ = raw
         # Sent as a standard deviation and a mean of |x| (no larger than the value's largest
         # magnitude), never as sums, which overflow where the statistics do not.
@@ -496,7 +404,7 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
                         tuple(b + vary for b in fast[7]))
 
             def masked() -> tuple[Any, ...]:
-                k, m, var, lo, hi, mabs, z, counted, scale = _scaled(xf)
+                k, m, var, lo, hi, mabs, z, counted, scale = scaled_moments(xf)
                 return k, m, jnp.sqrt(var) * scale, lo, hi, mabs, z, counted
 
             # The value holds a NaN or an infinity, or a sum overflowed: its finite elements'
@@ -507,8 +415,8 @@ def device_summary(x: Any, summary: str, bins: int = DEFAULT_BINS,
         n, mean, std, mn, mx, mean_abs, zeros, bad = fast
     # The host derives the rest (stats_table), so that little scalar arithmetic is compiled a
     # site (six kernels a site on XLA:CPU when it all was).
-    out = [jnp.stack([mean, std, mn, mx, n, mean_abs]).astype(ftype),
-           jnp.stack([*bad, zeros]).astype(cdtype)]
+    out = [wire_moments(mean=mean, std=std, min=mn, max=mx, n=n, mean_abs=mean_abs
+                         ).astype(ftype), wire_counts(bad, zeros).astype(cdtype)]
     if summary == "histogram":
         empty = n == 0
         lo = jnp.where(empty, 0, mn)
@@ -541,8 +449,8 @@ def _pack_key(x: Any) -> tuple[Any, ...] | None:
     which a pack would gather)."""
     import jax.numpy as jnp
 
-    aval = _aval(x) or x  # a value being traced, or the abstract value of one
-    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    typed = aval(x) or x  # a value being traced, or the abstract value of one
+    spec = getattr(getattr(typed, "sharding", None), "spec", None)
     if x.size == 0 or (spec is not None and any(p is not None for p in spec)):
         return None
     is_float = bool(jnp.issubdtype(x.dtype, jnp.inexact))
@@ -578,107 +486,6 @@ def _rows(values: list[Any], ftype: Any, copy: bool) -> tuple[Any, np.ndarray]:
     return jax.lax.concatenate(rows, 0), sizes
 
 
-def _variadic_rows(x: Any, mask: Any, counts: bool) -> tuple[Any, ...]:
-    """:func:`_variadic` of each row of the 2-D ``x``, of the elements ``mask`` keeps: the
-    same merge, over rows of ``_ROW`` elements, then across them."""
-    import jax
-    import jax.numpy as jnp
-
-    ftype = x.dtype
-    i32 = jnp.int32
-    merge = _merge_moments
-    inits = _moment_inits(ftype, counts)
-    vals = jnp.where(mask, x, 0)
-    operands: tuple[Any, ...] = (
-        mask.astype(ftype), vals, jnp.zeros_like(x), jnp.where(mask, x, jnp.inf),
-        jnp.where(mask, x, -jnp.inf), jnp.abs(vals), (x == 0).astype(i32))
-    if counts:
-        operands += (jnp.isnan(x).astype(i32), jnp.isposinf(x).astype(i32),
-                     jnp.isneginf(x).astype(i32))
-    k, width = x.shape
-    parts: tuple[Any, ...] = operands
-    if width > _ROW:
-        pad = -width % _ROW
-        parts = tuple(jnp.pad(o, ((0, 0), (0, pad)), constant_values=i).reshape(k, -1, _ROW)
-                      for o, i in zip(operands, inits, strict=True))
-        parts = jax.lax.reduce(parts, inits, merge, (2,))
-    out = jax.lax.reduce(parts, inits, merge, (1,))
-    return (*out[:7], tuple(out[7:]) if counts else (jnp.zeros((k,), i32),) * 3)
-
-
-def _stats_rows(x: Any, sizes: np.ndarray, is_float: bool, variadic: bool
-                ) -> tuple[Any, Any]:
-    """The ``stats`` moments ``(k, 6)`` and counts ``(k, 4)`` of the rows of ``x``, each of
-    its first ``sizes[i]`` elements (the rest are zero padding): :func:`device_summary`'s,
-    row by row, in the same form."""
-    import jax
-    import jax.numpy as jnp
-
-    ftype = x.dtype
-    k, width = x.shape
-    i32 = jnp.int32
-    padded = bool((sizes < width).any())
-    valid = (jax.lax.broadcasted_iota(i32, x.shape, 1) < jnp.asarray(sizes, i32)[:, None]
-             if padded else None)
-    n = jnp.asarray(sizes, ftype)
-    # The padding is zeros: exact to take back from the zero counts.
-    pads = jnp.asarray(width - sizes, i32)
-
-    def masked() -> tuple[Any, ...]:
-        keep = jnp.isfinite(x) if is_float else jnp.ones(x.shape, bool)
-        if valid is not None:
-            keep = keep & valid
-        big = jnp.max(jnp.where(keep, jnp.abs(x), 0), axis=1)
-        _, exponent = jnp.frexp(jnp.where(big > 0, big, 1))
-        scale = jnp.ldexp(jnp.ones((), ftype), exponent - 1)
-        # In two powers of two: XLA divides by a row's scale as a multiply by its reciprocal,
-        # which is subnormal (flushed to zero) for a scale above 2^126 in float32.
-        half = jnp.ldexp(jnp.ones((), ftype), (exponent - 1) // 2)[:, None]
-        rest = jnp.ldexp(jnp.ones((), ftype), exponent - 1 - (exponent - 1) // 2)[:, None]
-        c, m, var, lo, hi, mabs, z, bad = _variadic_rows(x / half / rest, keep, is_float)
-        z = jnp.sum((x == 0).astype(i32), axis=1, dtype=i32)
-        return (c, m * scale, jnp.sqrt(var) * scale, lo * scale, hi * scale, mabs * scale,
-                z - pads, bad)
-
-    if variadic:
-        keep = jnp.isfinite(x) if is_float else jnp.ones(x.shape, bool)
-        if valid is not None:
-            keep = keep & valid
-        c, mean, var, mn, mx, mean_abs, zeros, bad = _variadic_rows(x, keep, is_float)
-        std = jnp.sqrt(var)
-        zeros = zeros - pads
-        stats = (c, mean, std, mn, mx, mean_abs, zeros, bad)
-    else:
-        mean = jnp.sum(x, axis=1) / n
-        d = x - mean[:, None]
-        if valid is not None:
-            d = jnp.where(valid, d, 0)
-        m2 = jnp.sum(jnp.square(d), axis=1)
-        a = jnp.sum(jnp.abs(x), axis=1)
-        lo_in, hi_in = ((x, x) if valid is None else
-                        (jnp.where(valid, x, jnp.inf), jnp.where(valid, x, -jnp.inf)))
-        mn, mx, zeros = jax.lax.reduce(
-            (lo_in, hi_in, (x == 0).astype(i32)),
-            (jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype), i32(0)),
-            lambda p, q: (jnp.minimum(p[0], q[0]), jnp.maximum(p[1], q[1]), p[2] + q[2]), (1,))
-        none = jnp.zeros((k,), i32)
-        inv = jnp.asarray(1.0 / sizes, ftype)
-        fast = (n, mean, jnp.sqrt(m2 * inv), mn, mx, a * inv, zeros - pads, (none,) * 3)
-        if is_float:
-            # One conditional for the group: the masked statistics, of every row, only when
-            # some row holds a NaN or an infinity (or a sum overflowed); each row keeps the
-            # statistics the per-value form would give it.
-            ok = jnp.isfinite(m2)
-            slow = jax.lax.cond(jnp.all(ok), lambda: fast, masked)
-            stats = jax.tree_util.tree_map(
-                lambda f, s: jnp.where(ok, f, s), fast, slow)
-        else:
-            stats = fast
-    c, mean, std, mn, mx, mean_abs, zeros, bad = stats
-    moments = jnp.stack([mean, std, mn, mx, c, mean_abs], axis=1).astype(ftype)
-    return moments, jnp.stack([*bad, zeros], axis=1).astype(i32)
-
-
 def _group_summary(values: list[Any], summary: str, bins: int, ftype: Any, is_float: bool,
                    variadic: bool, copy: bool) -> list[Any]:
     """:func:`device_summary`'s arrays of ``values`` (one summary dtype), from one packed
@@ -696,10 +503,10 @@ def _group_summary(values: list[Any], summary: str, bins: int, ftype: Any, is_fl
         # The padding is zeros, which count as none of these.
         return [jnp.stack([jnp.sum(f(x).astype(i32), axis=1, dtype=i32)
                            for f in (jnp.isnan, jnp.isposinf, jnp.isneginf)], axis=1)]
-    moments, counts = _stats_rows(x, sizes, is_float, variadic)
+    moments, counts = stats_rows(x, sizes, is_float, variadic)
     if summary != "histogram":
         return [moments, counts]
-    n, mn, mx = moments[:, 4], moments[:, 2], moments[:, 3]
+    n, mn, mx = (moments[:, MOMENT_COL[k]] for k in ("n", "min", "max"))
     empty = n == 0
     lo = jnp.where(empty, 0, mn)[:, None]
     hi = jnp.where(empty, 0, mx)[:, None]
@@ -892,6 +699,13 @@ def sites_summary(values: list[Any], summary: str, bins: int = DEFAULT_BINS
     return arrays, packing_of(groups, len(values), summary)
 
 
+# The statistics of the finite elements, and the counts, as they lie in a STAT_KEYS table.
+_OF_FINITE = key_span(STAT_KEYS, ("mean", "std", "min", "max", "l2", "mean_abs"))
+_COUNTS = key_span(STAT_KEYS, DEVICE_COUNTS)
+# Where a health table holds what its device array sends (the non-finite counts).
+_HEALTH_COUNTS = key_span(HEALTH_KEYS, NONFINITE_KINDS)
+
+
 def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """``stats`` of ``N`` device summaries as a float64 table ``(N, len(STAT_KEYS))``.
 
@@ -908,50 +722,66 @@ def stats_table(moments: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> n
         [[3.0, 2.0, 2.0, 0.0, 4.0, 4.0, 2.0, 1.0, 0.0, 0.0, 1.0]]
     """
     moments = np.asarray(moments, np.float64)
-    mean, std, mn, mx, n, mean_abs = moments.T
+    mean, std, n = (moments[:, MOMENT_COL[k]] for k in ("mean", "std", "n"))
     table = np.empty((len(moments), len(STAT_KEYS)))
-    table[:, 0] = sizes
+    table[:, STAT_COL["size"]] = sizes
     with np.errstate(invalid="ignore", over="ignore"):
-        table[:, 1] = mean
-        table[:, 2] = std
-        table[:, 3] = mn
-        table[:, 4] = mx
+        for k in ("mean", "std", "min", "max", "mean_abs"):
+            table[:, STAT_COL[k]] = moments[:, MOMENT_COL[k]]
         # sum x^2 = n (std^2 + mean^2), both terms positive: no cancellation; where the
         # squares overflow float64 (values near 1e300), scaled by hypot.
         l2 = np.sqrt(n * (mean * mean + std * std))
         over = np.isinf(l2) & np.isfinite(mean) & np.isfinite(std)
         if over.any():
             l2[over] = np.sqrt(n[over]) * np.hypot(mean[over], std[over])
-        table[:, 5] = l2
-        table[:, 6] = mean_abs
+        table[:, STAT_COL["l2"]] = l2
     empty = n == 0
     if empty.any():
-        table[empty, 1:7] = np.nan  # mean std min max l2 mean_abs: none of no element
-    table[:, 7:11] = counts
+        table[empty, _OF_FINITE] = np.nan  # none of no element
+    table[:, _COUNTS] = counts
     return table
+
+
+def decode_summaries(summary: str, arrays: Sequence[np.ndarray], size: int, bins: int, n: int
+                     ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """THE decoder: one leaf's :func:`device_summary` arrays at ``n`` positions (each with a
+    leading axis of positions), now on the host, as the statistics' keys, their float64 table
+    ``(n, len(keys))`` (:func:`stats_table`), and for ``"histogram"`` the edges
+    ``(n, bins + 1)`` (:func:`histogram_edges`) and bucket counts ``(n, bins)`` (else None).
+    Every path decodes here: ``sowtel.jit``'s steps, the host callbacks, and one value's
+    arrays (:func:`decode_device_summary`). A ``"full"`` value is summarised on the host.
+
+    Example:
+        >>> keys, table, _, _ = decode_summaries("health", [np.array([[0, 1, 0], [2, 0, 0]])],
+        ...                                      5, 30, 2)
+        >>> keys, table.tolist()
+        (('size', 'nan', 'posinf', 'neginf'), [[5.0, 0.0, 1.0, 0.0], [5.0, 2.0, 0.0, 0.0]])
+    """
+    if summary == "shape":
+        return (), np.zeros((n, 0)), None, None
+    if summary == "health":
+        table = np.empty((n, len(HEALTH_KEYS)))
+        table[:, HEALTH_COL["size"]] = size
+        # assigning converts to float64
+        table[:, _HEALTH_COUNTS] = np.reshape(arrays[0], (n, len(NONFINITE_KINDS)))
+        return HEALTH_KEYS, table, None, None
+    table = stats_table(np.reshape(arrays[0], (n, len(DEVICE_MOMENTS))),
+                        np.reshape(arrays[1], (n, len(DEVICE_COUNTS))), np.full(n, float(size)))
+    if summary != "histogram":
+        return STAT_KEYS, table, None, None
+    edges = histogram_edges(table[:, STAT_COL["min"]], table[:, STAT_COL["max"]], bins)
+    counts = np.asarray(arrays[2], np.float64).reshape(n, bins)
+    return STAT_KEYS, table, edges, counts
 
 
 def decode_device_summary(
     arrays: list[np.ndarray], summary: str, size: int, bins: int = DEFAULT_BINS
 ) -> dict[str, Any]:
-    """Turns :func:`device_summary`'s arrays (now on the host) into ``stats`` and ``histogram``."""
+    """One value's :func:`device_summary` arrays (now on the host) as ``stats`` and
+    ``histogram``: :func:`decode_summaries` at one position."""
     if summary == "full":
         return {"stats": host_summary(arrays[0], "stats")["stats"], "histogram": None}
-    if summary == "shape":
-        return {"stats": {}, "histogram": None}
-    if summary == "health":
-        nan, posinf, neginf = arrays[0].tolist()
-        return {"stats": dict(zip(HEALTH_KEYS, (float(size), float(nan), float(posinf),
-                                                float(neginf)), strict=True)),
-                "histogram": None}
-    table = stats_table(np.asarray(arrays[0])[None], np.asarray(arrays[1])[None],
-                        np.array([size], np.float64))[0]
-    stats = dict(zip(STAT_KEYS, table.tolist(), strict=True))
-    hist = None
-    if summary == "histogram":
-        lo, hi = stats["min"], stats["max"]
-        if not np.isfinite(lo):
-            lo = hi = 0.0
-        edges = np.linspace(lo, hi, bins + 1) if hi > lo else lo + np.arange(bins + 1) * 1.0
-        hist = (edges, np.asarray(arrays[2], dtype=np.float64))
-    return {"stats": {k: stats[k] for k in STAT_KEYS}, "histogram": hist}
+    keys, table, edges, counts = decode_summaries(
+        summary, [np.asarray(a)[None] for a in arrays], size, bins, 1)
+    hist = None if edges is None or counts is None else (edges[0], counts[0])
+    return {"stats": dict(zip(keys, table[0].tolist(), strict=True)), "histogram": hist}

@@ -27,31 +27,45 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sowtel import naming
+from sowtel.intermediates import (
+    check_intermediates,
+    check_step,
+    program_order,
+    site_leaves,
+    stack_indices,
+    stacking,
+)
 from sowtel.records import (
+    DEVICE_COUNTS,
+    DEVICE_MOMENTS,
     HEALTH_KEYS,
     LOG_TAG,
+    NONFINITE_KINDS,
     SCALAR_SUMMARY,
     STAT_KEYS,
     FrozenStats,
     Record,
     is_nonfinite,
+    key_span,
     nonfinite_columns,
     nonfinite_rows,
     read_only,
     record_index,
 )
-from sowtel.summaries import host_summary, stats_table
+from sowtel.summaries import check_summary, decode_summaries, host_summary, stats_table
 
 if TYPE_CHECKING:
     from sowtel.sites import StreamSite
 
 __all__ = ["SiteColumns", "RecordBatch", "site_columns", "site_records", "log_records",
-           "compiled_columns", "first_nonfinite", "record_nbytes"]
+           "compiled_columns", "first_nonfinite", "record_nbytes", "records_from_intermediates"]
 
 Index = int | tuple[int, ...] | None
 
@@ -59,6 +73,9 @@ Index = int | tuple[int, ...] | None
 _NONFINITE = {"stats": nonfinite_columns(STAT_KEYS), "histogram": nonfinite_columns(STAT_KEYS),
               "full": nonfinite_columns(STAT_KEYS), "health": nonfinite_columns(HEALTH_KEYS)}
 _new_record = object.__new__
+# Where a stats table holds its non-finite counts, as a view; the device arrays' shapes.
+_STATS_NONFINITE = key_span(STAT_KEYS, NONFINITE_KINDS)
+_MOMENTS, _COUNTS = (len(DEVICE_MOMENTS),), (len(DEVICE_COUNTS),)
 
 
 def record_nbytes(record: Record) -> int:
@@ -310,37 +327,6 @@ class RecordBatch(Sequence[Record]):
         return self, None
 
 
-def _decode(summary: str, arrays: Sequence[np.ndarray], size: int, bins: int,
-            n: int) -> tuple[tuple[str, ...], np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """One leaf's device summaries at ``n`` positions -> keys, stats (n, K), edges, counts.
-
-    The vectorised form of :func:`sowtel.summaries.decode_device_summary`, with its rules.
-    """
-    if summary == "shape":
-        return (), np.zeros((n, 0)), None, None
-    if summary == "health":
-        table = np.empty((n, 4))
-        table[:, 0] = size
-        table[:, 1:] = np.reshape(arrays[0], (n, 3))  # assigning converts to float64
-        return HEALTH_KEYS, table, None, None
-    table = stats_table(np.reshape(arrays[0], (n, 6)), np.reshape(arrays[1], (n, 4)),
-                        np.full(n, float(size)))
-    if summary != "histogram":
-        return STAT_KEYS, table, None, None
-    lo = table[:, 3].copy()
-    hi = table[:, 4].copy()
-    bad = ~np.isfinite(lo)
-    lo[bad] = hi[bad] = 0.0
-    edges = np.empty((n, bins + 1))
-    spread = hi > lo
-    if spread.any():
-        edges[spread] = np.linspace(lo[spread], hi[spread], bins + 1, axis=1)
-    if (~spread).any():
-        edges[~spread] = lo[~spread, None] + np.arange(bins + 1) * 1.0
-    counts = np.asarray(arrays[2], np.float64).reshape(n, bins)
-    return STAT_KEYS, table, edges, counts
-
-
 def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Sequence[Index],
                  step: int, seqs: Sequence[int], wall_time: float,
                  process_index: int) -> SiteColumns:
@@ -362,14 +348,16 @@ def site_columns(site: StreamSite, arrays: Sequence[np.ndarray], *, index: Seque
         stats = np.array([[[host_summary(v, "stats")["stats"][k] for k in keys] for v in row]
                           for row in values], dtype=np.float64).reshape(n, leaves, len(keys))
     elif leaves == 1:  # the table is the site's, as a view
-        keys, table, e, c = _decode(site.summary, arrays[:per_leaf], site.sizes[0], site.bins, n)
+        keys, table, e, c = decode_summaries(site.summary, arrays[:per_leaf], site.sizes[0],
+                                             site.bins, n)
         stats = table[:, None, :]
         if e is not None and c is not None:
             edges, counts = e[:, None, :], c[:, None, :]
     else:
         for leaf in range(leaves):
-            keys, table, e, c = _decode(site.summary, arrays[leaf * per_leaf:(leaf + 1) * per_leaf],
-                                        site.sizes[leaf], site.bins, n)
+            keys, table, e, c = decode_summaries(
+                site.summary, arrays[leaf * per_leaf:(leaf + 1) * per_leaf], site.sizes[leaf],
+                site.bins, n)
             if stats is None:
                 stats = np.empty((n, leaves, table.shape[1]))
                 if e is not None and c is not None:
@@ -409,7 +397,10 @@ def site_records(site: StreamSite, arrays: Sequence[Sequence[np.ndarray]], *,
         [(4, 9, 0.5, 0.0), (5, 10, 0.7, 2.0)]
     """
     count = site.n_summary
-    stacked = [np.stack([np.asarray(a[k]) for a in arrays]) for k in range(count)]
+    if len(arrays) == 1:  # views: a full value keeps its own array
+        stacked = [np.asarray(a)[None] for a in arrays[0][:count]]
+    else:
+        stacked = [np.stack([np.asarray(a[k]) for a in arrays]) for k in range(count)]
     records = site_columns(site, stacked, index=index, step=0, seqs=seqs, wall_time=0.0,
                            process_index=process_index).records()
     width = len(site.leaf_names)
@@ -485,19 +476,19 @@ class _StepPlan:
             at += entry.n_arrays
             where = tuple(b for b, _, _ in spots)
             if (site.summary != "stats" or len(site.leaf_names) != 1 or entry.stacked
-                    or [shape for _, _, shape in spots] != [(6,), (4,), ()]
+                    or [shape for _, _, shape in spots] != [_MOMENTS, _COUNTS, ()]
                     or buffers not in (None, where)):
                 self.rows.append(None)
                 continue
             buffers = where  # type: ignore[assignment]
             self.rows.append(len(sizes))
-            moments.extend(range(spots[0][1], spots[0][1] + 6))
-            counts.extend(range(spots[1][1], spots[1][1] + 4))
+            moments.extend(range(spots[0][1], spots[0][1] + len(DEVICE_MOMENTS)))
+            counts.extend(range(spots[1][1], spots[1][1] + len(DEVICE_COUNTS)))
             ran.append(spots[2][1])
             sizes.append(site.sizes[0])
         self.buffers = buffers
-        self.moments = np.array(moments, np.intp).reshape(-1, 6)
-        self.counts = np.array(counts, np.intp).reshape(-1, 4)
+        self.moments = np.array(moments, np.intp).reshape(-1, len(DEVICE_MOMENTS))
+        self.counts = np.array(counts, np.intp).reshape(-1, len(DEVICE_COUNTS))
         self.ran = np.array(ran, np.intp)
         self.sizes = np.array(sizes, np.float64)
 
@@ -510,7 +501,7 @@ class _StepPlan:
         m, c, r = (buffers[b] for b in self.buffers)
         table = stats_table(m[self.moments], c[self.counts], self.sizes)
         ran: np.ndarray = r[self.ran] != 0
-        nonfinite: np.ndarray = np.any(table[:, 7:10], axis=1)
+        nonfinite: np.ndarray = np.any(table[:, _STATS_NONFINITE], axis=1)
         return table, ran, nonfinite
 
 
@@ -681,3 +672,92 @@ def first_nonfinite(batch: RecordBatch, *, with_index: bool = False) -> tuple[An
     return None
 
 
+# -- save_intermediates results: summarised on the host (sowtel.export, the dumps) ------------
+
+
+def _process_index() -> int:
+    try:
+        import jax
+
+        return int(jax.process_index())
+    except Exception:  # no backend: records made on a plain host are process 0
+        return 0
+
+
+def _host_value(x: Any, site: str, mode: str, leaf: tuple[Any, ...]) -> np.ndarray:
+    if getattr(x, "is_fully_addressable", True) is False:
+        raise ValueError(
+            f"intermediates[{site!r}][{mode!r}]{''.join(f'[{p!r}]' for p in leaf)} is a "
+            f"jax.Array of global shape {tuple(x.shape)} spanning the devices of several "
+            "processes, which no host holds whole: stream it (sowtel.jit, or enable() with "
+            "jax.jit), or sowtel.dump it in every process and sowtel.load the parts in one")
+    return np.asarray(x)
+
+
+def records_from_intermediates(
+    intermediates: Mapping[str, Mapping[str, Any]],
+    *,
+    step: int,
+    summary: str = "stats",
+    tag: str = "intermediates",
+) -> list[Record]:
+    """Turns a ``save_intermediates`` result into the records streaming would produce.
+
+    One record per array leaf, in the order the program computed them (see
+    :func:`~sowtel.intermediates.program_order`: the forward pass in site order, then
+    cotangents in reverse site order), numbered by ``seq`` in that order; a pytree sown at one
+    site gives records named ``name/<leaf path>`` (``"pair/0"``, ``"params/w"``). Summaries
+    are computed on the host with :func:`sowtel.summaries.host_summary`, the same definitions
+    the device uses. A value stacked by ``scan`` or ``shard_map`` (see
+    :attr:`sowtel.Intermediates.stacked`) gives one record per iteration and shard, in index
+    order, with the ``index`` streaming gives them; a value whose leading axes do not match
+    its stacking (under a ``vmap`` of ``save_intermediates``) gives one record for the whole
+    stack (``index=None``).
+    :func:`sowtel.export` calls this and hands the records to the active exporters.
+
+    Example:
+      >>> import numpy as np
+      >>> recs = records_from_intermediates(
+      ...     {"pair": {"primal": (np.array([1.0, 3.0]), np.array(2))}}, step=5)
+      >>> [(r.name, r.step, r.stats["mean"]) for r in recs]
+      [('pair/0', 5, 2.0), ('pair/1', 5, 2.0)]
+    """
+    check_intermediates(intermediates, "intermediates")
+    for name in intermediates:
+        naming.check_name(name)  # the rule of sow names: records are named by it
+    step = check_step(step)
+    check_summary(summary)
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"tag={tag!r} must be a non-empty string")
+    wall_time = time.time()
+    process_index = _process_index()
+    values = [
+        (program_order(i, mode, j), site, mode, value, stacking(modes).get(mode, ()))
+        for i, (site, modes) in enumerate(intermediates.items())
+        for j, (mode, value) in enumerate(modes.items())
+    ]
+    values.sort(key=lambda v: v[0])
+    records: list[Record] = []
+    for _, site, mode, value, axes in values:
+        leaves = [(leaf, _host_value(x, site, mode, leaf)) for leaf, x in site_leaves(value)]
+        stacks = [stack_indices(axes, arr.shape) for _, arr in leaves]
+        # One record per leaf and element of the stack, a stack's leaves together (as streaming
+        # sends them); leaves that are not stacked as their site says come whole, after them.
+        positions = next((s for s in stacks if s is not None), [])
+        parts: list[tuple[tuple[Any, ...], np.ndarray, int | tuple[int, ...] | None]] = [
+            (leaf, np.asarray(arr[pos]), index)
+            for pos, index in positions
+            for (leaf, arr), stack in zip(leaves, stacks, strict=True) if stack is not None
+        ]
+        parts += [(leaf, arr, None)
+                  for (leaf, arr), stack in zip(leaves, stacks, strict=True) if stack is None]
+        for leaf, arr, index in parts:
+            s = host_summary(arr, summary)
+            records.append(Record(
+                name=naming.leaf_name(site, leaf), mode=mode, tag=tag, step=step, index=index,
+                wall_time=wall_time, summary=summary, shape=tuple(arr.shape),
+                dtype=arr.dtype.name, value=arr if summary == "full" else None,
+                stats=s["stats"], histogram=s["histogram"], process_index=process_index,
+                seq=len(records),
+            ))
+    return records

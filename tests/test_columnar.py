@@ -22,7 +22,7 @@ import pytest
 import sowtel
 from sowtel.exporters.jsonl import JsonlExporter, read_records, record_to_json
 from sowtel.exporters.memory import MemoryExporter
-from sowtel.records import Record
+from sowtel.records import STAT_KEYS, Record
 from sowtel.summaries import decode_device_summary
 from sowtel.to_records import RecordBatch, SiteColumns, first_nonfinite
 
@@ -108,7 +108,7 @@ def test_a_step_is_one_table_a_site_and_write_only_exporters_get_the_same_record
     assert first.stats["size"] == 40.0 and first.stats["nan"] == 0.0
 
 
-def test_tables_decode_as_the_per_record_decoder_does_nonfinite_and_constant_rows_included():
+def test_tables_decode_to_hand_derived_statistics_and_edges_nonfinite_and_constant_rows_included():
     from sowtel.sites import StreamSite
     from sowtel.to_records import site_columns
 
@@ -123,14 +123,32 @@ def test_tables_decode_as_the_per_record_decoder_does_nonfinite_and_constant_row
     buckets = np.array([[1, 2, 1, 1], [0, 0, 0, 5], [0, 0, 0, 0]], np.float32)
     table = site_columns(site, [floats, counts, buckets], index=[0, 1, 2], step=4,
                          seqs=[7, 8, 9], wall_time=1.0, process_index=0)
-    for p in range(3):
-        want = decode_device_summary([floats[p], counts[p], buckets[p]], "histogram", 5, 4)
+    nan = float("nan")
+    # By hand: l2 = sqrt(n (mean^2 + std^2)); edges from min to max in 4 buckets, unit-wide
+    # from min when min == max, from 0 when no element is finite.
+    wants = [
+        ({"size": 5.0, "mean": 0.5, "std": 0.2, "min": -1.0, "max": 2.0,
+          "l2": np.sqrt(5 * (0.25 + 0.04)), "mean_abs": 0.7, "nan": 0.0, "posinf": 0.0,
+          "neginf": 0.0, "zeros": 1.0}, [-1.0, -0.25, 0.5, 1.25, 2.0], [1.0, 2.0, 1.0, 1.0]),
+        ({"size": 5.0, "mean": 1.0, "std": 0.0, "min": 1.0, "max": 1.0, "l2": np.sqrt(5.0),
+          "mean_abs": 1.0, "nan": 0.0, "posinf": 0.0, "neginf": 0.0, "zeros": 0.0},
+         [1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 0.0, 0.0, 5.0]),
+        ({"size": 5.0, "mean": nan, "std": nan, "min": nan, "max": nan, "l2": nan,
+          "mean_abs": nan, "nan": 5.0, "posinf": 0.0, "neginf": 0.0, "zeros": 0.0},
+         [0.0, 1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]),
+    ]
+    for p, (want, want_edges, want_counts) in enumerate(wants):
         got = table.records()[p]
-        assert got.stats.keys() == want["stats"].keys()
-        for k, v in want["stats"].items():
-            assert got.stats[k] == v or (np.isnan(v) and np.isnan(got.stats[k])), (p, k)
-        np.testing.assert_array_equal(got.histogram[0], want["histogram"][0])
-        np.testing.assert_array_equal(got.histogram[1], want["histogram"][1])
+        assert tuple(got.stats.keys()) == STAT_KEYS
+        for k, v in want.items():
+            assert got.stats[k] == pytest.approx(v, rel=1e-6, nan_ok=True), (p, k)
+        np.testing.assert_array_equal(got.histogram[0], want_edges)
+        np.testing.assert_array_equal(got.histogram[1], want_counts)
+        # The per-record decoder gives the same numbers.
+        one = decode_device_summary([floats[p], counts[p], buckets[p]], "histogram", 5, 4)
+        assert one["stats"].keys() == got.stats.keys()
+        np.testing.assert_array_equal(list(one["stats"].values()), list(got.stats.values()))
+        np.testing.assert_array_equal(one["histogram"][0], want_edges)
     ordinary, _, all_nan = table.records()
     assert ordinary.stats["std"] == pytest.approx(0.2, rel=1e-6)  # as sent
     assert ordinary.stats["l2"] == pytest.approx(np.sqrt(0.2 + 5 * 0.25), rel=1e-6)

@@ -11,14 +11,15 @@ MODULES = [
     "sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.summaries",
     "sowtel.records", "sowtel.dispatcher", "sowtel.dumps", "sowtel.postmortem",
     "sowtel.exporters", "sowtel.exporters.memory", "sowtel.exporters.console",
-    "sowtel.exporters.jsonl", "sowtel._jax_compat", "sowtel.jit", "sowtel.build",
+    "sowtel.exporters.jsonl", "sowtel._jax_compat", "sowtel.jit",
     "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite", "sowtel.to_records",
     "sowtel.tensorboard_plugin", "sowtel.tensorboard_plugin._run", "sowtel.exporters.tensorboard",
     "sowtel.exporters._tensorboard_layout", "sowtel.dashboard", "sowtel.dashboards",
     "sowtel.intermediates", "sowtel.compare", "sowtel._run_read",
     "sowtel.exporters._tensorboard_order",
-    "sowtel._interpret", "sowtel.alerts", "sowtel.tap", "sowtel.context", "sowtel.steps",
-    "sowtel.sites", "sowtel._cond_rows", "sowtel.naming",
+    "sowtel._interpret", "sowtel.alerts", "sowtel.tap", "sowtel.receiver",
+    "sowtel._reductions", "sowtel.context", "sowtel.steps", "sowtel.sites", "sowtel._cond_rows",
+    "sowtel.naming",
 ]
 
 
@@ -28,7 +29,7 @@ def test_docstring_examples(name: str) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} failing example(s) in {name}"
     if name in ("sowtel", "sowtel.primitive", "sowtel.capture", "sowtel.session", "sowtel.jit",
-                "sowtel.build", "sowtel.locate", "sowtel.compare", "sowtel._run_read",
+                "sowtel.to_records", "sowtel.locate", "sowtel.compare", "sowtel._run_read",
                 "sowtel.alerts", "sowtel.tap", "sowtel.context", "sowtel.steps",
                 "sowtel.sites"):
         assert result.attempted > 0

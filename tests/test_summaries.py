@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from sowtel.records import STAT_KEYS
-from sowtel.summaries import decode_device_summary, device_summary, host_summary, stats_table
+from sowtel.summaries import (
+    decode_device_summary,
+    device_summary,
+    histogram_edges,
+    host_summary,
+    stats_table,
+)
 
 RNG = np.random.default_rng(0)
 VALUES = {
@@ -51,6 +57,28 @@ def test_device_summary_matches_host(kind: str, summary: str) -> None:
             host["stats"]["posinf"] + host["stats"]["neginf"])
         if kind not in ("float16", "bfloat16"):
             np.testing.assert_array_equal(d_counts, h_counts)
+
+
+def test_histogram_edges_by_hand_the_one_rule_of_every_path() -> None:
+    # Evenly spaced from min to max, the last edge max exactly; unit-wide from min when min ==
+    # max; from 0 when no element is finite (NaN min); one value or several at once.
+    got = histogram_edges(np.array([-1.0, 1.0, np.nan, 0.0]),
+                          np.array([2.0, 1.0, np.nan, 0.3]), 4)
+    assert got.dtype == np.float64 and got.shape == (4, 5)
+    np.testing.assert_array_equal(got[:3], [[-1.0, -0.25, 0.5, 1.25, 2.0],
+                                            [1.0, 2.0, 3.0, 4.0, 5.0],
+                                            [0.0, 1.0, 2.0, 3.0, 4.0]])
+    assert got[3, -1] == 0.3 and got[3, 0] == 0.0
+    np.testing.assert_allclose(got[3], [0.0, 0.075, 0.15, 0.225, 0.3], rtol=1e-15)
+    np.testing.assert_array_equal(histogram_edges(-2.0, 2.0, 2), [[-2.0, 0.0, 2.0]])
+    lo = np.array([np.inf, 1.0])
+    histogram_edges(lo, np.array([-np.inf, 1.0]), 1)
+    assert lo.tolist() == [np.inf, 1.0]  # the caller's arrays untouched
+    # host_summary and the device decoder take theirs from it.
+    host = host_summary(np.array([-1.0, 0.0, 2.0]), "histogram", bins=4)["histogram"]
+    np.testing.assert_array_equal(host[0], [-1.0, -0.25, 0.5, 1.25, 2.0])
+    np.testing.assert_array_equal(host_summary(np.array([np.nan]), "histogram", 2)["histogram"][0],
+                                  [0.0, 1.0, 2.0])
 
 
 def test_stats_by_hand() -> None:

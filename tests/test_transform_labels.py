@@ -454,7 +454,7 @@ def test_vmap_of_scan_stacks_iterations_then_batch() -> None:
         _, inter = save_intermediates(fn)(xs)
         np.testing.assert_allclose(inter["s"]["primal"], xs.T * 2.0)  # (T, B)
         assert inter["s"].stacked == {"primal": (("scan", 5),)}
-        records = sowtel.build.records_from_intermediates(inter, step=0, summary="full")
+        records = sowtel.to_records.records_from_intermediates(inter, step=0, summary="full")
         assert [r.index for r in records] == list(range(5))
         assert all(r.shape == (2,) for r in records)
         np.testing.assert_allclose(records[3].value, xs[:, 3] * 2.0)
