@@ -48,7 +48,7 @@ from sowtel import _jax_compat as jc
 from sowtel.alerts import Alert, Alerts, make_alerts
 from sowtel.build import records_from_intermediates, summary_records
 from sowtel.dispatcher import Dispatcher, accounts, sigterm_unhandled
-from sowtel.dispatcher import _labels as _exporter_labels
+from sowtel.dispatcher import labels as _exporter_labels
 from sowtel.exporters import Exporter, resolve
 from sowtel.nonfinite import MAX_POSTMORTEMS, Guard, make_guard
 from sowtel.primitive import (

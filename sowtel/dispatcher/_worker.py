@@ -6,7 +6,7 @@ flushes on schedule, gives up on an exporter stuck in one call for longer than i
 counts where every record it was offered went (exported, failed, dropped by reason, pending).
 
 Example:
-    >>> from sowtel._worker import ExporterWorker
+    >>> from sowtel.dispatcher._worker import ExporterWorker
     >>> from sowtel.exporters.memory import MemoryExporter
     >>> from sowtel.to_records import RecordBatch
     >>> worker = ExporterWorker(MemoryExporter(), "memory", max_records=10, flush_interval=0.5,

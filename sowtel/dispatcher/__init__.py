@@ -46,15 +46,15 @@ from typing import Any
 
 from sowtel import _exit
 from sowtel._exit import EXIT_TIMEOUT, close_all, sigterm_unhandled
-from sowtel._ledger import accounts, merge_reasons
-from sowtel._worker import POLL, WRITE_BYTES, WRITE_RECORDS, ExporterWorker
+from sowtel.dispatcher._ledger import accounts, merge_reasons
+from sowtel.dispatcher._worker import POLL, WRITE_BYTES, WRITE_RECORDS, ExporterWorker
 from sowtel.records import Record
 from sowtel.to_records import RecordBatch, record_nbytes
 
 __all__ = [
     "Dispatcher", "ON_FULL", "EXIT_TIMEOUT", "DROP_REASONS", "WRITE_RECORDS", "WRITE_BYTES",
     "BATCH_RECORDS",
-    "accounts", "close_all", "sigterm_unhandled",
+    "accounts", "labels", "close_all", "sigterm_unhandled",
 ]
 
 logger = logging.getLogger("sowtel")
@@ -91,18 +91,28 @@ def _check_seconds(value: Any, name: str) -> float:
 _record_nbytes = record_nbytes
 
 
-def _labels(exporters: Sequence[Any]) -> list[str]:
-    labels: list[str] = []
+def labels(exporters: Sequence[Any]) -> list[str]:
+    """The name each exporter is reported under: its ``label``, else its class name, made unique.
+
+    A repeated name gets ``#2``, ``#3``, ... in order, so ``status()`` and the drop counts can
+    tell two exporters of one kind apart.
+
+    Example:
+        >>> from sowtel.exporters.memory import MemoryExporter
+        >>> labels([MemoryExporter(), MemoryExporter()])
+        ['memory', 'memory#2']
+    """
+    taken: list[str] = []
     for exporter in exporters:
         base = getattr(exporter, "label", None)
         if not isinstance(base, str) or not base:
             base = type(exporter).__name__
         label, n = base, 1
-        while label in labels:
+        while label in taken:
             n += 1
             label = f"{base}#{n}"
-        labels.append(label)
-    return labels
+        taken.append(label)
+    return taken
 
 
 class Dispatcher:
@@ -238,7 +248,7 @@ class Dispatcher:
                 e, label, max_records=queue_size, flush_interval=self._flush_interval,
                 timeout=self._exporter_timeout, release=self._release,
             )
-            for e, label in zip(exporters, _labels(exporters), strict=True)
+            for e, label in zip(exporters, labels(exporters), strict=True)
         ]
         self._thread = threading.Thread(target=self._run, name="sowtel-dispatcher", daemon=True)
         self._thread.start()
