@@ -18,7 +18,8 @@ MODULES = [
     "sowtel.intermediates", "sowtel.compare", "sowtel._run_read",
     "sowtel.exporters._tensorboard_order",
     "sowtel._interpret", "sowtel.alerts", "sowtel.tap",
-    "sowtel.dispatcher._worker", "sowtel.dispatcher._ledger", "sowtel.exporters._tensorboard_events",
+    "sowtel.dispatcher._worker", "sowtel.dispatcher._ledger",
+    "sowtel.exporters._tensorboard_events",
 ]
 
 
