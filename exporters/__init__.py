@@ -1,7 +1,8 @@
 """sowtel's exporters: where records go.
 
-An exporter is a small class with three methods and no threads of its own; the dispatcher owns
-batching, queues and error isolation. Built-in exporters are looked up by name; third-party ones
+An exporter is a small class with three methods and no threads of its own (:class:`Exporter`
+says what sowtel calls and reads on it, and when); the dispatcher owns batching, queues and
+error isolation. Built-in exporters are looked up by name; third-party ones
 register under the entry-point group ``sowtel.exporters``.
 
 Example:
@@ -32,19 +33,99 @@ _PATH_MAX, _NAME_MAX = 4096, 255
 
 @runtime_checkable
 class Exporter(Protocol):
-    """Where records go. Called from one dispatcher thread only; never from the training thread.
+    """Where records go: the three methods sowtel calls on every exporter, and what it may read.
 
-    Optional methods sowtel calls where an exporter has them: ``write_batch(batch)`` (a
-    :class:`~sowtel.to_records.RecordBatch` instead of records), ``write_alerts(alerts)``
-    (the :class:`sowtel.alerts.Alert` s of ``enable(alerts=...)`` rules, after the records
-    they were judged on); attributes it reads: ``label``, ``logdir``, ``evicted``.
+    An exporter has no threads of its own. The dispatcher gives each exporter one worker thread,
+    and every method below is called from that thread only: never from the training thread or
+    a JAX callback, never two at once. The worker owns the backlog, the batching and the error
+    isolation, so an exporter stays a plain sink.
+
+    Each method may raise: the call is counted in ``status()["errors"][label]`` (a write's
+    records in ``status()["failed"][label]``), the first failure of the exporter is logged with
+    its traceback, later ones are only counted, and the exporter keeps being called. A method
+    may block, but one call lasting longer than ``exporter_timeout`` makes the exporter
+    *stalled*: records for it are dropped and counted, and ``flush``/``close`` of the session
+    stop waiting for it until that call returns. A method must not call ``sowtel.flush`` or a
+    dispatcher's ``flush`` (it is ignored: the worker would wait for itself).
+
+    Optional methods, called where the exporter has them, under the same rules:
+
+    ``write_batch(batch)``
+        Called *instead of* :meth:`write` when present, with a
+        :class:`~sowtel.to_records.RecordBatch` (the columnar tables of ``sowtel.jit`` steps
+        kept as they are, so a sink can write a column at a time). The batch, its tables and
+        their arrays are shared with the other exporters: read them, never modify them.
+
+    ``write_alerts(alerts)``
+        The :class:`sowtel.alerts.Alert` s that ``enable(alerts=...)`` rules fired, a tuple,
+        after the records of the batch they were judged on. Whether it exists is looked up
+        each time alerts are handed over; an exporter without it is not told.
+
+    Attributes sowtel reads, each optional (``getattr`` with a default), each a plain value
+    that may be read from any thread:
+
+    ``label`` (``str``)
+        The exporter's key in ``status()`` (``exported``, ``failed``, ``drop_reasons``, ...)
+        and in log lines; read once, when the dispatcher is made. Missing or empty: the class
+        name. Two exporters of one label get ``label``, ``label#2``, ...
+        (:func:`sowtel.dispatcher.labels`). ``"tensorboard"`` with a ``str`` ``logdir`` also
+        makes ``enable()`` print the command that views the run.
+
+    ``logdir`` (``str`` or ``os.PathLike``)
+        The folder the exporter writes in; read once by ``enable()``: the first exporter that
+        has one is where post-mortem dumps (``flight_recorder=``, ``on_nonfinite=``) go, under
+        ``<logdir>/postmortem/`` (no exporter has one: under the working directory).
+
+    ``evicted`` (``int``)
+        Records the exporter was handed (so counted in ``exported``) and later let go of to stay
+        within a bound of its own, as the memory exporter's ``max_records``; shown as
+        ``status()["evicted"][label]``, read on the thread calling ``status()``. Anything but an
+        ``int`` counts as 0.
+
+    Example:
+        >>> from sowtel.exporters.memory import MemoryExporter
+        >>> isinstance(MemoryExporter(), Exporter)
+        True
+        >>> class Means:
+        ...     label = "means"
+        ...     def write(self, records):
+        ...         print([r.stats["mean"] for r in records])
+        ...     def flush(self): pass
+        ...     def close(self): pass
+        >>> check_exporter(Means()).label
+        'means'
     """
 
-    def write(self, records: Sequence[Record]) -> None: ...
+    def write(self, records: Sequence[Record]) -> None:
+        """Takes records, in the order they were received (what the exporter keeps of them).
 
-    def flush(self) -> None: ...
+        Called on the exporter's worker thread whenever records wait for it and it has no
+        ``write_batch``, with at most ``WRITE_RECORDS`` (1,024) records and ``WRITE_BYTES`` of
+        full values at a time (always at least one record), sized to last about a twentieth of
+        ``exporter_timeout`` at the exporter's measured pace. The sequence and its records are
+        shared with the other exporters and frozen (read-only stats and arrays): copy what you
+        change. A write that raises loses its records (counted in ``failed``); the next write
+        gets the records after them.
+        """
 
-    def close(self) -> None: ...
+    def flush(self) -> None:
+        """Makes what was written durable or visible (a file's buffer, a network batch).
+
+        Called on the worker thread about every ``flush_interval`` seconds after something was
+        written (even under a steady stream), and when ``sowtel.flush()`` or the session's end
+        asks for it: then it comes after every record accepted before that call, and the
+        caller waits for it (within its timeout). It may be called with nothing new written.
+        """
+
+    def close(self) -> None:
+        """Releases what the exporter holds (files, connections); called once, last.
+
+        Called on the worker thread when the session or dispatcher closes, after the records
+        and a final ``flush``; nothing is called after it. When the close ran out of time while
+        the exporter was inside a call, that call is left to finish and ``close`` comes after
+        it (its records are counted in ``drop_reasons[label]["close_timeout"]``). What the
+        exporter keeps for reading (a memory exporter's records) should stay readable.
+        """
 
 
 # name -> "module:attribute" of a class or factory taking the exporter options as keywords.

@@ -57,8 +57,6 @@ import json
 import logging
 import math
 import os
-import socket
-import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,10 +67,13 @@ from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboardX.proto.tensor_pb2 import TensorProto
 from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboardX.proto.types_pb2 import DT_FLOAT, DT_STRING
-from tensorboardX.record_writer import masked_crc32c
 from tensorboardX.summary import histogram_raw, text
 
 from sowtel.exporters import check_logdir
+from sowtel.exporters._tensorboard_events import EventFile, event_bytes, value_head
+
+# The counter behind event-file names, under the name a caller predicting the next name reads.
+from sowtel.exporters._tensorboard_events import file_counter as _file_counter  # noqa: F401
 from sowtel.exporters._tensorboard_layout import (
     DEFAULT_STATS_BY_MODE,
     LAYOUT_TAG,
@@ -116,129 +117,7 @@ RULE_ALERT_TAG = "sowtel/alerts/rules"
 #: Layouts of scan-stacked sites (``depth=``): a tensor for the plugin, scalars, or both.
 DEPTH_LAYOUTS: tuple[str, ...] = ("tensor", "scalars", "both")
 
-# Unique event-file names even for several exporters in one process within the same second.
-_file_counter = itertools.count()
 logger = logging.getLogger("sowtel")
-
-
-def _frame(event: Event) -> bytes:
-    return _frame_bytes(event.SerializeToString())
-
-
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # int64 as protobuf encodes it: two's complement, ten bytes if negative
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        if n:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
-
-
-def _value_head(tag: str) -> bytes:
-    """A ``Summary.value`` entry holding ``tag`` and a ``simple_value``, up to the value's four
-    bytes (the wire format: field 1 of Summary; in Value, tag is field 1, simple_value 2)."""
-    name = tag.encode()
-    inner = b"\x0a" + _varint(len(name)) + name + b"\x15"
-    return b"\x0a" + _varint(len(inner) + 4) + inner
-
-
-def _event_bytes(wall_time: float, step: int, summary: bytes) -> bytes:
-    """An ``Event`` (wall_time: field 1, step: 2, summary: 5) around serialized ``summary``."""
-    return b"".join((b"\x09", struct.pack("<d", wall_time), b"\x10", _varint(step), b"\x2a",
-                     _varint(len(summary)), summary))
-
-
-def _frame_bytes(data: bytes) -> bytes:
-    # TFRecord framing: length, its masked CRC-32C, the data, its masked CRC-32C.
-    header = struct.pack("<Q", len(data))
-    return b"".join((header, struct.pack("<I", masked_crc32c(header)), data,
-                     struct.pack("<I", masked_crc32c(data))))
-
-
-class _EventFile:
-    """One TFRecord event file, written synchronously: no queue, no thread.
-
-    tensorboardX's ``FileWriter.flush()`` only flushes what its background thread already
-    dequeued; writing here directly means a flush really puts every event on the disk.
-    """
-
-    def __init__(self, run_dir: str) -> None:
-        self.run_dir = run_dir
-        self._pending = bytearray()
-        self._fd = -1
-        self._open()
-
-    def _open(self) -> None:
-        stamp = f"{int(time.time()):010d}.{socket.gethostname()}"
-        name = f"events.out.tfevents.{stamp}.{os.getpid()}.{next(_file_counter):04d}.sowtel"
-        self.path = os.path.join(self.run_dir, name)
-        # O_EXCL: a file (or a link) already there under this name is never written through.
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
-                           | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        self._size = 0
-        self._rotate = False
-        self._pending[:0] = _frame(Event(wall_time=time.time(), file_version="brain.Event:2"))
-
-    def add(self, event: Event) -> None:
-        self._pending += _frame(event)
-
-    def deleted(self) -> bool:
-        """Whether the event file lost its name (its run folder deleted while training)."""
-        return self._fd >= 0 and os.fstat(self._fd).st_nlink == 0
-
-    def recreate(self) -> None:
-        """Starts a new event file in a re-created run folder; pending events go there."""
-        self._close_fd()
-        os.makedirs(self.run_dir, exist_ok=True)
-        self._open()
-
-    def add_bytes(self, event: bytes) -> None:
-        """Adds a serialized ``Event``."""
-        self._pending += _frame_bytes(event)
-
-    def write_out(self, sync: bool) -> None:
-        """Hands pending events to the OS (and to the disk if ``sync``); raises OSError."""
-        if self._rotate:
-            self._close_fd()
-            try:
-                self._open()
-            except OSError:
-                self._pending.clear()  # bounded memory while no file can be created
-                raise
-        buf, self._pending = memoryview(bytes(self._pending)), bytearray()
-        written = 0
-        try:
-            while written < len(buf):
-                written += os.write(self._fd, buf[written:])
-            if sync:
-                os.fsync(self._fd)
-        except OSError:
-            self._size += written
-            if self._size == 0:
-                # Nothing reached this file: keep it, and its header for the next attempt.
-                self._pending[:0] = _frame(Event(wall_time=time.time(),
-                                                 file_version="brain.Event:2"))
-            else:
-                # A record cut in the middle would make every later one unreadable, and one
-                # written whole may have been cut before: go on in a new file.
-                self._rotate = True
-            raise
-        self._size += written
-
-    def _close_fd(self) -> None:
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
-            os.close(fd)
-
-    def close(self) -> None:
-        try:
-            if self._pending:
-                self.write_out(sync=True)
-        finally:
-            self._close_fd()
 
 
 class TensorBoardExporter:
@@ -317,7 +196,7 @@ class TensorBoardExporter:
         self.last_error: str | None = None
         self._process_index, process_count = _jax_process()
         self._per_process_runs = process_count > 1
-        self._files: dict[int, _EventFile] = {}
+        self._files: dict[int, EventFile] = {}
         self._prefixes: dict[tuple[str, str, Any], str] = {}
         self._layouts: dict[int, dict[str, _Site]] = {}
         # Per (name, mode, index, statistics, summary): its tags and their columns, for tables.
@@ -349,7 +228,7 @@ class TensorBoardExporter:
             return os.path.join(self.logdir, f"process_{int(process_index)}")
         return self.logdir
 
-    def _file(self, process_index: int) -> _EventFile:
+    def _file(self, process_index: int) -> EventFile:
         f = self._files.get(process_index)
         if f is None:
             run_dir = self.run_dir(process_index)
@@ -360,7 +239,7 @@ class TensorBoardExporter:
                 )
             try:
                 os.makedirs(run_dir, exist_ok=True)
-                f = _EventFile(run_dir)
+                f = EventFile(run_dir)
             except FileExistsError as e:
                 raise ValueError(
                     f"logdir={run_dir!r}: a file named {os.path.basename(e.filename or '')!r} "
@@ -514,7 +393,7 @@ class TensorBoardExporter:
             if values or encoded:
                 # Repeated fields concatenate: the converted values, then the encoded ones.
                 summary = Summary(value=values).SerializeToString() + b"".join(encoded)
-                f.add_bytes(_event_bytes(state.wall_time or time.time(), int(step), summary))
+                f.add_bytes(event_bytes(state.wall_time or time.time(), int(step), summary))
         self._finish(bad)
 
     def _table_values(self, table: SiteColumns, encoded: list[bytes],
@@ -541,7 +420,7 @@ class TensorBoardExporter:
                     chosen = self._chosen(key, table.summary, dict.fromkeys(keys, 0.0), False,
                                           single=math.prod(table.shapes[leaf]) == 1)
                     known = self._tags[cache] = (
-                        [_value_head(f"{prefix}/{stat}") for stat in chosen],
+                        [value_head(f"{prefix}/{stat}") for stat in chosen],
                         [keys.index(stat) for stat in chosen])
                 heads, cols = known
                 data = row.tobytes()

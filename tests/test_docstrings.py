@@ -19,7 +19,8 @@ MODULES = [
     "sowtel.exporters._tensorboard_order",
     "sowtel._interpret", "sowtel.alerts", "sowtel.tap", "sowtel.receiver",
     "sowtel._reductions", "sowtel.context", "sowtel.steps", "sowtel.sites", "sowtel._cond_rows",
-    "sowtel.naming",
+    "sowtel.naming", "sowtel.dispatcher._worker", "sowtel.dispatcher._ledger",
+    "sowtel.exporters._tensorboard_events",
 ]
 
 

@@ -28,9 +28,9 @@ from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboardX.proto.types_pb2 import DT_FLOAT, DT_STRING
 from test_demo_dashboard import ENV, REPO, free_port, get_json, sowtel_cmd, stop, wait_for
 
+from sowtel.exporters._tensorboard_events import EventFile as _EventFile
 from sowtel.exporters.tensorboard import (
     TensorBoardExporter,
-    _EventFile,
     _float_tensor,
     _tensor_metadata,
 )

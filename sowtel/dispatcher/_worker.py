@@ -6,7 +6,7 @@ flushes on schedule, gives up on an exporter stuck in one call for longer than i
 counts where every record it was offered went (exported, failed, dropped by reason, pending).
 
 Example:
-    >>> from sowtel._worker import ExporterWorker
+    >>> from sowtel.dispatcher._worker import ExporterWorker
     >>> from sowtel.exporters.memory import MemoryExporter
     >>> from sowtel.to_records import RecordBatch
     >>> worker = ExporterWorker(MemoryExporter(), "memory", max_records=10, flush_interval=0.5,
@@ -28,7 +28,7 @@ from typing import Any
 
 from sowtel.to_records import RecordBatch
 
-__all__ = ["ExporterWorker", "Token", "WRITE_RECORDS", "WRITE_BYTES", "POLL"]
+__all__ = ["ExporterWorker", "Token", "Wait", "WRITE_RECORDS", "WRITE_BYTES", "POLL"]
 
 logger = logging.getLogger("sowtel")
 
@@ -43,6 +43,11 @@ _FIRST_WRITE = 64
 _WRITE_SHARE = 1 / 20
 #: How often waits that cannot be woken by a notification re-check for stalled exporters.
 POLL = 0.05
+
+#: A timed wait: ``wait(condition, timeout)`` waits on ``condition`` (whose lock is held) for a
+#: notification or until ``timeout`` seconds of the clock passed (``None``: no timeout), as
+#: :meth:`threading.Condition.wait` does.
+Wait = Callable[[threading.Condition, float | None], object]
 
 
 class Token:
@@ -90,8 +95,13 @@ class ExporterWorker:
     def __init__(
         self, exporter: Any, label: str, *, max_records: int, flush_interval: float,
         timeout: float, release: Callable[[int], None],
+        clock: Callable[[], float] = time.monotonic, wait: Wait = threading.Condition.wait,
     ) -> None:
         self.exporter = exporter
+        # Every duration here (stalls, the flush interval, a write's pace) is read from clock,
+        # and every timed wait goes through wait(condition, timeout), so a test can drive time.
+        self._clock = clock
+        self._wait = wait
         self.label = label
         batch_method = getattr(exporter, "write_batch", None)
         self._write: Callable[[RecordBatch], Any] = (
@@ -162,7 +172,7 @@ class ExporterWorker:
             if self._abandoned:
                 return True
             since = self._busy_since
-            if since is None or time.monotonic() - since <= self._timeout:
+            if since is None or self._clock() - since <= self._timeout:
                 # A worker that is gone (e.g. in a forked child) is never waited for.
                 return not self._finished and not self._thread.is_alive()
             released = self._abandon("stalled")
@@ -249,7 +259,7 @@ class ExporterWorker:
                     self._drop("backlog_full", len(batch))
                     self._warn_overflow()
                     return False
-                self._cond.wait(POLL)
+                self._wait(self._cond, POLL)
 
     def tell(self, alerts: tuple[Any, ...]) -> None:
         """Queues ``alerts`` for the exporter's optional ``write_alerts(alerts)``, behind the
@@ -329,11 +339,11 @@ class ExporterWorker:
                     return "done"
                 step = POLL
                 if deadline is not None:
-                    left = deadline - time.monotonic()
+                    left = deadline - self._clock()
                     if left <= 0:
                         return "timeout"
                     step = min(step, left)
-                self._cond.wait(step)
+                self._wait(self._cond, step)
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -350,7 +360,7 @@ class ExporterWorker:
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> bool:
         with self._cond:
             self._busy_in = what
-            self._busy_since = time.monotonic()
+            self._busy_since = self._clock()
         try:
             fn(*args)
             return True
@@ -422,7 +432,7 @@ class ExporterWorker:
         return RecordBatch(parts), nbytes
 
     def _run(self) -> None:
-        last_flush = time.monotonic()
+        last_flush = self._clock()
         dirty = False
         while True:
             with self._cond:
@@ -431,10 +441,10 @@ class ExporterWorker:
                     wait: float | None = None
                     if dirty:
                         # Written records reach the sink's storage within about one interval.
-                        wait = self._flush_interval - (time.monotonic() - last_flush)
+                        wait = self._flush_interval - (self._clock() - last_flush)
                         if wait <= 0:
                             break
-                    self._cond.wait(wait)
+                    self._wait(self._cond, wait)
                 if self._given_up:
                     entry = Token("close")
                 elif self._queue:
@@ -450,7 +460,7 @@ class ExporterWorker:
                 elif kind == "flush":
                     self._call("flush", self.exporter.flush)
                     dirty = False
-                    last_flush = time.monotonic()
+                    last_flush = self._clock()
                 else:
                     self._call("close", self.exporter.close)
                 with self._cond:
@@ -467,9 +477,9 @@ class ExporterWorker:
                     return
                 continue
             batch, nbytes = entry
-            t0 = time.monotonic()
+            t0 = self._clock()
             ok = self._call("write", self._write, batch)
-            took = time.monotonic() - t0
+            took = self._clock() - t0
             counted = False
             with self._cond:
                 if self._writing is batch:  # else it was given up on and already counted
@@ -497,8 +507,8 @@ class ExporterWorker:
             dirty = True
             if self._given_up:
                 continue  # only close() is called now
-            if time.monotonic() - last_flush >= self._flush_interval:
+            if self._clock() - last_flush >= self._flush_interval:
                 # Under a steady stream the backlog never empties; flush on schedule anyway.
                 self._call("flush", self.exporter.flush)
                 dirty = False
-                last_flush = time.monotonic()
+                last_flush = self._clock()

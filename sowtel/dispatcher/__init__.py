@@ -46,15 +46,15 @@ from typing import Any
 
 from sowtel import _exit
 from sowtel._exit import EXIT_TIMEOUT, close_all, sigterm_unhandled
-from sowtel._ledger import accounts, merge_reasons
-from sowtel._worker import POLL, WRITE_BYTES, WRITE_RECORDS, ExporterWorker
+from sowtel.dispatcher._ledger import accounts, merge_reasons
+from sowtel.dispatcher._worker import POLL, WRITE_BYTES, WRITE_RECORDS, ExporterWorker, Wait
 from sowtel.records import Record
 from sowtel.to_records import RecordBatch, record_nbytes
 
 __all__ = [
     "Dispatcher", "ON_FULL", "EXIT_TIMEOUT", "DROP_REASONS", "WRITE_RECORDS", "WRITE_BYTES",
     "BATCH_RECORDS",
-    "accounts", "close_all", "sigterm_unhandled",
+    "accounts", "labels", "close_all", "sigterm_unhandled",
 ]
 
 logger = logging.getLogger("sowtel")
@@ -92,18 +92,27 @@ _record_nbytes = record_nbytes
 
 
 def labels(exporters: Sequence[Any]) -> list[str]:
-    """The exporters' labels, made unique: ``label`` (else the class name), then ``#2``..."""
-    labels: list[str] = []
+    """The name each exporter is reported under: its ``label``, else its class name, made unique.
+
+    A repeated name gets ``#2``, ``#3``, ... in order, so ``status()`` and the drop counts can
+    tell two exporters of one kind apart.
+
+    Example:
+        >>> from sowtel.exporters.memory import MemoryExporter
+        >>> labels([MemoryExporter(), MemoryExporter()])
+        ['memory', 'memory#2']
+    """
+    taken: list[str] = []
     for exporter in exporters:
         base = getattr(exporter, "label", None)
         if not isinstance(base, str) or not base:
             base = type(exporter).__name__
         label, n = base, 1
-        while label in labels:
+        while label in taken:
             n += 1
             label = f"{base}#{n}"
-        labels.append(label)
-    return labels
+        taken.append(label)
+    return taken
 
 
 class Dispatcher:
@@ -140,6 +149,9 @@ class Dispatcher:
       alerts: returns the alerts fired since it was last called (:mod:`sowtel.alerts`); each
         exporter with a ``write_alerts(alerts)`` method gets them on its own thread, behind
         the records they were judged on.
+      clock: the seconds every timeout, interval and stall is measured in (a monotonic
+        clock); ``wait(condition, timeout)`` does every timed wait, in seconds of that clock,
+        like :meth:`threading.Condition.wait`. Both are for tests that drive time by hand.
 
     Example:
         >>> from sowtel.exporters.memory import MemoryExporter
@@ -161,6 +173,8 @@ class Dispatcher:
         flush_interval: float = 0.5,
         exporter_timeout: float = 10.0,
         alerts: Callable[[], Sequence[Any]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wait: Wait = threading.Condition.wait,
     ) -> None:
         from sowtel.exporters import check_distinct, check_exporter
 
@@ -181,6 +195,12 @@ class Dispatcher:
             )
         _check_seconds(flush_interval, "flush_interval")
         _check_seconds(exporter_timeout, "exporter_timeout")
+        for value, what in ((clock, "clock"), (wait, "wait")):
+            if not callable(value):
+                raise TypeError(f"{what}={value!r} must be callable")
+
+        self._clock = clock
+        self._wait = wait
 
         self._convert = convert
         self._alerts = alerts
@@ -237,7 +257,7 @@ class Dispatcher:
         self._workers = [
             ExporterWorker(
                 e, label, max_records=queue_size, flush_interval=self._flush_interval,
-                timeout=self._exporter_timeout, release=self._release,
+                timeout=self._exporter_timeout, release=self._release, clock=clock, wait=wait,
             )
             for e, label in zip(exporters, labels(exporters), strict=True)
         ]
@@ -359,7 +379,7 @@ class Dispatcher:
                             return self._refuse("closed", records)
                         self._urgent = True
                         self._wake_cond.notify()
-                        self._space_cond.wait(_POLL)
+                        self._wait(self._space_cond, _POLL)
                     if self._closed:
                         return self._refuse("closed", records)
                 finally:
@@ -430,7 +450,7 @@ class Dispatcher:
         while True:
             with self._lock:
                 if not (more or self._stop or self._urgent or self._queued >= self._wake_at):
-                    self._wake_cond.wait(self._flush_interval)
+                    self._wait(self._wake_cond, self._flush_interval)
                 items: list[tuple[Any, int]] = []
                 declared = nbytes = 0
                 # One batch at a time, of whole items: at most BATCH_RECORDS records plus one
@@ -590,7 +610,7 @@ class Dispatcher:
             True
             >>> d.close()
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else self._clock() + timeout
         if threading.get_ident() in self._own_threads:
             logger.warning("sowtel: flush() called from inside an exporter or convert; ignored")
             return False
@@ -603,11 +623,11 @@ class Dispatcher:
                     return False
                 step = _POLL * 4
                 if deadline is not None:
-                    left = deadline - time.monotonic()
+                    left = deadline - self._clock()
                     if left <= 0:
                         return False
                     step = min(step, left)
-                self._progress_cond.wait(step)
+                self._wait(self._progress_cond, step)
         self._tell_alerts()  # what sowtel.log fired on this thread, behind its records
         tokens = [(w, w.request("flush")) for w in self._workers if not w.stalled()]
         return all(w.wait(t, deadline) != "timeout" for w, t in tokens)
@@ -656,7 +676,7 @@ class Dispatcher:
             >>> d.status()["closed"]
             True
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else self._clock() + timeout
         with self._lock:
             if self._close_started:
                 return
@@ -669,7 +689,7 @@ class Dispatcher:
             with self._lock:
                 self._stop = True
                 self._wake_cond.notify()
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = None if deadline is None else max(0.0, deadline - self._clock())
             if not inside:
                 self._thread.join(left)
             tokens = [(w, w.request("close")) for w in self._workers]
