@@ -51,7 +51,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -216,9 +215,6 @@ class SummaryPass:
 CALLS_BACK, NOT_DUE = "calls back", "not due"
 
 
-_PASS = threading.local()  # .stack: the summary passes this thread is tracing, innermost last
-
-
 @dataclasses.dataclass
 class TapPass:
     """A pass that sows the outputs of chosen equations (``sowtel.tap``) as it re-binds a jaxpr.
@@ -252,56 +248,53 @@ class TapPass:
         return self.sow(outs, name)
 
 
-def _pass() -> SummaryPass | None:
-    stack = getattr(_PASS, "stack", None)
-    return stack[-1] if stack else None
+@dataclasses.dataclass
+class Pass:
+    """One evaluation of a jaxpr: which pass runs, given to the evaluator and every rule.
 
+    ``tag``: the tag ``save_intermediates`` captures (None in a summary or tap pass);
+    ``summary`` / ``tap``: the summary pass of ``sowtel.jit`` or the tap pass of ``sowtel.tap``;
+    ``reruns``: what the library primitives of the pass ran (see sowtel._interpret);
+    ``transposed``: how many transposed equations (a backward pass) enclose the one evaluated.
+    A pass is passed explicitly: one started while another is evaluated (a trace inside a
+    rule) is its own.
+    """
 
-def _tap() -> TapPass | None:
-    """The tap pass running now, unless a capture or summary pass runs inside it."""
-    stack = getattr(_PASS, "taps", None)
-    return stack[-1] if stack else None
+    tag: str | None = None
+    summary: SummaryPass | None = None
+    tap: TapPass | None = None
+    reruns: _interpret.Reruns = dataclasses.field(default_factory=_interpret.Reruns)
+    transposed: int = 0
 
+    def eval(self, jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured]]:
+        """Evaluates ``jaxpr`` in this pass: its outputs and the captured sows, in trace order."""
+        return _eval(self, jaxpr, consts, args)
 
-def _capture_tag() -> str | None:
-    """The tag ``save_intermediates`` captures, while its pass runs (None in summary passes)."""
-    stack = getattr(_PASS, "tags", None)
-    return stack[-1] if stack and _pass() is None else None
+    def eval_body(self, body: tuple[Any, list[Any]],
+                  args: Any) -> tuple[list[Any], list[_Captured]]:
+        """:meth:`eval` of a ``(jaxpr, consts)`` pair, as ``_jax_compat`` gives a body."""
+        return _eval(self, body[0], body[1], args)
+
+    def wanted(self, params: dict[str, Any]) -> bool:
+        """Whether this pass turns the sow of these parameters into outputs."""
+        return _wanted(params, summaries=self.summary is not None)
+
+    def has_capture(self, jaxpr: Any) -> bool:
+        """Whether ``jaxpr`` holds a sow this pass wants."""
+        return _has_wanted(jaxpr, self.summary is not None)
 
 
 def eval_capture(jaxpr: Any, consts: list[Any], args: list[Any],
                  tag: str) -> tuple[list[Any], list[_Captured]]:
     """Evaluates ``jaxpr`` with the sows captured for ``tag`` turned into extra outputs."""
-    stack = _PASS.__dict__.setdefault("tags", [])
-    reruns = _PASS.__dict__.setdefault("reruns", [])
-    taps = _PASS.__dict__.setdefault("taps", [])
-    stack.append(tag)
-    reruns.append(_interpret.Reruns())
-    taps.append(None)
-    try:
-        return _eval(jaxpr, consts, args)
-    finally:
-        stack.pop()
-        reruns.pop()
-        taps.pop()
+    return Pass(tag=tag).eval(jaxpr, consts, args)
 
 
 def eval_taps(jaxpr: Any, consts: list[Any], args: list[Any], tap_pass: TapPass) -> list[Any]:
     """Evaluates ``jaxpr`` on ``args`` (values or tracers of the trace calling it), sowing the
     outputs of the equations ``tap_pass`` names (``sowtel.tap``): everything else is bound as
     it was traced, so the sows go through the transformations around the call."""
-    summaries = _PASS.__dict__.setdefault("stack", [])
-    tags = _PASS.__dict__.setdefault("tags", [])
-    taps = _PASS.__dict__.setdefault("taps", [])
-    summaries.append(None)  # no summary or capture pass inside this one
-    tags.append(None)
-    taps.append(tap_pass)
-    try:
-        return _eval(jaxpr, consts, args)[0]
-    finally:
-        summaries.pop()
-        tags.pop()
-        taps.pop()
+    return Pass(tap=tap_pass).eval(jaxpr, consts, args)[0]
 
 
 def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
@@ -312,18 +305,10 @@ def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
     ``leaves`` are the arrays ``summary_pass.reduce`` gave (stacked over scans and shards, filled
     with NaN / 0 in the branches not taken) and whose ``site`` is the streaming site.
     """
-    stack = _PASS.__dict__.setdefault("stack", [])
-    taps = _PASS.__dict__.setdefault("taps", [])
-    stack.append(summary_pass)
-    taps.append(None)
-    try:
-        streams = functools.partial(_wanted, summaries=True)
-        summary_pass.fallback = frozenset(
-            p["site"].name for p in _interpret.fallback_sites(jaxpr, streams))
-        return _eval(jaxpr, consts, args)
-    finally:
-        stack.pop()
-        taps.pop()
+    streams = functools.partial(_wanted, summaries=True)
+    summary_pass.fallback = frozenset(
+        p["site"].name for p in _interpret.fallback_sites(jaxpr, streams))
+    return Pass(summary=summary_pass).eval(jaxpr, consts, args)
 
 
 def _wanted(params: dict[str, Any], summaries: bool) -> bool:
@@ -334,10 +319,6 @@ def _wanted(params: dict[str, Any], summaries: bool) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Which jaxprs hold a captured sow.
-
-
-def _has_capture(jaxpr: Any) -> bool:
-    return _has_wanted(jaxpr, _pass() is not None)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -352,13 +333,13 @@ def _has_wanted(jaxpr: Any, summaries: bool) -> bool:
     return False
 
 
-def _first_capture_name(jaxpr: Any) -> str:
+def _first_capture_name(st: Pass, jaxpr: Any) -> str:
     for eqn in jaxpr.eqns:
-        if eqn.primitive is sow_p and _wanted(eqn.params, _pass() is not None):
+        if eqn.primitive is sow_p and st.wanted(eqn.params):
             return eqn.params["site"].name
         for j in jc.sub_jaxprs(eqn):
-            if _has_capture(j):
-                return _first_capture_name(j)
+            if st.has_capture(j):
+                return _first_capture_name(st, j)
     return "?"
 
 
@@ -366,7 +347,7 @@ def _first_capture_name(jaxpr: Any) -> str:
 # The evaluator: runs a jaxpr, returning its outputs and the captured sows, in trace order.
 
 
-def _eval(jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured]]:
+def _eval(st: Pass, jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured]]:
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
@@ -377,11 +358,11 @@ def _eval(jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
     captured: list[_Captured] = []
-    tap = _tap()
+    tap = st.tap
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         transposed = jc.eqn_transposed(eqn)
-        _PASS.transposed = getattr(_PASS, "transposed", 0) + transposed
+        st.transposed += transposed
         if tap is not None:
             tap.path.append(id(eqn))
         try:
@@ -389,11 +370,11 @@ def _eval(jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured
             # as it is (a library's primitive) tells a recomputation by that (see _eval_sow).
             with (jc.backward_pass_names() if transposed else contextlib.nullcontext()), \
                     jc.eqn_context(eqn):
-                outs, caps = _eval_eqn(eqn, invals)
+                outs, caps = _eval_eqn(st, eqn, invals)
                 if tap is not None:
                     outs = tap.after(outs)
         finally:
-            _PASS.transposed -= transposed
+            st.transposed -= transposed
             if tap is not None:
                 tap.path.pop()
         captured.extend(caps)
@@ -402,57 +383,52 @@ def _eval(jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[_Captured
     return [read(v) for v in jaxpr.outvars], captured
 
 
-def _eval_body(body: tuple[Any, list[Any]], args: Any) -> tuple[list[Any], list[_Captured]]:
-    """``_eval`` of a ``(jaxpr, consts)`` pair, as ``_jax_compat`` gives a construct's body."""
-    return _eval(body[0], body[1], args)
-
-
 def _bind_plain(eqn: Any, invals: list[Any]) -> list[Any]:
     params = eqn.primitive.get_bind_params(eqn.params)
     out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _eval_eqn(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _eval_eqn(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     prim = eqn.primitive
-    tap = _tap()
+    tap = st.tap
     if tap is not None:
         # sowtel.tap: a construct holding a site runs its rule (its body evaluated, so the site
         # is sown inside it); everything else, a sow included, is bound as it was traced.
         if not tap.holds():
             return _bind_plain(eqn, invals), []
         if jc.construct(eqn) in ("custom_jvp", "custom_vjp"):
-            return _tap_custom_rule(eqn, invals)
+            return _tap_custom_rule(st, eqn, invals)
         rule = _RULES.get(jc.construct(eqn) or "")
-        return (_tap_library_rule if rule is None else rule)(eqn, invals)
+        return (_tap_library_rule if rule is None else rule)(st, eqn, invals)
     if prim is sow_p:
-        return _eval_sow(eqn, invals)
+        return _eval_sow(st, eqn, invals)
     subs = jc.sub_jaxprs(eqn)
-    if not any(_has_capture(j) for j in subs):
+    if not any(st.has_capture(j) for j in subs):
         if _interpret.hides_sows(eqn):
-            return _library_rule(eqn, invals)
-        if jc.construct(eqn) == "custom_jvp" and _capture_tag() is not None:
+            return _library_rule(st, eqn, invals)
+        if jc.construct(eqn) == "custom_jvp" and st.tag is not None:
             # Its rule may sow: checked if save_intermediates is differentiated from outside.
-            return _custom_jvp_rule(eqn, invals)
+            return _custom_jvp_rule(st, eqn, invals)
         return _bind_plain(eqn, invals), []
     rule = _RULES.get(jc.construct(eqn) or "")
     if rule is None:
-        return _library_rule(eqn, invals)
-    return rule(eqn, invals)
+        return _library_rule(st, eqn, invals)
+    return rule(st, eqn, invals)
 
 
-def _tap_custom_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _tap_custom_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     """``sowtel.tap`` inside a ``custom_jvp`` / ``custom_vjp`` function: the outputs keep the
     function's rules (it is bound as it is); its sites are those of its function run again on
     the same operands, where no derivative reaches them (the rules define none for values
     inside the function: a derivative there would be a zero, not the value's), so they are
     primal sites under every transformation, as a sow there is."""
     outs = _bind_plain(eqn, invals)
-    _eval(*jc.call_body(eqn), [jax.lax.stop_gradient(x) for x in invals])
+    st.eval(*jc.call_body(eqn), [jax.lax.stop_gradient(x) for x in invals])
     return outs, []
 
 
-def _tap_library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _tap_library_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     """``sowtel.tap`` inside a library's primitive (``custom_linear_solve``, which ``cg`` and
     ``jnp.linalg.solve`` use): bound with each of the functions it holds as closed jaxprs
     evaluated again by the tap pass, so its sites are sown inside it, and run each time the
@@ -461,7 +437,7 @@ def _tap_library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Cap
         jaxpr, consts = jc.jaxpr_and_consts(closed)
 
         def body(*args: Any) -> list[Any]:
-            return _eval(jaxpr, consts, list(args))[0]
+            return st.eval(jaxpr, consts, list(args))[0]
 
         shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                        weak_type=getattr(v.aval, "weak_type", False))
@@ -473,38 +449,36 @@ def _tap_library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Cap
     return (list(out) if eqn.primitive.multiple_results else [out]), []
 
 
-def _library_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _library_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     """A primitive with no construct rule (a library's solver, see :mod:`sowtel._interpret`):
     ``sowtel.jit`` binds it as it is, its sites keeping their host callbacks; capture evaluates
     what it runs."""
-    summary_pass = _pass()
-    wanted = functools.partial(_wanted, summaries=summary_pass is not None)
+    summary_pass = st.summary
     if summary_pass is None:
-        return _interpret.library_rule(eqn, invals, tag=_capture_tag(), wanted=wanted,
-                                       evaluate=_eval, bind=_bind_plain,
-                                       reruns=_PASS.reruns[-1])
-    summary_pass.keep_callbacks(_interpret.sites_of(eqn, wanted))
+        return _interpret.library_rule(eqn, invals, tag=st.tag, wanted=st.wanted,
+                                       evaluate=st.eval, bind=_bind_plain, reruns=st.reruns)
+    summary_pass.keep_callbacks(_interpret.sites_of(eqn, st.wanted))
     summary_pass.callbacks = True  # hidden sows too, where their jaxpr cannot be read
     return _bind_plain(eqn, invals), []
 
 
-def _recomputed_in_backward_pass(p: dict[str, Any]) -> bool:
+def _recomputed_in_backward_pass(st: Pass, p: dict[str, Any]) -> bool:
     """A primal site (or a tangent of one, under ``jvp`` of ``grad``) evaluated in the
     backward pass is forward code run again there: a
     ``custom_vjp`` bwd re-evaluating a jaxpr traced in the forward pass, a solver's transposed
     solve running the user's function. It is silent, as ``jax.checkpoint``'s recomputation is
     (the lowering applies the same rule to the callback transport)."""
-    return naming.forward_mode(p["mode"]) and getattr(_PASS, "transposed", 0) > 0
+    return naming.forward_mode(p["mode"]) and st.transposed > 0
 
 
-def _eval_sow(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _eval_sow(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     p = eqn.params
     site = p["site"]
     n = len(invals) - len(site.extras)
     outs = invals[:n]
-    if _recomputed_in_backward_pass(p):
+    if _recomputed_in_backward_pass(st, p):
         return list(outs), []
-    summary_pass = _pass()
+    summary_pass = st.summary
     if summary_pass is not None:
         return _summarise_sow(summary_pass, p, invals, n)
     if p["stream"] is not None and not p["recompute"]:
@@ -534,9 +508,9 @@ def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[An
 
 
 @contextlib.contextmanager
-def _in_loop(kind: str, length: int = 0, reverse: bool = False) -> Iterator[None]:
+def _in_loop(st: Pass, kind: str, length: int = 0, reverse: bool = False) -> Iterator[None]:
     """Notes, for the summary pass, that the equations evaluated inside sit in this loop."""
-    summary_pass = _pass()
+    summary_pass = st.summary
     if summary_pass is None:
         yield
         return
@@ -547,11 +521,11 @@ def _in_loop(kind: str, length: int = 0, reverse: bool = False) -> Iterator[None
         summary_pass.loops.pop()
 
 
-def _call_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
-    return _eval(*jc.call_body(eqn), invals)
+def _call_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+    return st.eval(*jc.call_body(eqn), invals)
 
 
-def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _custom_jvp_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     """Captures inside a ``custom_jvp`` function, keeping its rule for transformations outside.
 
     Where ``save_intermediates`` is itself differentiated, JAX runs the function's jvp rule
@@ -561,16 +535,16 @@ def _custom_jvp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
     """
     inline = _call_rule
     meta: list[_Captured] = []
-    tag = _capture_tag()
+    tag = st.tag
 
     def captures(*args: Any) -> list[Any]:
-        _, caps = inline(eqn, list(args))
+        _, caps = inline(st, eqn, list(args))
         meta[:] = caps
         return _flat(caps)
 
     @jax.custom_jvp
     def fun(*args: Any) -> tuple[list[Any], list[Any]]:
-        outs, caps = inline(eqn, list(args))
+        outs, caps = inline(st, eqn, list(args))
         meta[:] = caps
         return outs, _flat(caps)
 
@@ -626,7 +600,7 @@ def _add_cotangents(a: Any, b: Any) -> Any:
     return a + b
 
 
-def _custom_vjp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _custom_vjp_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     """Captures inside a ``custom_vjp`` function, keeping its rule for transformations outside.
 
     Where ``save_intermediates`` is itself differentiated (``jax.grad`` of a function that calls
@@ -635,16 +609,16 @@ def _custom_vjp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
     function that computed them.
     """
     meta: list[_Captured] = []
-    tag = _capture_tag()
+    tag = st.tag
 
     def captures(*args: Any) -> list[Any]:
-        _, caps = _call_rule(eqn, list(args))
+        _, caps = _call_rule(st, eqn, list(args))
         meta[:] = caps
         return _flat(caps)
 
     @jax.custom_vjp
     def fun(*args: Any) -> tuple[list[Any], list[Any]]:
-        outs, caps = _call_rule(eqn, list(args))
+        outs, caps = _call_rule(st, eqn, list(args))
         meta[:] = caps
         return outs, _flat(caps)
 
@@ -665,12 +639,12 @@ def _custom_vjp_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Capt
     return list(outs), _unflat(meta, flat)
 
 
-def _remat_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _remat_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     p = jc.loop_parts(eqn)
     meta: list[_Captured] = []
 
     def body(*args: Any) -> tuple[list[Any], list[Any]]:
-        outs, caps = _eval_body(p["body"], args)
+        outs, caps = st.eval_body(p["body"], args)
         meta[:] = caps
         return outs, _flat(caps)
 
@@ -679,7 +653,7 @@ def _remat_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
     return list(outs), _unflat(meta, flat)
 
 
-def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _scan_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     p = jc.loop_parts(eqn)
     jaxpr, jconsts = p["body"]
     n_consts, n_carry = p["n_consts"], p["n_carry"]
@@ -688,18 +662,18 @@ def _scan_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
     meta: list[_Captured] = []
 
     def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
-        outs, caps = _eval(jaxpr, jconsts, [*consts, *carry, *x])
+        outs, caps = st.eval(jaxpr, jconsts, [*consts, *carry, *x])
         meta[:] = caps
         return outs[:n_carry], (outs[n_carry:], _flat(caps))
 
-    with _in_loop("scan", p["length"], p["reverse"]):
+    with _in_loop(st, "scan", p["length"], p["reverse"]):
         carry, (ys, flat) = jax.lax.scan(
             body, list(init), list(xs), length=p["length"], reverse=p["reverse"],
             unroll=p["unroll"])
     return [*carry, *ys], [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
 
 
-def _scan3_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _scan3_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     """A ``jax_scan3`` loop: its body reads and writes its carry through references, which it
     closes over (non-extensive operands); extensive operands are sliced per iteration."""
     p = jc.loop_parts(eqn)
@@ -711,22 +685,22 @@ def _scan3_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
     def body(x: list[Any]) -> tuple[list[Any], list[Any]]:
         it = iter(x)
         args = [next(it) if e else a for a, e in zip(invals, extensive, strict=True)]
-        outs, caps = _eval(jaxpr, jconsts, args)
+        outs, caps = st.eval(jaxpr, jconsts, args)
         meta[:] = caps
         return outs, _flat(caps)
 
-    with _in_loop("scan", p["length"], p["reverse"]):
+    with _in_loop(st, "scan", p["length"], p["reverse"]):
         ys, flat = jc.scan3_over(body, xs, length=p["length"], reverse=p["reverse"],
                                  unroll=p["unroll"])
     return list(ys), [c.stacked_in("scan", p["length"]) for c in _unflat(meta, flat)]
 
 
-def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _while_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     p = jc.loop_parts(eqn)
     cond, body = p["cond"], p["body"]
-    if _has_capture(cond[0]):
+    if st.has_capture(cond[0]):
         raise ValueError(
-            f"sow {_first_capture_name(cond[0])!r} is inside a while_loop cond function: it "
+            f"sow {_first_capture_name(st, cond[0])!r} is inside a while_loop cond function: it "
             "can never be captured there; sow it in the body instead"
         )
     nc, nb = p["n_cond_consts"], p["n_body_consts"]
@@ -735,7 +709,7 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
 
     def body_fn(state: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
         carry, kept = state
-        outs, caps = _eval_body(body, [*body_consts, *carry])
+        outs, caps = st.eval_body(body, [*body_consts, *carry])
         meta[:] = caps
         flat = _flat(caps)
         if kept:
@@ -750,16 +724,16 @@ def _while_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]
         return outs, flat
 
     def cond_fn(state: tuple[list[Any], list[Any]]) -> Any:
-        pred = _eval_body(cond, [*cond_consts, *state[0]])[0][0]
+        pred = st.eval_body(cond, [*cond_consts, *state[0]])[0][0]
         # vmap of a loop whose predicate it batched: the body selects the rows still running,
         # and the loop runs while any does (as JAX lowers it).
         return jnp.any(pred) if jnp.ndim(pred) else pred
 
-    summary_pass = _pass()
+    summary_pass = st.summary
     if summary_pass is not None:
         summary_pass.in_while += 1
     try:
-        with _in_loop("while"):
+        with _in_loop(st, "while"):
             shapes = jax.eval_shape(body_fn, (list(init), []))[1]
             state = jax.lax.while_loop(cond_fn, body_fn,
                                        (list(init), [_fill_like(s) for s in shapes]))
@@ -774,14 +748,14 @@ def _is_fill(x: Any) -> Any:
     return jnp.isnan(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x == 0
 
 
-def _cond_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _cond_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     branches = jc.loop_parts(eqn)["branches"]
     index, operands = invals[0], invals[1:]
     metas: list[list[_Captured]] = [[] for _ in branches]
 
     def make(i: int) -> Callable[..., Any]:
         def branch(*ops: Any) -> tuple[list[Any], list[Any]]:
-            outs, caps = _eval_body(branches[i], ops)
+            outs, caps = st.eval_body(branches[i], ops)
             metas[i][:] = caps
             return outs, _flat(caps)
 
@@ -828,14 +802,14 @@ def _cond_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]
     return list(outs), _unflat(meta, flat)
 
 
-def _shard_map_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
+def _shard_map_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captured]]:
     p = jc.loop_parts(eqn)
     mesh = p["mesh"]
     manual = tuple(a for a in mesh.axis_names if a in p["manual"])
     meta: list[_Captured] = []
 
     def inner(*args: Any) -> tuple[tuple[Any, ...], list[Any]]:
-        outs, caps = _eval_body(p["body"], args)
+        outs, caps = st.eval_body(p["body"], args)
         meta[:] = caps
         return tuple(outs), [jnp.expand_dims(leaf, 0) for leaf in _flat(caps)]
 
@@ -850,7 +824,7 @@ def _shard_map_rule(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[_Captu
 
 
 # By construct (``_jax_compat.construct`` maps JAX's primitive names to these).
-_RULES: dict[str, Callable[[Any, list[Any]], tuple[list[Any], list[_Captured]]]] = {
+_RULES: dict[str, Callable[[Pass, Any, list[Any]], tuple[list[Any], list[_Captured]]]] = {
     "call": _call_rule,
     "custom_jvp": _custom_jvp_rule,
     "custom_vjp": _custom_vjp_rule,
