@@ -17,7 +17,7 @@ MODULES = [
     "sowtel.exporters._tensorboard_layout", "sowtel.dashboard", "sowtel.dashboards",
     "sowtel.intermediates", "sowtel.compare", "sowtel._run_read",
     "sowtel.exporters._tensorboard_order",
-    "sowtel._interpret", "sowtel.alerts", "sowtel.tap",
+    "sowtel._interpret", "sowtel._interpret_rules", "sowtel.alerts", "sowtel.tap",
 ]
 
 
