@@ -68,7 +68,7 @@ from sowtel.primitive import (
     current_context,
 )
 
-__all__ = ["Intermediates", "save_intermediates", "trace_flat"]
+__all__ = ["Intermediates", "is_dynamic", "over_dynamic", "save_intermediates", "trace_flat"]
 
 #: How a value was stacked (see sowtel._interpret_rules).
 Stacking = _interpret.Stacking
@@ -294,18 +294,28 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
 # The public wrapper.
 
 
-def _is_dynamic(leaf: Any) -> bool:
+def is_dynamic(leaf: Any) -> bool:
+    """THE rule of which leaves of a call's arguments are traced (dynamic), for
+    ``save_intermediates``, ``locate_nonfinite``, ``sowtel.tap`` and ``sowtel.jit``'s logging
+    step: arrays (JAX's, a tracer included, and NumPy's) and NumPy scalars. Everything else is
+    static, Python numbers included (``float`` as ``int``: a new value traces again), as their
+    docs say ("arguments that are not arrays act as static arguments").
+
+    Example:
+        >>> import jax.numpy as jnp, numpy as np
+        >>> [is_dynamic(x) for x in (jnp.ones(2), np.float32(1), 1.5, 2, "s")]
+        [True, True, False, False, False]
+    """
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "aval")
 
 
-def over_dynamic(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 dynamic: Callable[[Any], bool] = _is_dynamic
+def over_dynamic(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> tuple[list[Any], list[int], Callable[..., Any]]:
-    """``fn(*args, **kwargs)`` as a function of its dynamic leaves (those ``dynamic`` holds
-    for; others act static): returns those leaves, their positions among the leaves of
-    ``(args, kwargs)``, and the function taking them positionally."""
+    """``fn(*args, **kwargs)`` as a function of its dynamic leaves (:func:`is_dynamic`; others
+    act static): returns those leaves, their positions among the leaves of ``(args, kwargs)``,
+    and the function taking them positionally."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    positions = [i for i, x in enumerate(leaves) if dynamic(x)]
+    positions = [i for i, x in enumerate(leaves) if is_dynamic(x)]
 
     def merged(*d: Any) -> Any:
         full = list(leaves)
@@ -454,8 +464,8 @@ def save_intermediates(
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        static = {i: x for i, x in enumerate(leaves) if not _is_dynamic(x)}
-        dyn = [x for x in leaves if _is_dynamic(x)]
+        static = {i: x for i, x in enumerate(leaves) if not is_dynamic(x)}
+        dyn = [x for x in leaves if is_dynamic(x)]
         key = (treedef, tuple(static), _StaticKey(tuple(static.values())))
         runner = cache.get(key)
         if runner is None:

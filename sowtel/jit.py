@@ -556,7 +556,7 @@ class Jitted:
 
         def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-            dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jc.core.Tracer)]
+            dynamic = [i for i, x in enumerate(leaves) if capture.is_dynamic(x)]
 
             def call(*dyn: Any) -> Any:  # fun, with the traced arguments in their places
                 full = list(leaves)
