@@ -9,7 +9,7 @@ another cond or a checkpoint in the branch) is bound inside that construct's own
 JAX batches out of the rule's reach. For such a cond, this module's rule runs in front of
 JAX's one and does what it does, with one difference: each branch is run under ``jax.vmap``
 with the rows that take it set in :data:`sowtel.primitive.ROWS`, and its constructs that hold
-a sow are traced again by the evaluator (``capture.eval_taps``), so that every sow in them is
+a sow are traced again by the evaluator (``_interpret.eval_taps``), so that every sow in them is
 bound anew inside ``jax.vmap`` and closes over the rows. The constructs pass what their bodies
 close over on as their inputs, as they do for any closure. A ``custom_jvp`` / ``custom_vjp``
 function is bound as it is: ``vmap`` runs its function again, with the rows set. Primitives
@@ -38,8 +38,8 @@ from typing import Any
 
 import jax
 
+from sowtel import _interpret
 from sowtel import _jax_compat as jc
-from sowtel import capture
 from sowtel.primitive import ROWS, sow_p
 
 # The constructs whose bodies the evaluator traces again (see tap's bodies): the others that
@@ -112,13 +112,13 @@ def _batch_cond(original: Callable[..., Any], axis_data: Any, args: Any, dims: A
         jaxpr, consts = jc.jaxpr_and_consts(branch)
         holding: set[tuple[int, ...]] = set()
         _holding(jaxpr, (), holding)
-        tap_pass = capture.TapPass(names={}, holding=holding, sow=lambda o, _: o)
+        tap_pass = _interpret.TapPass(names={}, holding=holding, sow=lambda o, _: o)
 
         def run(taken: Any, *row: Any, jaxpr: Any = jaxpr, consts: Any = consts, i: int = i,
-                tap_pass: capture.TapPass = tap_pass) -> list[Any]:
+                tap_pass: _interpret.TapPass = tap_pass) -> list[Any]:
             token = ROWS.set((taken, key, i, jc.current_trace()))
             try:
-                return capture.eval_taps(jaxpr, consts, list(row), tap_pass)
+                return _interpret.eval_taps(jaxpr, consts, list(row), tap_pass)
             finally:
                 ROWS.reset(token)
 

@@ -21,7 +21,10 @@ transposed system: each such run is another occurrence of its sites (:class:`Rer
 under ``duplicates="number"`` as the callback transport numbers what it streams, and refused
 with a message saying so under ``duplicates="error"``.
 
-The evaluator itself lives in :mod:`sowtel.capture` (to move here); it is passed in.
+The evaluator runs one pass (:class:`Pass`), passed explicitly to it and to every rule:
+the capture pass of ``save_intermediates`` (:func:`eval_capture`), ``sowtel.jit``'s
+summary pass (:func:`eval_summaries`) and ``sowtel.tap``'s pass (:func:`eval_taps`). Its
+rules for JAX's own constructs are in :mod:`sowtel._interpret_rules`.
 
 Example:
     >>> import jax, jax.numpy as jnp, sowtel
@@ -35,7 +38,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,10 +49,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from sowtel import _jax_compat as jc
+from sowtel import naming
+from sowtel._interpret_rules import (
+    RULES,
+    Captured,
+    Stacking,
+    bind_plain,
+    custom_jvp_rule,
+)
 from sowtel.context import CONTEXT, Context, current_context
-from sowtel.primitive import sow_effect, sow_p
+from sowtel.primitive import sow_effect, sow_p, taken_rows
 
-__all__ = ["Reruns", "fallback_sites", "hides_sows", "library_rule", "site_params", "sites_of"]
+__all__ = ["CALLS_BACK", "NOT_DUE", "Captured", "Pass", "Reruns", "Stacking", "SummaryPass",
+           "TapPass", "eval_capture", "eval_summaries", "eval_taps", "fallback_sites", "hides_sows",
+           "library_rule", "site_params", "sites_of"]
 
 Wanted = Callable[[dict[str, Any]], bool]
 
@@ -236,3 +251,349 @@ def library_rule(eqn: Any, invals: list[Any], *, tag: str | None, wanted: Wanted
         caps.append(c.with_leaves(flat[i:i + len(c.leaves)]))
         i += len(c.leaves)
     return list(outs), caps
+
+
+# ---------------------------------------------------------------------------------------------
+# What a pass turns into extra outputs.
+
+
+@dataclasses.dataclass
+class SummaryPass:
+    """A pass that returns streaming sites' summaries instead of captured values (``sowtel.jit``).
+
+    ``reduce(params, leaves)`` runs where a streaming sow runs (per scan iteration, per shard,
+    in its branch of a cond) and returns ``(site, arrays)``: the arrays to return for the site
+    (its summary, and a flag that says it ran), or None to leave the site out. Sows the pass
+    cannot express keep their host callback: those inside a ``while_loop`` body (whose
+    iteration count is not static) or inside a primitive it has no rule for (a library's
+    solver, see :func:`library_rule`), and every other site of the same name (``fallback``),
+    so that its occurrences are numbered as the callback transport numbers them. The pass
+    notes that it met one in ``callbacks``, and tells ``stride`` the ``every=`` of each.
+    """
+
+    reduce: Callable[[dict[str, Any], list[Any]], tuple[Any, list[Any]] | None]
+    in_while: int = 0
+    callbacks: bool = False
+    # The loops around the equation evaluated now, each (kind, length, reverse, entry cell):
+    # see naming.program_loops and records.loop_entries. ``reduce`` gets them as "enclosing".
+    loops: list[tuple[str, int, bool, list[int]]] = dataclasses.field(default_factory=list)
+    # The names the program gives its sites that call back (settled once it is evaluated).
+    names: naming.ProgramNames = dataclasses.field(default_factory=naming.ProgramNames)
+    stride: Callable[[int], None] | None = None
+    fallback: frozenset[str] = frozenset()
+
+    def keep_callbacks(self, sites: Any) -> None:
+        """Notes that these sows (their parameters) keep their host callbacks."""
+        for p in sites:
+            self.callbacks = True
+            if self.stride is not None:
+                self.stride(int(p["every"]))
+
+
+#: ``Captured.site`` of a streamed site a summary pass returns nothing for: it streams through
+#: its host callback (in a ``while_loop`` body), or is not due at this step. Listed all the
+#: same, so that ``sowtel.jit`` numbers the program's sites as the host callbacks do.
+CALLS_BACK, NOT_DUE = "calls back", "not due"
+
+
+@dataclasses.dataclass
+class TapPass:
+    """A pass that sows the outputs of chosen equations (``sowtel.tap``) as it re-binds a jaxpr.
+
+    Equations are told apart by their path: the ``id`` of each equation evaluated around them,
+    outermost first, then their own (a jaxpr evaluated from two places, as a jitted function
+    called twice, gives two paths; a construct rule that traces a body twice, as the cond rule
+    does, gives the same path twice). ``names[path]`` is the site name of the equation at
+    ``path`` (absent: not a site); ``holding`` holds the paths of constructs whose bodies hold
+    a site, the only ones whose construct rules run (every other equation is bound as it is,
+    the user's own sows included). ``sow(outputs, name)`` sows them and returns what to use;
+    ``placed`` collects the names sown, so that a site planned but never met is an error.
+    """
+
+    names: dict[tuple[int, ...], str]
+    holding: set[tuple[int, ...]]
+    sow: Callable[[list[Any], str], list[Any]]
+    path: list[int] = dataclasses.field(default_factory=list)
+    placed: set[str] = dataclasses.field(default_factory=set)  # the names sown so far
+
+    def holds(self) -> bool:
+        """Whether the equation evaluated now is a construct whose body holds a site."""
+        return tuple(self.path) in self.holding
+
+    def after(self, outs: list[Any]) -> list[Any]:
+        """The outputs of the equation evaluated now, sown if it is a site."""
+        name = self.names.get(tuple(self.path))
+        if name is None:
+            return outs
+        self.placed.add(name)
+        return self.sow(outs, name)
+
+
+@dataclasses.dataclass
+class Pass:
+    """One evaluation of a jaxpr: which pass runs, given to the evaluator and every rule.
+
+    ``tag``: the tag ``save_intermediates`` captures (None in a summary or tap pass);
+    ``summary`` / ``tap``: the summary pass of ``sowtel.jit`` or the tap pass of ``sowtel.tap``;
+    ``reruns``: what the library primitives of the pass ran (see :class:`Reruns`);
+    ``transposed``: how many transposed equations (a backward pass) enclose the one evaluated.
+    A pass is passed explicitly: one started while another is evaluated (a trace inside a
+    rule) is its own.
+    """
+
+    tag: str | None = None
+    summary: SummaryPass | None = None
+    tap: TapPass | None = None
+    reruns: Reruns = dataclasses.field(default_factory=Reruns)
+    transposed: int = 0
+
+    def eval(self, jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[Captured]]:
+        """Evaluates ``jaxpr`` in this pass: its outputs and the captured sows, in trace order."""
+        return _eval(self, jaxpr, consts, args)
+
+    def eval_body(self, body: tuple[Any, list[Any]],
+                  args: Any) -> tuple[list[Any], list[Captured]]:
+        """:meth:`eval` of a ``(jaxpr, consts)`` pair, as ``_jax_compat`` gives a body."""
+        return _eval(self, body[0], body[1], args)
+
+    def wanted(self, params: dict[str, Any]) -> bool:
+        """Whether this pass turns the sow of these parameters into outputs."""
+        return _wanted(params, summaries=self.summary is not None)
+
+    def has_capture(self, jaxpr: Any) -> bool:
+        """Whether ``jaxpr`` holds a sow this pass wants."""
+        return _has_wanted(jaxpr, self.summary is not None)
+
+    def first_capture_name(self, jaxpr: Any) -> str:
+        """The name of the first sow in ``jaxpr`` this pass wants ("?" if none)."""
+        return _first_capture_name(self, jaxpr)
+
+    @contextlib.contextmanager
+    def in_loop(self, kind: str, length: int = 0, reverse: bool = False) -> Iterator[None]:
+        """Notes, for the summary pass, that the equations evaluated inside sit in this loop."""
+        summary_pass = self.summary
+        if summary_pass is None:
+            yield
+            return
+        summary_pass.loops.append((kind, length, reverse, []))
+        try:
+            yield
+        finally:
+            summary_pass.loops.pop()
+
+
+def eval_capture(jaxpr: Any, consts: list[Any], args: list[Any],
+                 tag: str) -> tuple[list[Any], list[Captured]]:
+    """Evaluates ``jaxpr`` with the sows captured for ``tag`` turned into extra outputs."""
+    return Pass(tag=tag).eval(jaxpr, consts, args)
+
+
+def eval_taps(jaxpr: Any, consts: list[Any], args: list[Any], tap_pass: TapPass) -> list[Any]:
+    """Evaluates ``jaxpr`` on ``args`` (values or tracers of the trace calling it), sowing the
+    outputs of the equations ``tap_pass`` names (``sowtel.tap``): everything else is bound as
+    it was traced, so the sows go through the transformations around the call."""
+    return Pass(tap=tap_pass).eval(jaxpr, consts, args)[0]
+
+
+def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
+                   summary_pass: SummaryPass) -> tuple[list[Any], list[Captured]]:
+    """Evaluates ``jaxpr`` with its streaming sows turned into summary outputs (``sowtel.jit``).
+
+    Returns the jaxpr's outputs and, per site that ran the reduction, a ``Captured`` whose
+    ``leaves`` are the arrays ``summary_pass.reduce`` gave (stacked over scans and shards, filled
+    with NaN / 0 in the branches not taken) and whose ``site`` is the streaming site.
+    """
+    streams = functools.partial(_wanted, summaries=True)
+    summary_pass.fallback = frozenset(
+        p["site"].name for p in fallback_sites(jaxpr, streams))
+    return Pass(summary=summary_pass).eval(jaxpr, consts, args)
+
+
+def _wanted(params: dict[str, Any], summaries: bool) -> bool:
+    if params["recompute"]:
+        return False
+    return params["stream"] is not None if summaries else bool(params["capture"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Which jaxprs hold a captured sow.
+
+
+@functools.lru_cache(maxsize=4096)
+def _has_wanted(jaxpr: Any, summaries: bool) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p:
+            if _wanted(eqn.params, summaries):
+                return True
+        elif hides_sows(eqn) or any(_has_wanted(j, summaries)
+                                               for j in jc.sub_jaxprs(eqn)):
+            return True
+    return False
+
+
+def _first_capture_name(st: Pass, jaxpr: Any) -> str:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p and st.wanted(eqn.params):
+            return eqn.params["site"].name
+        for j in jc.sub_jaxprs(eqn):
+            if st.has_capture(j):
+                return _first_capture_name(st, j)
+    return "?"
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluator: runs a jaxpr, returning its outputs and the captured sows, in trace order.
+
+
+def _eval(st: Pass, jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list[Captured]]:
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jc.core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    captured: list[Captured] = []
+    tap = st.tap
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        transposed = jc.eqn_transposed(eqn)
+        st.transposed += transposed
+        if tap is not None:
+            tap.path.append(id(eqn))
+        try:
+            # Re-bound in the backward pass where JAX's made it: the lowering of what is bound
+            # as it is (a library's primitive) tells a recomputation by that (see _eval_sow).
+            with (jc.backward_pass_names() if transposed else contextlib.nullcontext()), \
+                    jc.eqn_context(eqn):
+                outs, caps = _eval_eqn(st, eqn, invals)
+                if tap is not None:
+                    outs = tap.after(outs)
+        finally:
+            st.transposed -= transposed
+            if tap is not None:
+                tap.path.pop()
+        captured.extend(caps)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars], captured
+
+
+def _eval_eqn(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Captured]]:
+    prim = eqn.primitive
+    tap = st.tap
+    if tap is not None:
+        # sowtel.tap: a construct holding a site runs its rule (its body evaluated, so the site
+        # is sown inside it); everything else, a sow included, is bound as it was traced.
+        if not tap.holds():
+            return bind_plain(eqn, invals), []
+        if jc.construct(eqn) in ("custom_jvp", "custom_vjp"):
+            return _tap_custom_rule(st, eqn, invals)
+        rule = RULES.get(jc.construct(eqn) or "")
+        return (_tap_library_rule if rule is None else rule)(st, eqn, invals)
+    if prim is sow_p:
+        return _eval_sow(st, eqn, invals)
+    subs = jc.sub_jaxprs(eqn)
+    if not any(st.has_capture(j) for j in subs):
+        if hides_sows(eqn):
+            return _library_rule(st, eqn, invals)
+        if jc.construct(eqn) == "custom_jvp" and st.tag is not None:
+            # Its rule may sow: checked if save_intermediates is differentiated from outside.
+            return custom_jvp_rule(st, eqn, invals)
+        return bind_plain(eqn, invals), []
+    rule = RULES.get(jc.construct(eqn) or "")
+    if rule is None:
+        return _library_rule(st, eqn, invals)
+    return rule(st, eqn, invals)
+
+
+def _tap_custom_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Captured]]:
+    """``sowtel.tap`` inside a ``custom_jvp`` / ``custom_vjp`` function: the outputs keep the
+    function's rules (it is bound as it is); its sites are those of its function run again on
+    the same operands, where no derivative reaches them (the rules define none for values
+    inside the function: a derivative there would be a zero, not the value's), so they are
+    primal sites under every transformation, as a sow there is."""
+    outs = bind_plain(eqn, invals)
+    st.eval(*jc.call_body(eqn), [jax.lax.stop_gradient(x) for x in invals])
+    return outs, []
+
+
+def _tap_library_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Captured]]:
+    """``sowtel.tap`` inside a library's primitive (``custom_linear_solve``, which ``cg`` and
+    ``jnp.linalg.solve`` use): bound with each of the functions it holds as closed jaxprs
+    evaluated again by the tap pass, so its sites are sown inside it, and run each time the
+    primitive and its derivative rules run them (as a sow written there does)."""
+    def retapped(closed: Any) -> Any:
+        jaxpr, consts = jc.jaxpr_and_consts(closed)
+
+        def body(*args: Any) -> list[Any]:
+            return st.eval(jaxpr, consts, list(args))[0]
+
+        shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                       weak_type=getattr(v.aval, "weak_type", False))
+                  for v in jaxpr.invars]
+        return jax.make_jaxpr(body)(*shapes)
+
+    params = eqn.primitive.get_bind_params(jc.replace_closed_jaxprs(eqn, retapped))
+    out = eqn.primitive.bind(*invals, **params)
+    return (list(out) if eqn.primitive.multiple_results else [out]), []
+
+
+def _library_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Captured]]:
+    """A primitive with no construct rule (a library's solver, see :func:`library_rule`):
+    ``sowtel.jit`` binds it as it is, its sites keeping their host callbacks; capture evaluates
+    what it runs."""
+    summary_pass = st.summary
+    if summary_pass is None:
+        return library_rule(eqn, invals, tag=st.tag, wanted=st.wanted, evaluate=st.eval,
+                            bind=bind_plain, reruns=st.reruns)
+    summary_pass.keep_callbacks(sites_of(eqn, st.wanted))
+    summary_pass.callbacks = True  # hidden sows too, where their jaxpr cannot be read
+    return bind_plain(eqn, invals), []
+
+
+def _recomputed_in_backward_pass(st: Pass, p: dict[str, Any]) -> bool:
+    """A primal site (or a tangent of one, under ``jvp`` of ``grad``) evaluated in the
+    backward pass is forward code run again there: a
+    ``custom_vjp`` bwd re-evaluating a jaxpr traced in the forward pass, a solver's transposed
+    solve running the user's function. It is silent, as ``jax.checkpoint``'s recomputation is
+    (the lowering applies the same rule to the callback transport)."""
+    return naming.forward_mode(p["mode"]) and st.transposed > 0
+
+
+def _eval_sow(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Captured]]:
+    p = eqn.params
+    site = p["site"]
+    n = len(invals) - len(site.extras)
+    outs = invals[:n]
+    if _recomputed_in_backward_pass(st, p):
+        return list(outs), []
+    summary_pass = st.summary
+    if summary_pass is not None:
+        return _summarise_sow(summary_pass, p, invals, n)
+    if p["stream"] is not None and not p["recompute"]:
+        outs = sow_p.bind(*invals, **{**p, "capture": False})  # keeps streaming live
+    if not p["capture"] or p["recompute"]:
+        return list(outs), []
+    captured = taken_rows(list(outs), site, list(invals[n:]))
+    return list(outs), [Captured(site.name, p["mode"], site.treedef, captured, site=site)]
+
+
+def _summarise_sow(summary_pass: SummaryPass, p: dict[str, Any], invals: list[Any],
+                   n: int) -> tuple[list[Any], list[Captured]]:
+    site, leaves = p["site"], list(invals[:n])
+    if not _wanted(p, summaries=True):
+        return leaves, []
+    if summary_pass.in_while or site.name in summary_pass.fallback:
+        # The host callback in this program (the call's step comes from the host side).
+        summary_pass.keep_callbacks([p])
+        return list(sow_p.bind(*invals, **{**p, "capture": False})), []
+    here = dataclasses.replace(site, loops=naming.program_loops(summary_pass.loops))
+    reduced = summary_pass.reduce({**p, "site": here, "enclosing": tuple(summary_pass.loops)},
+                                  taken_rows(leaves, site, list(invals[n:])))
+    if reduced is None:
+        return leaves, [Captured(site.name, p["mode"], None, [], site=NOT_DUE)]
+    stream_site, arrays = reduced
+    return leaves, [Captured(site.name, p["mode"], None, list(arrays), site=stream_site)]

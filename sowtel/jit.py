@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sowtel import _exit, capture, multihost, naming
+from sowtel import _exit, _interpret, capture, multihost, naming
 from sowtel import _jax_compat as jc
 from sowtel.context import CONTEXT, Context, StreamConfig, Strides, current_context
 from sowtel.sites import StreamSite, stream_site
@@ -142,7 +142,7 @@ def _numbered(caps: list[Any], settled: naming.ProgramNames | None = None) -> li
         if name != c.name:
             naming.warn_repeated(c.name)
     if settled is not None:
-        settled.settle(keys, names, [c.site == capture.CALLS_BACK for c in caps])
+        settled.settle(keys, names, [c.site == _interpret.CALLS_BACK for c in caps])
     return names
 
 
@@ -544,7 +544,7 @@ class Jitted:
 
         def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-            dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jc.core.Tracer)]
+            dynamic = [i for i, x in enumerate(leaves) if capture.is_dynamic(x)]
 
             def call(*dyn: Any) -> Any:  # fun, with the traced arguments in their places
                 full = list(leaves)
@@ -560,8 +560,8 @@ class Jitted:
             assert fun is not None, "a logging program outlived its function"
             jaxpr, consts, out_tree = capture.trace_flat(call, dyn, (fun, args, kwargs, dynamic))
             del fun
-            summary_pass = capture.SummaryPass(reduce=reduce, stride=stride)
-            outs, caps = capture.eval_summaries(jaxpr, consts, dyn, summary_pass)
+            summary_pass = _interpret.SummaryPass(reduce=reduce, stride=stride)
+            outs, caps = _interpret.eval_summaries(jaxpr, consts, dyn, summary_pass)
             if summary_pass.callbacks:
                 callbacks[config] = True
             names = _numbered(caps, summary_pass.names)

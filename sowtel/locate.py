@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -492,10 +493,11 @@ def locate_nonfinite(fn: Callable[..., Any], *,
     from sowtel.capture import over_dynamic, trace_flat  # capture imports the session stack
 
     def wrapped(*args: Any, **kwargs: Any) -> NonFiniteReport:
-        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
-        dyn, dynamic, merged = over_dynamic(
-            fn, args, kwargs,
-            lambda x: isinstance(x, jax.Array | np.ndarray | np.generic | float))
+        flat = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+        paths = [p for p, _ in flat]
+        # Python floats are static, as in save_intermediates (capture.is_dynamic): one that is
+        # not finite is still a non-finite input.
+        dyn, dynamic, merged = over_dynamic(fn, args, kwargs)
 
         with naming.scopes_in_name_stack(), CONTEXT(Context(capture=tag)):
             jaxpr, consts, out_tree = trace_flat(merged, dyn, (fn, args, kwargs, dynamic))
@@ -521,8 +523,10 @@ def locate_nonfinite(fn: Callable[..., Any], *,
             aval = next((v.aval for v in slot.eqn.outvars
                          if jnp.issubdtype(v.aval.dtype, jnp.inexact)), slot.eqn.outvars[0].aval)
             events.append(_event(slot, iteration, tuple(aval.shape), str(aval.dtype)))
-        bad_inputs = tuple(_key_text(paths[i]) for i, b in zip(dynamic, arg_bads, strict=True)
-                           if bool(b))
+        bad_at = {i for i, b in zip(dynamic, arg_bads, strict=True) if bool(b)}
+        bad_at.update(i for i, (_, x) in enumerate(flat)
+                      if isinstance(x, float) and not math.isfinite(x))
+        bad_inputs = tuple(_key_text(paths[i]) for i in sorted(bad_at))
         return NonFiniteReport(
             first=events[0] if events else None, events=tuple(events),
             nonfinite_inputs=bad_inputs, nonfinite_outputs=bool(out_bad),

@@ -26,7 +26,7 @@ Example:
 How it works: with nothing enabled (no session streams ``tag``, no ``save_intermediates`` of
 ``tag`` traces it) ``tap(fn)`` calls ``fn`` as it is, so ``jax.jit(tap(fn))`` compiles to
 exactly ``jax.jit(fn)``'s program. Otherwise it traces ``fn`` to a jaxpr and evaluates it again
-with the capture pass's evaluator (:func:`sowtel.capture.eval_taps`), which binds every
+with the capture pass's evaluator (:func:`sowtel._interpret.eval_taps`), which binds every
 equation as it was traced and sows the chosen outputs; the constructs around a site (``jit``,
 ``scan``, ``cond``, ``while_loop`` bodies, ``checkpoint``, ``custom_jvp`` / ``custom_vjp``
 functions, ``shard_map``) are rebuilt by the evaluator's construct rules, so a site in a scan
@@ -63,8 +63,8 @@ from typing import Any
 import jax
 import jax.extend as jex
 
+from sowtel import _interpret, capture, naming
 from sowtel import _jax_compat as jc
-from sowtel import capture, naming
 from sowtel.context import current_context
 from sowtel.naming import check_name, check_tag
 from sowtel.primitive import sow, sow_p
@@ -386,8 +386,8 @@ def tap(fn: Callable[..., Any], *,
                 if (keep_in is None or keep_in(name)) and not (keep_out is not None
                                                                and keep_out(name))}
         _warn_unmatched(fn, plan, names, include, exclude, warned)
-        tap_pass = capture.TapPass(names=kept, holding=_holding(plan, kept), sow=sow_outputs)
-        outs = capture.eval_taps(jaxpr, consts, dyn, tap_pass)
+        tap_pass = _interpret.TapPass(names=kept, holding=_holding(plan, kept), sow=sow_outputs)
+        outs = _interpret.eval_taps(jaxpr, consts, dyn, tap_pass)
         lost = [name for name in kept.values() if name not in tap_pass.placed]
         if lost:  # never silently: a construct whose rule evaluated another body than planned
             raise NotImplementedError(

@@ -17,9 +17,9 @@ MODULES = [
     "sowtel.exporters._tensorboard_layout", "sowtel.dashboard", "sowtel.dashboards",
     "sowtel.intermediates", "sowtel.compare", "sowtel._run_read",
     "sowtel.exporters._tensorboard_order",
-    "sowtel._interpret", "sowtel.alerts", "sowtel.tap", "sowtel.receiver",
-    "sowtel._reductions", "sowtel.context", "sowtel.steps", "sowtel.sites", "sowtel._cond_rows",
-    "sowtel.naming", "sowtel.dispatcher._worker", "sowtel.dispatcher._ledger",
+    "sowtel._interpret", "sowtel._interpret_rules", "sowtel.alerts", "sowtel.tap",
+    "sowtel.receiver", "sowtel._reductions", "sowtel.context", "sowtel.steps", "sowtel.sites",
+    "sowtel._cond_rows", "sowtel.naming", "sowtel.dispatcher._worker", "sowtel.dispatcher._ledger",
     "sowtel.exporters._tensorboard_events",
 ]
 

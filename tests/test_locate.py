@@ -235,3 +235,21 @@ def test_while_loop_and_cond() -> None:
 def test_bad_argument() -> None:
     with pytest.raises(TypeError, match="needs a callable"):
         sowtel.locate_nonfinite(3)  # type: ignore[arg-type]
+
+
+def test_a_python_float_argument_is_static_as_in_save_intermediates():
+    """One rule of which arguments are traced (capture.is_dynamic): a Python float is static
+    in locate_nonfinite as in save_intermediates, so Python control flow on it runs in both;
+    a non-finite one is still reported as a non-finite input."""
+    def f(x, scale):
+        if scale > 1.0:  # needs a concrete (static) float
+            x = x * scale
+        return jnp.log(sowtel.sow(x, "y"))
+
+    x = jnp.array([1.0, -1.0])
+    _, inter = sowtel.save_intermediates(f)(x, 2.0)
+    report = sowtel.locate_nonfinite(f)(x, 2.0)
+    assert inter["y"]["primal"].tolist() == [2.0, -2.0]
+    assert report.first.primitive == "log" and report.nonfinite_inputs == ()
+    assert report.result.tolist()[0] == pytest.approx(np.log(2.0))
+    assert sowtel.locate_nonfinite(f)(x, float("nan")).nonfinite_inputs == ("[0][1]",)
