@@ -544,7 +544,10 @@ class Jitted:
 
         def logging_step(*args: Any, **kwargs: Any) -> tuple[Any, CompiledSummaries]:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-            dynamic = [i for i, x in enumerate(leaves) if capture.is_dynamic(x)]
+            # Inside jax.jit's trace: what it traced is dynamic, what it was told is static
+            # (static_argnums, a NumPy scalar included) stays static (capture.is_dynamic
+            # decides for the calls that trace their own arguments).
+            dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jc.core.Tracer)]
 
             def call(*dyn: Any) -> Any:  # fun, with the traced arguments in their places
                 full = list(leaves)
