@@ -74,20 +74,15 @@ when that is gone.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import os
-import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src import api as _api
 from jax._src import config as _config
 from jax._src import core as core
-from jax._src import custom_derivatives as _custom
 from jax._src import dispatch as dispatch
 from jax._src import effects as effects
 from jax._src import source_info_util
@@ -107,6 +102,46 @@ try:  # The fast path; absent or renamed in other JAX versions.
 except ImportError:  # pragma: no cover - depends on the JAX version
     _HAVE_FAST_CALLBACK = False
 
+from sowtel._jax_compat._frames import (  # re-exported: jc.<name>
+    SCAN3_REVERSES,
+    SCAN_NOCARRY,
+    SCAN_NOCARRY_CODE,
+    batched_branch_predicate,
+    batched_cond_operands,
+    current_trace,
+    custom_vjp_bwd_role,
+    enclosing_loops,
+    enclosing_map,
+    in_custom_jvp_function,
+    in_custom_vjp_bwd,
+    in_flax_broadcast_trace,
+    select_branch_inputs,
+    select_branch_outputs,
+    trace_encloses,
+    vmap_axis,
+    wrap_cond_batching,
+)
+from sowtel._jax_compat._jaxprs import (  # re-exported: jc.<name>
+    CLOSED,
+    CLOSED_JAXPR,
+    as_jaxpr,
+    jaxpr_and_consts,
+)
+from sowtel._jax_compat._lowering import (  # re-exported: jc.<name>
+    LOOP_NOTES,
+    at_branch_end,
+    branch_path,
+    distributed_client,
+    effects_barrier,
+    expanding_scan3,
+    lowered_case_op,
+    lowering_loops,
+    module_state,
+    register_uncached_lowering,
+    track_loop_lowerings,
+    wrap_cond_lowering,
+)
+
 __all__ = [
     "ad", "batching", "core", "dispatch", "effects", "mlir", "pe",
     "allow_effect", "batched_branch_predicate", "callback_path", "emit_host_callback",
@@ -125,6 +160,19 @@ __all__ = [
     "call_body", "construct", "eqn_context", "eqn_name", "eqn_params", "loop_parts",
     "register_remat3_rule", "scan3_over", "sub_jaxprs", "SCAN3_REVERSES",
     "implementation", "expand",
+    "SCAN_NOCARRY",
+    "SCAN_NOCARRY_CODE",
+    "batched_cond_operands",
+    "current_trace",
+    "in_flax_broadcast_trace",
+    "select_branch_inputs",
+    "select_branch_outputs",
+    "trace_encloses",
+    "vmap_axis",
+    "wrap_cond_batching",
+    "CLOSED",
+    "CLOSED_JAXPR",
+    "LOOP_NOTES",
 ]
 
 JAX_VERSIONS_CHECKED = ("0.10.2", "0.11.2", "0.12.0.1")
@@ -311,7 +359,7 @@ def lowering_in_transpose(ctx: Any) -> bool:
     (``LoweringRuleContext.name_stack``, 0.10.2 to 0.12) holds the transform ``transpose``, or
     that of an equation lowered around it does (a jit, loop or cond body's lowering starts a
     name stack of its own; see :func:`track_transposed_lowerings`)."""
-    return _LOOP_NOTES.transposed > 0 or _stack_transposed(ctx)
+    return LOOP_NOTES.transposed > 0 or _stack_transposed(ctx)
 
 
 def track_transposed_lowerings() -> None:
@@ -329,11 +377,11 @@ def track_transposed_lowerings() -> None:
     if miss is not None and not getattr(miss, "_sowtel", False):
         def cached_lowering_miss(ctx: Any, eqn: Any, *args: Any, **params: Any) -> Any:
             transposed = eqn_transposed(eqn)
-            _LOOP_NOTES.transposed += transposed
+            LOOP_NOTES.transposed += transposed
             try:
                 return miss(ctx, eqn, *args, **params)
             finally:
-                _LOOP_NOTES.transposed -= transposed
+                LOOP_NOTES.transposed -= transposed
 
         cached_lowering_miss._sowtel = True  # type: ignore[attr-defined]
         mlir._cached_lowering_miss = cached_lowering_miss
@@ -346,11 +394,11 @@ def track_transposed_lowerings() -> None:
         def lowering(ctx: Any, *args: Any, _rule: Callable[..., Any] = entry.rule,
                      **params: Any) -> Any:
             transposed = _stack_transposed(ctx)
-            _LOOP_NOTES.transposed += transposed
+            LOOP_NOTES.transposed += transposed
             try:
                 return _rule(ctx, *args, **params)
             finally:
-                _LOOP_NOTES.transposed -= transposed
+                LOOP_NOTES.transposed -= transposed
 
         mlir.register_lowering(prim, lowering, inline=entry.inline)
 
@@ -392,297 +440,6 @@ def traced_for() -> str | None:
     return getattr(dbg, "traced_for", None)
 
 
-# The functions are wrapped by JAX's traceback filtering; the frames are those of the originals.
-_SCAN_CODE = inspect.unwrap(_loops.scan).__code__
-_WHILE_CODE = inspect.unwrap(_loops.while_loop).__code__
-# Under jax_scan3, lax.scan hands the loop to scan_nocarry, which knows the length when the
-# caller gave none.
-_SCAN_NOCARRY = getattr(_loops, "scan_nocarry", None)
-_SCAN_NOCARRY_CODE = inspect.unwrap(_SCAN_NOCARRY).__code__ if _SCAN_NOCARRY else None
-#: Whether a jax_scan3 loop honours ``reverse=True``: not on the JAX versions checked (its
-#: expansion walks the iterations in order), so records are indexed in the order that ran.
-SCAN3_REVERSES = False
-_MAP_CODE = inspect.unwrap(_loops.map).__code__
-# The function jax.vmap returns: one frame per vmap being traced.
-_VMAP_CALL = next((c for c in inspect.unwrap(_api.vmap).__code__.co_consts
-                   if getattr(c, "co_name", None) == "vmap_f"), None)
-
-
-def _codes(module: Any, *names: str) -> frozenset[Any]:
-    """The code objects of the functions of ``module`` that exist in this JAX version (of the
-    generator a ``linear_util.transformation2``, a curried partial, holds)."""
-    found = [getattr(module, n, None) for n in names]
-    found = [f.args[0] if isinstance(f, functools.partial) and f.args else f for f in found]
-    return frozenset(inspect.unwrap(f).__code__ for f in found if f is not None)
-
-
-# JAX rules that call user code again while transforming a scan or a while_loop: a custom_jvp
-# rule or custom_vjp fwd is traced when a scan's body is differentiated (_scan_jvp,
-# _scan_linearize), a custom_vjp bwd when it is transposed (_scan_transpose*), after the
-# lax.scan frame has gone.
-_SCAN_JVP = _codes(_loops, "_scan_jvp", "_scan_linearize")
-_SCAN_TRANSPOSE = _codes(_loops, "_scan_transpose", "_scan_transpose_fancy")
-_WHILE_RULES = _codes(_loops, "_while_loop_jvp")
-# vmap of a scan rebinds it with a batched copy of its body: a scan rule called from there (a
-# jvp under grad(vmap(scan))) holds that copy, which the lax.scan frame above never saw.
-_SCAN_BATCH = _codes(_loops, "_scan_batching_rule")
-# A custom_vjp bwd runs inside these (0.10: _custom_lin_transpose; 0.12 also the _fancy one).
-_CUSTOM_BWD = _codes(ad, "_custom_lin_transpose", "_custom_lin_transpose_fancy")
-
-
-def enclosing_loops() -> tuple[tuple[int, bool], ...] | None:
-    """``((length, reverse), ...)`` of the scans the current code runs in, outermost first.
-
-    ``None`` when a ``while_loop`` encloses the code directly (its iteration count is not
-    static, so records get no index); the scans inside a while body, and only those, count.
-    Reads the ``length`` and ``reverse`` locals of ``lax.scan``'s frame,
-    and of the scan rules that call user code again (a ``custom_jvp`` rule under ``grad``, a
-    ``custom_vjp`` ``bwd`` in a transposed scan, which runs in reverse). A scan met twice (its
-    ``lax.scan`` frame and its jvp rule) is counted once: both hold the same ``jaxpr``, or the
-    outer frame holds the copy the inner one transforms (``vmap``'s batched body under
-    ``grad(vmap(scan))``, the primal half of a linearized body under jvp-of-grad).
-    """
-    return _loops_from(sys._getframe(1))
-
-
-def _loops_from(frame: Any) -> tuple[tuple[int, bool], ...] | None:
-    loops: list[tuple[int, bool]] = []
-    seen: set[int] = set()
-    in_scan3 = False  # inside scan_nocarry: the lax.scan frame above it is the same loop
-    while frame is not None:
-        code = frame.f_code
-        if code is _WHILE_CODE or code in _WHILE_RULES:
-            # A while_loop's iterations are not static, so they have no index; the scans inside
-            # its body still index theirs (they run whole on each iteration).
-            return tuple(reversed(loops)) if loops else None
-        if code in _SCAN_BATCH:
-            local = frame.f_locals
-            if "jaxpr" in local and _rebound_copy_seen(local, seen):
-                seen.add(id(local["jaxpr"]))  # the same loop, seen in its batched copy
-            frame = frame.f_back
-            continue
-        if code is _SCAN_CODE and in_scan3:
-            in_scan3 = False
-            frame = frame.f_back
-            continue
-        is_scan = code is _SCAN_CODE or code in _SCAN_JVP or code is _SCAN_NOCARRY_CODE
-        if is_scan or code in _SCAN_TRANSPOSE:
-            local = frame.f_locals
-            length = local.get("length")
-            if not isinstance(length, int):
-                return None
-            body = id(local["jaxpr"]) if "jaxpr" in local else id(frame)
-            # Counted already where a rule further in transforms the copy this frame rebinds.
-            if body not in seen and not _rebound_copy_seen(local, seen):
-                reverse = bool(local.get("reverse", False))
-                if code is _SCAN_NOCARRY_CODE:
-                    in_scan3 = True
-                    reverse = reverse and SCAN3_REVERSES
-                loops.append((length, reverse if is_scan else not reverse))
-            seen.add(body)
-        frame = frame.f_back
-    return tuple(reversed(loops))
-
-
-def _rebound_copy_seen(local: dict[str, Any], seen: set[int]) -> bool:
-    """Whether a scan rule's frame holds, besides its own ``jaxpr``, the body of a rule met
-    further in: the copy it rebinds the loop with (batched by vmap, the primal half of a
-    linearized scan), which JAX then transforms again (``grad(vmap(scan))``, jvp-of-grad).
-    That rule's loop is this one, already counted. A rule's locals hold its own loop's bodies
-    only (a nested scan's body sits inside their equations), so any match is this loop."""
-    body = local.get("jaxpr")
-    return any(id(v) in seen for v in local.values() if v is not body)  # identity, not equality
-
-
-def in_custom_vjp_bwd() -> bool:
-    """True while a ``custom_vjp`` ``bwd`` is traced, wherever it sits (inside a scan, a cond or
-    a checkpoint, or jitted itself: there the name stack no longer says ``transpose``)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _CUSTOM_BWD:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
-def custom_vjp_bwd_role() -> str | None:
-    """Where the code traced now sits with respect to a ``custom_vjp`` ``bwd``: ``None`` outside
-    any; ``"bwd"`` in the bwd's own code; ``"rerun"`` inside a derivative the bwd takes itself
-    (``jax.vjp``, ``jax.grad``, ``jax.linearize``, ``jax.jvp`` of a function, called in the bwd):
-    forward code that the bwd runs again to differentiate it. Read from the frames of
-    ``ad._custom_lin_transpose`` (``_fancy`` on 0.12) and of ``ad.linearize`` / ``ad.jvp``
-    (which trace the function being differentiated); ``None`` when they are gone."""
-    frame = sys._getframe(1)
-    derivative = False
-    while frame is not None:
-        code = frame.f_code
-        if code in _CUSTOM_BWD:
-            return "rerun" if derivative else "bwd"
-        if code in _DERIVATIVES:
-            derivative = True
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
-
-
-# custom_jvp.__call__ traces the function (and, under a derivative, calls the rule, which
-# _flatten_jvp wraps): the nearer of the two frames says which one runs. A derivative that
-# starts inside the function (ad.jvp, ad.linearize: jax.jvp, jax.grad, jax.vjp...) is its own.
-_CUSTOM_JVP_CALL = inspect.unwrap(_custom.custom_jvp.__call__).__code__
-_CUSTOM_JVP_RULE = _codes(_custom, "_flatten_jvp")
-_DERIVATIVES = _codes(ad, "jvp", "linearize")
-
-
-def in_custom_jvp_function() -> bool:
-    """True while the function of a ``custom_jvp`` is traced (also when its rule calls it), not
-    its rule (a sow in a rule belongs to the rule: ``capture`` refuses it where it is lost),
-    nor a derivative taken inside the function (``jax.grad`` of a sowing function there)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code in _CUSTOM_JVP_RULE or code in _DERIVATIVES:
-            return False
-        if code is _CUSTOM_JVP_CALL:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
-def in_flax_broadcast_trace() -> bool:
-    """True while Flax's ``nn.scan`` traces its body once to find the loop-invariant
-    (broadcast) outputs, not the loop itself.
-
-    Flax 0.12.12 (``flax.core.axes_scan.scan``, ``body_fn(..., init_mode=True)``) traces that
-    body to a jaxpr, removes dead code and refuses any equation left that reads the carry or the
-    scanned inputs: an effectful sow is never dead, so it would be refused. Read from the
-    frame's ``init_mode`` local; False when Flax is absent or changed (then such a sow fails as
-    before, in Flax's check).
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if (code.co_name == "body_fn" and code.co_filename.endswith(_FLAX_AXES_SCAN)
-                and frame.f_locals.get("init_mode") is True):
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
-def enclosing_map() -> tuple[int, int, int, bool, int, int] | None:
-    """``(key, length, batch_size, remainder, outer, vmaps)`` when this code runs in
-    ``lax.map(batch_size=b)``.
-
-    ``lax.map`` runs ``n // b`` batches in a scan over a ``vmap``, then the ``n % b`` left in one
-    more ``vmap`` (``remainder``: its local ``scan_ys`` is set by then); ``key`` tells the call
-    apart from others, ``outer`` counts the scans around it, ``vmaps`` the ``vmap`` calls
-    between it and the code (its own included: the frames of ``jax.vmap``'s ``vmap_f``).
-    ``None`` outside such a map, or with ``batch_size`` 0 or ``>= n``.
-    """
-    frame = sys._getframe(1)
-    vmaps = 0
-    while frame is not None:
-        if frame.f_code is _VMAP_CALL:
-            vmaps += 1
-        if frame.f_code is _MAP_CODE:
-            local = frame.f_locals
-            size, xs = local.get("batch_size"), jax.tree_util.tree_leaves(local.get("xs"))
-            if not size or not xs or local.get("scan_xs", 0) is None:
-                return None
-            outer = len(_loops_from(frame) or ())
-            return id(frame), int(xs[0].shape[0]), int(size), "scan_ys" in local, outer, vmaps
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
-
-
-# vmap of a cond whose predicate is batched runs every branch on every row, then selects:
-# while it runs branch i, its frame holds ``predicate`` (index == i, per row).
-_COND_BATCHING = _codes(_conditionals, "_cond_batching_rule")
-
-
-def batched_branch_predicate(depth: int = 8) -> tuple[Any, int, int] | None:
-    """``(taken, cond key, branch)`` while a vmapped cond runs one of its branches on every row:
-    ``taken`` says per row whether the row takes it. None elsewhere.
-
-    Looked for only a few frames up: the branch's equations are bound straight from the rule.
-    """
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        if frame.f_code in _COND_BATCHING:
-            local = frame.f_locals
-            if "predicate" not in local or not isinstance(local.get("i"), int):
-                return None
-            return local["predicate"], id(frame), local["i"]
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
-
-
-def wrap_cond_batching(rule: Callable[..., Any]) -> None:
-    """Puts ``rule(original, axis_data, args, dims, **params)`` in front of JAX's batching rule
-    of ``cond`` (a ``fancy_primitive_batchers`` entry, checked on JAX 0.10.2 and 0.12). Where
-    the entry is not there, nothing changes."""
-    original = batching.fancy_primitive_batchers.get(_conditionals.cond_p)
-    if original is None or getattr(original, "_sowtel_wrapped", False):
-        return
-
-    def batch_cond(axis_data: Any, args: Any, dims: Any, **params: Any) -> Any:
-        return rule(original, axis_data, args, dims, **params)
-
-    batch_cond._sowtel_wrapped = True  # type: ignore[attr-defined]
-    batching.fancy_primitive_batchers[_conditionals.cond_p] = batch_cond
-
-
-def batched_cond_operands(axis_data: Any, args: Any, dims: Any) -> list[Any]:
-    """A vmapped cond's index and operands, each with its batch axis first (as JAX's rule)."""
-    return [batching.bdim_at_front(x, d, axis_data.size,
-                                   mesh_axis=getattr(axis_data, "explicit_mesh_axis", None))
-            for x, d in zip(args, dims, strict=True)]
-
-
-def select_branch_inputs(taken: Any, x: Any) -> Any:
-    """``x`` where a row takes the branch, ``stop_gradient(x)`` elsewhere (JAX's rule does so,
-    for reverse-mode autodiff's sake)."""
-    return _conditionals._bcast_select(taken, x, jax.lax.stop_gradient(x))
-
-
-def select_branch_outputs(index: Any, outs: list[Any]) -> Any:
-    """Per row, the output of the branch ``index`` names (JAX's rule's select)."""
-    return _conditionals._bcast_select_n(index, *outs)
-
-
-def current_trace() -> Any:
-    """The trace that binding a primitive here goes to."""
-    return core.trace_ctx.trace
-
-
-def _same_vmap(here: Any, trace: Any) -> bool:
-    tag = getattr(trace, "tag", None)
-    return isinstance(here, batching.BatchTrace) and tag is not None and here.tag is tag
-
-
-def trace_encloses(trace: Any, depth: int = 200) -> bool:
-    """Whether ``trace`` is the current trace or one it traces inside (its parents, as
-    ``parent_trace`` links them: a body traced inside ``vmap`` has the ``vmap``'s trace there;
-    a batching rule runs in the trace below its own). A trace of the same ``vmap`` counts as
-    ``trace``: ``vmap`` runs a ``custom_jvp`` function in one of its own."""
-    here = core.trace_ctx.trace
-    for _ in range(depth):
-        if here is None:
-            return False
-        if here is trace or _same_vmap(here, trace):
-            return True
-        here = getattr(here, "parent_trace", None)
-    return False
-
-
-def vmap_axis(axis_data: Any) -> dict[str, Any]:
-    """``jax.vmap`` keywords that recreate the ``vmap`` a batching rule runs under."""
-    return {"axis_name": getattr(axis_data, "name", None),
-            "axis_size": axis_data.size,
-            "spmd_axis_name": getattr(axis_data, "spmd_name", None)}
-
-
-_FLAX_AXES_SCAN = os.path.join("flax", "core", "axes_scan.py")
 
 
 def manual_axes() -> tuple[str, ...]:
@@ -693,42 +450,6 @@ def manual_axes() -> tuple[str, ...]:
     manual = set(mesh.manual_axes)
     return tuple(a for a in mesh.axis_names if a in manual)
 
-
-# A distinct ClosedJaxpr class exists up to JAX 0.10 only: since 0.11 a Jaxpr carries its consts.
-_CLOSED_JAXPR: Any = getattr(core, "ClosedJaxpr", None)
-if _CLOSED_JAXPR is core.Jaxpr:
-    _CLOSED_JAXPR = None
-# What carries its own consts: a ClosedJaxpr up to 0.10, any Jaxpr since 0.11.
-_CLOSED: Any = core.Jaxpr if _CLOSED_JAXPR is None else _CLOSED_JAXPR
-
-
-def as_jaxpr(value: Any) -> Any:
-    """The jaxpr to walk if ``value`` (an equation parameter) is a jaxpr, closed or not; else None.
-
-    Example:
-        >>> import jax
-        >>> closed = jax.make_jaxpr(lambda x: x + 1)(1.0)
-        >>> [e.primitive.name for e in as_jaxpr(closed).eqns], as_jaxpr(3)
-        (['add'], None)
-    """
-    if _CLOSED_JAXPR is not None and isinstance(value, _CLOSED_JAXPR):
-        return value.jaxpr
-    return value if isinstance(value, core.Jaxpr) else None
-
-
-def jaxpr_and_consts(value: Any) -> tuple[Any, list[Any]]:
-    """``(jaxpr, consts)`` of a jaxpr, closed or not: evaluate ``jaxpr`` with ``consts`` bound
-    to its ``constvars`` (an open jaxpr has none).
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> jaxpr, consts = jaxpr_and_consts(jax.make_jaxpr(lambda x: x + jnp.arange(2.0))(1.0))
-        >>> len(jaxpr.constvars) == len(consts), len(jaxpr.invars)
-        (True, 1)
-    """
-    if _CLOSED_JAXPR is not None and isinstance(value, _CLOSED_JAXPR):
-        return value.jaxpr, list(value.consts)
-    return value, list(getattr(value, "consts", ()))
 
 
 # The construct each higher-order primitive is, under every name JAX gives it.
@@ -827,7 +548,7 @@ def closed_sub_jaxprs(eqn: Any) -> list[Any]:
     found: list[Any] = []
 
     def walk(value: Any) -> None:
-        if isinstance(value, _CLOSED):
+        if isinstance(value, CLOSED):
             found.append(value)
         elif isinstance(value, (tuple, list)):
             for item in value:
@@ -844,7 +565,7 @@ def replace_closed_jaxprs(eqn: Any, replace: Callable[[Any], Any]) -> dict[str, 
     Checked on JAX 0.10.2 and 0.12 (``custom_linear_solve``: a named tuple of closed jaxprs,
     some None; since 0.11 every jaxpr carries its consts, so every jaxpr is a closed one)."""
     def walk(value: Any) -> Any:
-        if isinstance(value, _CLOSED):
+        if isinstance(value, CLOSED):
             return replace(value)
         if isinstance(value, tuple) and hasattr(value, "_fields"):
             return type(value)(*(walk(v) for v in value))
@@ -991,8 +712,8 @@ def scan3_over(body: Callable[[list[Any]], Any], xs: list[Any], *, length: int,
     the loop ``lax.scan`` builds under that flag, so it runs as the original one does. The
     references the body closes over (the carry) are read and written as in the original.
     """
-    assert _SCAN_NOCARRY is not None, "a jax_scan3 loop on a JAX without scan3"
-    return _SCAN_NOCARRY(lambda x: body(list(x)), list(xs), length=length, reverse=reverse,
+    assert SCAN_NOCARRY is not None, "a jax_scan3 loop on a JAX without scan3"
+    return SCAN_NOCARRY(lambda x: body(list(x)), list(xs), length=length, reverse=reverse,
                          unroll=unroll)
 
 
@@ -1036,263 +757,6 @@ def scan_split_counts(params: dict[str, Any]) -> tuple[int, int]:
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
 
-
-def effects_barrier() -> Exception | None:
-    """Waits until every dispatched computation's side effects (host callbacks) have run.
-
-    Returns the error of an earlier computation that failed (``jax.effects_barrier`` re-raises
-    it) instead of raising it: that error belongs to the computation, and the wait completes
-    either way. The failure is then forgotten, so later barriers do not meet it again.
-
-    Example:
-        >>> effects_barrier() is None
-        True
-    """
-    try:
-        jax.effects_barrier()
-    except Exception as error:  # noqa: BLE001 - any failure of the user's computation
-        # JAX 0.10 and 0.11 stop at the first failed token and keep every token, so each later
-        # barrier (and interpreter exit) would raise again: wait for the others, then drop them.
-        tokens = dispatch.runtime_tokens
-        for token in [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]:
-            try:
-                token.block_until_ready()
-            except Exception:  # noqa: BLE001, S110 - the same failure, already returned
-                pass
-        tokens.clear()
-        return error
-    return None
-
-
-_MODULE_STATE_KEY = ("sowtel", "module_state")
-
-
-def module_state(ctx: Any) -> dict[Any, Any]:
-    """A dict that lives as long as the program being lowered (one per compiled module).
-
-    Stored in the module context's dict of cached lowerings, whose other keys are JAX's own
-    tuples of jaxprs and parameters.
-    """
-    cache = ctx.module_context.cached_primitive_lowerings
-    state: dict[Any, Any] = cache.setdefault(_MODULE_STATE_KEY, {})
-    return state
-
-
-def register_uncached_lowering(prim: Any, rule: Any) -> None:
-    """Registers ``rule`` so that every equation of ``prim`` is lowered on its own.
-
-    JAX lowers equal equations (same parameters and shapes) once and calls the result; sites
-    that must stay apart in the compiled program (one per occurrence) opt out of that cache.
-    """
-    try:
-        mlir.register_lowering(prim, rule, cacheable=False)
-    except TypeError:  # pragma: no cover - a JAX without the lowering cache
-        mlir.register_lowering(prim, rule)
-
-
-def branch_path(ctx: Any) -> tuple[tuple[int, int], ...]:
-    """``((case op, branch index), ...)`` of the cond/switch branches being lowered, outermost
-    first, read from the MLIR insertion point (the case op as an opaque key).
-
-    Stops at a function boundary: a sow inside a jitted function called from a branch does
-    not see the branch.
-    """
-    from jax._src.lib.mlir import ir
-
-    path: list[tuple[int, int]] = []
-    try:
-        block = ir.InsertionPoint.current.block
-    except ValueError:  # no insertion point: not inside a branch's region
-        return ()
-    while True:
-        owner = block.owner
-        if owner is None:
-            break
-        op = owner.operation
-        if op.name == "stablehlo.case":
-            for i, region in enumerate(op.regions):
-                if any(b == block for b in region.blocks):
-                    path.append((hash(op), i))
-        if op.name.startswith("func."):
-            break
-        try:
-            block = op.block
-        except (ValueError, AttributeError):  # a detached op: no enclosing block
-            break
-    return tuple(reversed(path))
-
-
-def wrap_cond_lowering(wrapper: Callable[..., Any]) -> None:
-    """Lowers ``lax.cond`` / ``lax.switch`` through ``wrapper(lower, ctx, branches)``, around
-    the rule JAX registered for every platform (``mlir._lowerings``): ``lower()`` runs JAX's
-    rule, ``branches`` are the branches' jaxprs. A platform-dependent cond (its branches picked
-    per platform) is lowered by JAX's rule alone."""
-    entry = mlir._lowerings[_conditionals.cond_p]
-    rule: Callable[..., Any] = entry.rule
-
-    def lowering(ctx: Any, index: Any, *args: Any, branches: Any, **params: Any) -> Any:
-        lower = functools.partial(rule, ctx, index, *args, branches=branches, **params)
-        if params.get("branches_platforms") is not None:
-            return lower()
-        return wrapper(lower, ctx, [as_jaxpr(b) for b in branches])
-
-    mlir.register_lowering(_conditionals.cond_p, lowering, inline=entry.inline)
-
-
-class _LoopNotes(threading.local):
-    def __init__(self) -> None:
-        # The loops whose bodies are being lowered, outermost first, each
-        # [kind, length, reverse, own, entry]: own, of a scan, says where its own while op is
-        # (_OWN_AHEAD: not lowered yet; _OWN_NOW: being lowered; _OWN_DONE: lowered, or none);
-        # entry is a list that holds the loop's entry in execution order once a site inside
-        # it is lowered (sowtel.records.loop_entries).
-        self.lowering: list[list[Any]] = []
-        # The jax_scan3 loops being expanded (Scan3.expand), outermost first.
-        self.expanding: list[tuple[int, bool]] = []
-        # How many equations being lowered around the current one sit in a backward pass
-        # (see track_transposed_lowerings).
-        self.transposed = 0
-
-
-_LOOP_NOTES = _LoopNotes()
-_OWN_AHEAD, _OWN_NOW, _OWN_DONE = 0, 1, 2
-
-
-def _scan_has_own_loop(length: int, unroll: Any) -> bool:
-    """Whether ``_scan_impl`` lowers a scan with a while op of its own (0.10.2 to 0.12): not
-    when it unrolls it whole (``unroll`` 0, or one trip of ``unroll`` iterations)."""
-    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll == 0:
-        return not (unroll is True or unroll == 0)
-    trips, remainder = divmod(length, unroll)
-    return trips > 0 and not (unroll != 1 and trips == 1 and remainder == 0)
-
-
-def track_loop_lowerings() -> None:
-    """Makes :func:`lowering_loops` know the ``scan`` and ``while_loop`` bodies being lowered,
-    by lowering both through JAX's own rules (``mlir._lowerings``) inside a note of the loop.
-
-    JAX lowers a scan (``lower_fun(_scan_impl)``, 0.10.2 to 0.12) as a while op whose body
-    evaluates the scan's body: that while op is the scan's own, not a ``while_loop``. Lowering
-    follows the program, so the note says where each equation lowered now sits in it.
-
-    A ``jax_scan3`` loop becomes a while loop before lowering (``call_hi_primitive_p.to_lojax``
-    runs ``Scan3.expand``, which binds the body's equations again inside that loop's body):
-    :func:`expanding_scan3` says which expansions bind an equation now.
-    """
-
-    def wrap(prim: Any, kind: str) -> None:
-        entry = mlir._lowerings[prim]
-        rule: Callable[..., Any] = entry.rule
-
-        def lowering(ctx: Any, *args: Any, **params: Any) -> Any:
-            stack = _LOOP_NOTES.lowering
-            top = stack[-1] if stack else None
-            if kind == "while" and top is not None and top[3] == _OWN_AHEAD:
-                top[3] = _OWN_NOW  # the scan's own loop
-                try:
-                    return rule(ctx, *args, **params)
-                finally:
-                    top[3] = _OWN_DONE
-            if kind == "scan":
-                length = int(params["length"])
-                own = _scan_has_own_loop(length, params.get("unroll", 1))
-                note = [kind, length, bool(params["reverse"]), _OWN_AHEAD if own else _OWN_DONE,
-                        []]
-            else:
-                note = [kind, 0, False, _OWN_DONE, []]
-            stack.append(note)
-            try:
-                return rule(ctx, *args, **params)
-            finally:
-                stack.pop()
-
-        mlir.register_lowering(prim, lowering, inline=entry.inline)
-
-    wrap(_loops.scan_p, "scan")
-    wrap(_loops.while_p, "while")
-    try:
-        from jax._src import hijax as _hijax
-    except ImportError:  # pragma: no cover - depends on the JAX version
-        return
-    hi = getattr(_hijax, "call_hi_primitive_p", None)
-    expand = getattr(hi, "to_lojax", None)
-    if hi is None or expand is None:  # pragma: no cover - depends on the JAX version
-        return
-
-    def to_lojax(*args: Any, _prim: Any) -> Any:
-        if type(_prim).__name__ != "Scan3":
-            return expand(*args, _prim=_prim)
-        p = _prim.params
-        _LOOP_NOTES.expanding.append((int(p["length"]), bool(p["reverse"]) and SCAN3_REVERSES))
-        try:
-            return expand(*args, _prim=_prim)
-        finally:
-            _LOOP_NOTES.expanding.pop()
-
-    hi.to_lojax = to_lojax
-
-
-def expanding_scan3() -> tuple[tuple[int, bool], ...]:
-    """``((length, reverse), ...)`` of the ``jax_scan3`` loops whose expansion binds the
-    equation bound now, outermost first: it sits directly in the innermost one's body, which
-    lowers as a while loop (see :func:`track_loop_lowerings`)."""
-    return tuple(_LOOP_NOTES.expanding)
-
-
-def lowering_loops(scan3: Sequence[tuple[int, bool]] = ()
-                   ) -> tuple[tuple[str, int, bool, list[int]], ...]:
-    """``(("scan", length, reverse, entry) | ("while", 0, False, entry), ...)``: the loops
-    around the equation being lowered, outermost first (see :func:`track_loop_lowerings`);
-    ``entry`` is the loop's cell for :func:`sowtel.records.loop_entries`. ``scan3``: the
-    ``jax_scan3`` loops whose expansions bound it (:func:`expanding_scan3`), which are the
-    innermost while loops around it."""
-    notes = [(k, n, r, e) for k, n, r, _, e in _LOOP_NOTES.lowering]
-    at = len(notes)
-    for length, reverse in reversed(scan3):
-        at = next((i for i in range(at - 1, -1, -1) if notes[i][0] == "while"), -1)
-        if at < 0:
-            break
-        notes[at] = ("scan", length, reverse, notes[at][3])
-    return tuple(notes)
-
-
-def lowered_case_op(num_branches: int) -> Any:
-    """The ``stablehlo.case`` op a cond lowering rule has just appended to the current block
-    (the last one with ``num_branches`` regions), or None."""
-    from jax._src.lib.mlir import ir
-
-    try:
-        block = ir.InsertionPoint.current.block
-    except ValueError:
-        return None
-    ops = block.operations
-    for i in range(len(ops) - 1, -1, -1):
-        op = ops[i].operation
-        if op.name == "stablehlo.case" and len(op.regions) == num_branches:
-            return op
-    return None
-
-
-@contextlib.contextmanager
-def at_branch_end(case_op: Any, branch: int) -> Any:
-    """Lowers what follows at the end of a lowered case op's ``branch``, before its return."""
-    from jax._src.lib.mlir import ir
-
-    block = case_op.regions[branch].blocks[0]
-    ops = block.operations
-    with ir.InsertionPoint(ops[len(ops) - 1]):
-        yield
-
-
-def distributed_client() -> Any:
-    """The ``jax.distributed`` client (key-value store, barriers), or None if unavailable."""
-    try:
-        from jax._src import distributed as _distributed
-    except ImportError:  # pragma: no cover - depends on the JAX version
-        return None
-    client = getattr(getattr(_distributed, "global_state", None), "client", None)
-    needed = ("key_value_set", "blocking_key_value_get")
-    return client if all(hasattr(client, n) for n in needed) else None
 
 
 # ---------------------------------------------------------------------------------------------
