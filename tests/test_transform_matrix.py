@@ -23,16 +23,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transform_cases
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from transform_cases import CASES, Case, T, X, checkpoint_fn, plain_fn
+from transform_cases import (
+    CASES,
+    STREAMING,
+    Case,
+    T,
+    X,
+    by,
+    checkpoint_fn,
+    jit,
+    jit_of,
+    plain_fn,
+    stream,
+)
 
 import sowtel
 from sowtel import save_intermediates, sow
 from sowtel.records import Record
 from sowtel.summaries import host_summary
 
-STREAMING = ("fast", "debug", "sowtel.jit")
+streaming = transform_cases.streaming  # the transport fixture of every transform test
 PATHS = ("capture",) + STREAMING
 # The cotangent seed of each reverse-mode transform; the others run forward or not at all.
 REVERSE = {"grad": 1.0, "grad_jit_outside": 1.0, "value_and_grad": 1.0, "vjp": 2.0}
@@ -139,6 +152,8 @@ def check_capture(name: str, transform: str) -> None:
     assert set(inter) == set(want)
     for n, modes in want.items():
         got = inter[n]
+        if case.stacked is not None:
+            assert got.stacked == dict.fromkeys(modes, case.stacked), n
         if transform in FORWARD:
             assert set(got) == set(modes), n
         else:
@@ -158,42 +173,6 @@ def check_capture(name: str, transform: str) -> None:
 
 
 # -- the streaming paths --------------------------------------------------------------------
-
-
-def jit_of(path: str, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
-    """The jit a streaming path compiles with: sowtel.jit, or jax.jit with that callback."""
-    if path == "sowtel.jit":
-        return sowtel.jit
-    # Read at lowering time: each jax.jit of a new function compiles anew, with this path.
-    monkeypatch.setenv("SOWTEL_CALLBACK", path)
-    return jax.jit
-
-
-@pytest.fixture(params=STREAMING)
-def streaming(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A streaming path, for the tests after the matrix (``jit(path)`` compiles for it)."""
-    jit_of(str(request.param), monkeypatch)
-    return str(request.param)
-
-
-def jit(path: str) -> Callable[..., Any]:
-    return sowtel.jit if path == "sowtel.jit" else jax.jit
-
-
-def stream(fn: Callable[..., Any], *args: Any, calls: int = 1, **options: Any) -> list[Record]:
-    options.setdefault("summary", "full")
-    with sowtel.enable(exporter="memory", **options) as session:
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
-        assert sowtel.flush(timeout=30)
-        status = sowtel.status()
-    assert status["dropped"] == 0 and not any(status["errors"].values())
-    # Program order: callbacks are unordered, so arrival (seq) order may differ.
-    return sorted(session.exporters[0].records, key=lambda r: (r.step, r.order, r.seq))
-
-
-def by(records: list[Record], mode: str, name: str | None = None) -> list[Record]:
-    return [r for r in records if r.mode == mode and (name is None or r.name == name)]
 
 
 def check_record(r: Record, value: np.ndarray, stats: bool, tol: dict[str, float]) -> None:

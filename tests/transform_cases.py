@@ -11,6 +11,7 @@ capture pass and the three streaming transports) is checked against the same ref
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -18,11 +19,74 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+import sowtel
 from sowtel import sow
+from sowtel.records import Record
 
 X = np.array([0.3, -0.7, 1.1, 0.5], np.float32)
 T = np.array([1.0, 0.5, -0.25, 2.0], np.float32)
+
+
+# -- the streaming paths, shared by every transform test ---------------------------------------
+
+STREAMING = ("fast", "debug", "sowtel.jit")
+
+
+def jit_of(path: str, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """The jit a streaming path compiles with: sowtel.jit, or jax.jit with that callback."""
+    if path == "sowtel.jit":
+        return sowtel.jit
+    # Read at lowering time: each jax.jit of a new function compiles anew, with this path.
+    monkeypatch.setenv("SOWTEL_CALLBACK", path)
+    return jax.jit
+
+
+@pytest.fixture(params=STREAMING)
+def streaming(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A streaming path, for the tests beside the matrix (``jit(path)`` compiles for it)."""
+    jit_of(str(request.param), monkeypatch)
+    return str(request.param)
+
+
+def jit(path: str) -> Callable[..., Any]:
+    """The jit of a path the ``streaming`` fixture has set up."""
+    return sowtel.jit if path == "sowtel.jit" else jax.jit
+
+
+def program_order(r: Record) -> Any:
+    # Callbacks are unordered, so arrival (seq) order may differ from the program's.
+    return (r.step, r.order, r.seq)
+
+
+def iteration_order(r: Record) -> Any:
+    """Program order, a site's records by iteration (as they ran, whatever the arrival)."""
+    return (r.step, r.order, r.index or 0)
+
+
+def stream(fn: Callable[..., Any], *args: Any, calls: int = 1,
+           key: Callable[[Record], Any] = program_order, at_step: int | None = None,
+           **options: Any) -> list[Record]:
+    """The records of ``calls`` calls of ``fn`` to the memory exporter (``summary="full"``
+    unless told), none dropped and no exporter error, sorted by ``key``; under a host
+    ``at_step`` where one is given."""
+    options.setdefault("summary", "full")
+    with sowtel.enable(exporter="memory", **options) as session:
+        with sowtel.at_step(at_step) if at_step is not None else contextlib.nullcontext():
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        assert sowtel.flush(timeout=60)
+        status = sowtel.status()
+    assert status["dropped"] == 0 and not any(status["errors"].values())
+    return sorted(session.exporters[0].records, key=key)
+
+
+def by(records: list[Record], mode: str, name: str | None = None) -> list[Record]:
+    return [r for r in records if r.mode == mode and (name is None or r.name == name)]
+
+
+# -- the hooks ------------------------------------------------------------------------------
 
 
 def site(h: Any, name: str, eps: Any, i: Any = None) -> Any:
@@ -52,8 +116,15 @@ class Case:
     # iteration (stacked here), the capture keeps the last.
     streamed_primal: Callable[[np.ndarray], dict[str, np.ndarray]] | None = None
     calls: int = 1  # how many times the streaming paths call the compiled function
+    # The capture transforms, where a case claims only these (else call, grad, grad_jit_outside
+    # and jvp, and ``captured``).
+    capture: tuple[str, ...] | None = None
+    # The loops a site's captured value is stacked over (``Intermediate.stacked``, every mode).
+    stacked: tuple[tuple[str, int], ...] | None = None
 
     def capture_transforms(self) -> tuple[str, ...]:
+        if self.capture is not None:
+            return self.capture
         base = ("call",) + (("grad", "grad_jit_outside") if self.grad else ()) + (
             ("jvp",) if self.jvp else ())
         return base + self.captured
@@ -266,6 +337,123 @@ def custom_vjp_ref(x):
     return {"fwd": x * 3.0}
 
 
+# jax.checkpoint of a scan, with or without a policy, in either direction.
+CHECKPOINT_XS = np.array([1.0, 2.0, 3.0], np.float32)
+POLICIES = {
+    "default": None,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    "save_anything_except_these_names":
+        jax.checkpoint_policies.save_anything_except_these_names("unused"),
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def scan_loss(x: Any, eps: Any = None, *, reverse: bool = False, policy: Any = None) -> Any:
+    """A checkpointed scan of three steps; ``eps`` an array of the three perturbations."""
+    def body(c: Any, xi_i: Any) -> Any:
+        xi, i = xi_i
+        s = jnp.sin(c * xi)
+        s = sow(s, "s") if eps is None else s + eps[i]
+        return c + s, None
+
+    def run(x: Any) -> Any:
+        return jax.lax.scan(body, x, (jnp.asarray(CHECKPOINT_XS), jnp.arange(3)),
+                            reverse=reverse)[0]
+
+    return jax.checkpoint(run, policy=policy)(x)
+
+
+def scan_primal(x: float, reverse: bool) -> np.ndarray:
+    c, out = np.float64(x), np.zeros(3)
+    for i in (range(3)[::-1] if reverse else range(3)):
+        out[i] = np.sin(c * CHECKPOINT_XS[i])
+        c = c + out[i]
+    return out
+
+
+def checkpointed_scan(policy: str, reverse: bool, streamed: tuple[str, ...]) -> Case:
+    return Case(
+        lambda x, eps: scan_loss(x, None if eps is None else eps["s"], reverse=reverse,
+                                 policy=POLICIES[policy]),
+        lambda x: {"s": scan_primal(x, reverse)}, x=np.float32(0.7), capture=("grad",),
+        streamed=streamed, stacked=(("scan", 3),))
+
+
+# A checkpoint policy that saves the sown value's input; the backward pass needs the value.
+def square_loss(x: Any, eps: Any = None, *, policy: Any = None) -> Any:
+    def inner(x: Any) -> Any:
+        h = jnp.sin(x)
+        h = sow(h, "h") if eps is None else h + eps
+        return (h * h).sum()
+
+    return jax.checkpoint(inner, policy=policy)(x)
+
+
+def checkpoint_policy(policy: str, streamed: tuple[str, ...]) -> Case:
+    return Case(lambda x, eps: square_loss(x, None if eps is None else eps["h"],
+                                           policy=POLICIES[policy]),
+                lambda x: {"h": np.sin(x)}, x=np.array([0.5, 1.0], np.float32),
+                capture=("grad",), streamed=streamed)
+
+
+# A custom_vjp whose bwd differentiates the forward function again (jax.vjp): its primal is
+# silent there, its cotangent reports.
+def _vjp_rerun(jit_bwd: bool, eps: Any = None) -> Callable[[Any, Any], Any]:
+    def forward(x, e):
+        h = jnp.sin(x) * 1.5
+        return jnp.cos(sow(h, "h") if eps is None else h + e) * 2.0
+
+    @jax.custom_vjp
+    def g(x, e):
+        return forward(x, e)
+
+    def fwd(x, e):
+        return forward(x, e), (x, e)
+
+    def bwd(res, ct):
+        return jax.vjp(forward, *res)[1](ct)
+
+    g.defvjp(fwd, jax.jit(bwd) if jit_bwd else bwd)
+    return g
+
+
+def rerun_loss(x, eps=None, *, jit_bwd=False):
+    g = _vjp_rerun(jit_bwd, eps)
+    e = jnp.zeros_like(x) if eps is None else eps
+    return jnp.sum(g(x, e) ** 2)
+
+
+def rerun_in_scan(x, eps=None, *, jit_bwd=False):
+    g = _vjp_rerun(jit_bwd, eps)
+    e = jnp.zeros_like(x) if eps is None else eps
+    return jax.lax.scan(lambda c, xe: (c + g(*xe) ** 2 * (c + 1.0), None), 0.0, (x, e))[0]
+
+
+RERUN_XS = np.array([0.3, -0.5, 0.2, 0.9], np.float32)
+
+
+def vjp_rerun(loss: Callable[..., Any], jit_bwd: bool, streamed: tuple[str, ...]) -> Case:
+    return Case(lambda x, eps: loss(x, None if eps is None else eps["h"], jit_bwd=jit_bwd),
+                lambda x: {"h": np.sin(x) * 1.5}, x=RERUN_XS, jvp=False, capture=("grad",),
+                streamed=streamed)
+
+
+# lax.map(batch_size=b): one leading axis of the map's length, remainder or not.
+def mapped(x, b, eps=None):
+    # The perturbation of element i (x is arange(7): each element is its own index).
+    ys = jax.lax.map(lambda v: site(jnp.stack([v * 2.0, jnp.sin(v)]), "m", None if eps is None
+                                    else {"m": v * 0.0 + eps["m"][jnp.int32(v)]}),
+                     x, batch_size=b)
+    return jnp.sum(ys ** 2)
+
+
+def map_batched(b: int, streamed: tuple[str, ...]) -> Case:
+    return Case(lambda x, eps: mapped(x, b, eps),
+                lambda x: {"m": np.stack([x * 2.0, np.sin(x)], axis=1)},
+                x=np.arange(7.0, dtype=np.float32), capture=("grad",), streamed=streamed,
+                stacked=(("scan", 7),))
+
+
 def plain_tangent(x, t):
     return {"h": 2.0 * np.cos(x) * t}
 
@@ -293,4 +481,19 @@ CASES: dict[str, Case] = {
     "checkpoint": Case(checkpoint_fn, checkpoint_ref),
     "custom_jvp": Case(custom_jvp_fn, custom_jvp_ref),
     "custom_vjp": Case(custom_vjp_fn, custom_vjp_ref, jvp=False, cotangent=False),
+    # grad of a checkpointed scan, its sites' iterations (a regression of the capture pass).
+    "checkpoint_scan": checkpointed_scan("default", False, ("grad",)),
+    "checkpoint_scan_reverse": checkpointed_scan("default", True, ()),
+    "checkpoint_scan_everything_saveable": checkpointed_scan("everything_saveable", False, ()),
+    "checkpoint_scan_everything_saveable_reverse":
+        checkpointed_scan("everything_saveable", True, ()),
+    **{f"checkpoint_policy_{p}": checkpoint_policy(
+        p, ("grad",) if p in ("everything_saveable", "save_anything_except_these_names") else ())
+       for p in POLICIES},
+    "vjp_rerun": vjp_rerun(rerun_loss, False, ()),
+    "vjp_rerun_jitted_bwd": vjp_rerun(rerun_loss, True, ()),
+    "vjp_rerun_scan": vjp_rerun(rerun_in_scan, False, ("grad",)),
+    "vjp_rerun_scan_jitted_bwd": vjp_rerun(rerun_in_scan, True, ("grad",)),
+    # Capture only: streamed, the remainder batch is a second site of the same name.
+    **{f"map_batch{b}": map_batched(b, ()) for b in (2, 3, 4, 7)},
 }
