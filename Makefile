@@ -16,7 +16,7 @@ JAX_OLD ?= jax==0.10.2 jaxlib==0.10.2
 JAX_NEW ?= jax>=0.12,<0.13 jaxlib>=0.12,<0.13
 # The suites that exercise JAX itself (tracing, transforms, lowering), run on both JAX ends
 # (the exporters' own suites, test_trackers included, run on the oldest end only).
-JAX_TESTS ?= tests/test_tap.py tests/test_capture_matrix.py tests/test_streaming_matrix.py tests/test_sow.py \
+JAX_TESTS ?= tests/test_tap.py tests/test_transform_matrix.py tests/test_sow.py \
 	tests/test_session.py tests/test_summaries.py tests/test_dumps.py tests/test_postmortem.py \
 	tests/test_docstrings.py tests/test_examples.py tests/test_flax.py tests/test_naming.py \
 	tests/test_defaults.py tests/test_jit.py tests/test_reliability.py tests/test_multiprocess.py \

@@ -16,33 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transform_cases
+from transform_cases import by, iteration_order, jit, jit_of, rerun_loss
 
 import sowtel
 from sowtel import save_intermediates, sow
 from sowtel.records import Record
 
-# The jit the streaming cases compile with: jax.jit (host callbacks) or sowtel.jit.
-jit: Callable[..., Any] = jax.jit
+streaming = transform_cases.streaming  # the transport fixture of every transform test
 
 
-@pytest.fixture(params=["fast", "debug", "sowtel.jit"])
-def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "sowtel.jit":
-        monkeypatch.setitem(globals(), "jit", sowtel.jit)
-    else:
-        monkeypatch.setitem(globals(), "jit", jax.jit)
-        monkeypatch.setenv("SOWTEL_CALLBACK", request.param)
-    return str(request.param)
-
-
-def stream(fn: Callable[..., Any], *args: Any, calls: int = 1) -> list[Record]:
-    with sowtel.enable(exporter="memory", summary="full") as session:
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
-        assert sowtel.flush(timeout=30)
-        status = sowtel.status()
-    assert status["dropped"] == 0 and not any(status["errors"].values())
-    return sorted(session.exporters[0].records, key=lambda r: (r.step, r.order, r.index or 0))
+def stream(fn: Callable[..., Any], *args: Any, **options: Any) -> list[Record]:
+    """The shared stream, a site's records by iteration (the sort these tests compare)."""
+    return transform_cases.stream(fn, *args, key=iteration_order, **options)
 
 
 def hook(h: Any, name: str, eps: Any) -> Any:
@@ -63,28 +49,18 @@ def cond_in_scan(xs):
 COND_XS = np.array([1.0, -1.0, 2.0, -3.0, 4.0], np.float32)
 
 
-def test_cond_in_scan_records_carry_the_iteration_with_sowtel_jit() -> None:
-    records = stream(sowtel.jit(cond_in_scan), COND_XS, calls=2)
-    assert [(r.step, r.index) for r in records] == [
-        (0, 0), (0, 2), (0, 4), (1, 0), (1, 2), (1, 4)]
-    np.testing.assert_allclose([r.value for r in records], [2.0, 4.0, 8.0] * 2)
-
-
-@pytest.mark.parametrize("path", ["fast", "debug"])
-def test_cond_in_scan_records_carry_the_iteration_with_host_callbacks(
-        path: str, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder) -> None:
-    # The branch that does not run tells the host what it skipped: the host's count, and so
-    # each record's step and index, stays that of the iteration.
-    monkeypatch.setenv("SOWTEL_CALLBACK", path)
-    # A new function: lowered anew, with this callback path.
-    records = stream(jax.jit(lambda xs: cond_in_scan(xs)), COND_XS, calls=2)
+def test_cond_in_scan_records_carry_the_iteration(
+        streaming: str, recwarn: pytest.WarningsRecorder) -> None:
+    # With the host callbacks the branch that does not run tells the host what it skipped:
+    # the host's count, and so each record's step and index, stays that of the iteration.
+    records = stream(jit(streaming)(lambda xs: cond_in_scan(xs)), COND_XS, calls=2)
     assert [(r.step, r.index) for r in records] == [
         (0, 0), (0, 2), (0, 4), (1, 0), (1, 2), (1, 4)]
     np.testing.assert_allclose([r.value for r in records], [2.0, 4.0, 8.0] * 2)
     assert not [w for w in recwarn if "inside a cond" in str(w.message)]
 
 
-def test_scan_in_a_skipped_branch_skips_all_its_iterations(transport: str) -> None:
+def test_scan_in_a_skipped_branch_skips_all_its_iterations(streaming: str) -> None:
     # A branch holding a scan of 3 skips 3 occurrences of its site; the other branch's site
     # is skipped once a run of the taken branch.
     def f(xs):
@@ -95,7 +71,7 @@ def test_scan_in_a_skipped_branch_skips_all_its_iterations(transport: str) -> No
 
         return jax.lax.scan(body, 0.0, xs)[0]
 
-    records = stream(jit(f), COND_XS, calls=2)
+    records = stream(jit(streaming)(f), COND_XS, calls=2)
     inner = [(r.step, r.index, float(r.value)) for r in records if r.name == "inner"]
     other = [(r.step, r.index, float(r.value)) for r in records if r.name == "other"]
     assert sorted(inner) == [(s, (i, k), COND_XS[i] * (k + 1)) for s in (0, 1)
@@ -103,7 +79,7 @@ def test_scan_in_a_skipped_branch_skips_all_its_iterations(transport: str) -> No
     assert sorted(other) == [(s, i, COND_XS[i] - 1.0) for s in (0, 1) for i in (1, 3)]
 
 
-def test_switch_in_fori_loop_counts_every_branch_it_skips(transport: str) -> None:
+def test_switch_in_fori_loop_counts_every_branch_it_skips(streaming: str) -> None:
     # Three branches, two sites (one held by two branches): each site gets the iterations
     # whose branch held it.
     def f(x):
@@ -112,7 +88,7 @@ def test_switch_in_fori_loop_counts_every_branch_it_skips(transport: str) -> Non
         return jax.lax.fori_loop(
             0, 6, lambda i, c: c + jax.lax.switch(i % 3, branches, x * i), 0.0)
 
-    records = stream(jit(f), jnp.float32(0.5), calls=2)
+    records = stream(jit(streaming)(f), jnp.float32(0.5), calls=2)
     ab = [(r.step, r.index, float(r.value)) for r in records if r.name == "ab"]
     c = [(r.step, r.index, float(r.value)) for r in records if r.name == "c"]
     want_ab = {0: 1.0, 1: 1.0, 3: 2.5, 4: 4.0}
@@ -120,10 +96,10 @@ def test_switch_in_fori_loop_counts_every_branch_it_skips(transport: str) -> Non
     assert sorted(c) == [(s, i, -0.5 * i) for s in (0, 1) for i in (2, 5)]
 
 
-def test_a_skipped_branch_outside_loops_keeps_the_step(transport: str) -> None:
+def test_a_skipped_branch_outside_loops_keeps_the_step(streaming: str) -> None:
     # Without at_step the host counts calls by occurrences: a call that skips the branch
     # still counts.
-    fn = jit(lambda x: jax.lax.cond(x > 0, lambda v: sow(v, "p"), lambda v: v * 0.0, x))
+    fn = jit(streaming)(lambda x: jax.lax.cond(x > 0, lambda v: sow(v, "p"), lambda v: v * 0.0, x))
     with sowtel.enable(exporter="memory", summary="full") as session:
         for x in (1.0, -1.0, 2.0, -2.0, 3.0):
             jax.block_until_ready(fn(jnp.float32(x)))
@@ -260,8 +236,8 @@ def test_vmap_of_batched_switch_and_of_scan_over_a_cond() -> None:
     np.testing.assert_allclose(inter["t"]["cotangent"], np.where(taken, 1.0, np.nan))
 
 
-def test_vmap_of_batched_cond_streams_nan_rows(transport: str) -> None:
-    records = stream(jit(jax.vmap(jax.grad(batched_cond))), XS, PRED)
+def test_vmap_of_batched_cond_streams_nan_rows(streaming: str) -> None:
+    records = stream(jit(streaming)(jax.vmap(jax.grad(batched_cond))), XS, PRED)
     by_mode = {r.mode: r for r in records}
     assert set(by_mode) == {"primal", "cotangent"}
     taken = PRED > 0
@@ -316,9 +292,9 @@ def test_custom_vjp_bwd_sow_is_a_cotangent(where: str, jit_bwd: bool) -> None:
     np.testing.assert_allclose(grads, np.full(4, 1.5), rtol=1e-6)
 
 
-def test_custom_vjp_bwd_in_scan_streams_cotangents_with_their_index(transport: str) -> None:
+def test_custom_vjp_bwd_in_scan_streams_cotangents_with_their_index(streaming: str) -> None:
     g = _clip_vjp(jit_bwd=True)
-    records = stream(jit(jax.grad(lambda x: WRAPPERS["scan"](g, x))), XS)
+    records = stream(jit(streaming)(jax.grad(lambda x: WRAPPERS["scan"](g, x))), XS)
     bwd = [r for r in records if r.name == "bwd"]
     assert {r.mode for r in bwd} == {"cotangent"}
     assert sorted(r.index for r in bwd) == [0, 1, 2, 3]
@@ -333,7 +309,7 @@ def test_custom_vjp_bwd_in_scan_streams_cotangents_with_their_index(transport: s
 # -- a custom_jvp function inside fori_loop(scan(...)) under grad ------------------------------
 
 
-def test_custom_jvp_in_fori_of_scan_streams_iteration_pairs(transport: str) -> None:
+def test_custom_jvp_in_fori_of_scan_streams_iteration_pairs(streaming: str) -> None:
     @jax.custom_jvp
     def h(x):
         return sow(jnp.sin(x), "cj")
@@ -347,7 +323,7 @@ def test_custom_jvp_in_fori_of_scan_streams_iteration_pairs(transport: str) -> N
 
         return jax.lax.fori_loop(0, 2, outer, 1.0)
 
-    records = stream(jit(jax.grad(f)), xs)
+    records = stream(jit(streaming)(jax.grad(f)), xs)
     got = sorted((r.index, r.step, float(r.value)) for r in records)
     expected = [((i, j), 0, float(np.sin(np.float32(xs[j]) * (i + 1))))
                 for i in range(2) for j in range(3)]
@@ -358,26 +334,7 @@ def test_custom_jvp_in_fori_of_scan_streams_iteration_pairs(transport: str) -> N
 
 
 # -- lax.map(batch_size=b): one leading axis of the map's length -----------------------------
-
-
-def mapped(x, b, eps=None):
-    ys = jax.lax.map(lambda v: hook(jnp.stack([v * 2.0, jnp.sin(v)]), "m", None if eps is None
-                                    else {"m": v * 0.0 + eps["m"][jnp.int32(v)]}),
-                     x, batch_size=b)
-    return jnp.sum(ys ** 2)
-
-
-@pytest.mark.parametrize("b", [2, 3, 4, 7], ids=lambda b: f"batch{b}")
-def test_map_with_batch_size_has_one_leading_axis(b: int) -> None:
-    x = jnp.arange(7.0)
-    _, inter = save_intermediates(jax.grad(mapped), duplicates="number")(x, b)
-    assert list(inter) == ["m"]
-    expected = np.stack([np.arange(7.0) * 2.0, np.sin(np.arange(7.0))], axis=1)
-    np.testing.assert_allclose(inter["m"]["primal"], expected, rtol=1e-6)
-    assert inter["m"].stacked == {"primal": (("scan", 7),), "cotangent": (("scan", 7),)}
-    # The cotangent at element i: jax.grad of a perturbation added there.
-    eps = jax.grad(lambda e: mapped(x, b, {"m": e}))(jnp.zeros((7, 2)))
-    np.testing.assert_allclose(inter["m"]["cotangent"], eps, rtol=1e-6)
+# (Its grad, one case per batch size: the map_batch cases of tests/transform_cases.py.)
 
 
 def test_map_with_batch_size_inside_a_scan_keeps_the_outer_axis() -> None:
@@ -460,9 +417,9 @@ def test_vmap_of_scan_stacks_iterations_then_batch() -> None:
         np.testing.assert_allclose(records[3].value, xs[:, 3] * 2.0)
 
 
-def test_vmap_of_scan_streams_one_record_per_iteration_with_the_batch(transport: str) -> None:
+def test_vmap_of_scan_streams_one_record_per_iteration_with_the_batch(streaming: str) -> None:
     xs = np.arange(10.0, dtype=np.float32).reshape(2, 5)
-    records = stream(jit(jax.vmap(scanned)), xs)
+    records = stream(jit(streaming)(jax.vmap(scanned)), xs)
     assert sorted(r.index for r in records) == list(range(5))
     for r in records:
         assert r.shape == (2,)
@@ -470,6 +427,7 @@ def test_vmap_of_scan_streams_one_record_per_iteration_with_the_batch(transport:
 
 
 # -- forward code that a custom_vjp bwd runs again: its primal is silent, its cotangent reports --
+# (Its grad, captured and streamed: the vjp_rerun cases of tests/transform_cases.py.)
 
 
 def checkpointed_while(x, eps=None, *, steps=3, checkpoints=None):
@@ -534,69 +492,16 @@ def test_checkpointed_while_loop_captures_each_site_once(loop: str) -> None:
 
 
 @pytest.mark.parametrize("loop", sorted(LOOPS))
-def test_checkpointed_while_loop_streams_each_iteration_once(transport: str, loop: str) -> None:
+def test_checkpointed_while_loop_streams_each_iteration_once(streaming: str, loop: str) -> None:
     steps, checkpoints = LOOPS[loop]
     f = lambda x: checkpointed_while(x, steps=steps, checkpoints=checkpoints)  # noqa: E731
-    records = stream(jit(jax.grad(f)), XS[:2])
+    records = stream(jit(streaming)(jax.grad(f)), XS[:2])
     values, cotangents = loop_reference(steps)
     assert {r.name for r in records} == {"h"}
-    primal, cotangent = by_mode(records, "primal"), by_mode(records, "cotangent")
+    primal, cotangent = by(records, "primal"), by(records, "cotangent")
     assert len(primal) == steps and len(cotangent) == steps  # not once per recomputation
     np.testing.assert_allclose(_rows(primal), _ordered(values), rtol=1e-5)
     np.testing.assert_allclose(_rows(cotangent), _ordered(cotangents), rtol=1e-5)
-
-
-def by_mode(records: list[Record], mode: str) -> list[Record]:
-    return [r for r in records if r.mode == mode]
-
-
-def _vjp_rerun(jit_bwd: bool, eps: Any = None) -> Callable[[Any], Any]:
-    """A custom_vjp whose bwd differentiates the forward function again with ``jax.vjp``."""
-
-    def forward(x, e):
-        h = jnp.sin(x) * 1.5
-        return jnp.cos(sow(h, "h") if eps is None else h + e) * 2.0
-
-    @jax.custom_vjp
-    def g(x, e):
-        return forward(x, e)
-
-    def fwd(x, e):
-        return forward(x, e), (x, e)
-
-    def bwd(res, ct):
-        return jax.vjp(forward, *res)[1](ct)
-
-    g.defvjp(fwd, jax.jit(bwd) if jit_bwd else bwd)
-    return g
-
-
-def rerun_loss(x, eps=None, *, jit_bwd=False):
-    g = _vjp_rerun(jit_bwd, eps)
-    e = jnp.zeros_like(x) if eps is None else eps
-    return jnp.sum(g(x, e) ** 2)
-
-
-def rerun_in_scan(x, eps=None, *, jit_bwd=False):
-    g = _vjp_rerun(jit_bwd, eps)
-    e = jnp.zeros_like(x) if eps is None else eps
-    return jax.lax.scan(lambda c, xe: (c + g(*xe) ** 2 * (c + 1.0), None), 0.0, (x, e))[0]
-
-
-RERUNS = {"plain": rerun_loss, "scan": rerun_in_scan}
-
-
-@pytest.mark.parametrize("jit_bwd", [False, True], ids=["bwd", "jitted_bwd"])
-@pytest.mark.parametrize("where", sorted(RERUNS))
-def test_bwd_rerunning_the_forward_function_captures_primal_once(where: str,
-                                                                 jit_bwd: bool) -> None:
-    loss = RERUNS[where]
-    grads, inter = save_intermediates(jax.grad(lambda x: loss(x, jit_bwd=jit_bwd)))(XS)
-    assert list(inter) == ["h"] and list(inter["h"]) == ["primal", "cotangent"]
-    np.testing.assert_allclose(inter["h"]["primal"], np.sin(XS) * 1.5, rtol=1e-6)
-    expected = jax.grad(lambda e: loss(jnp.asarray(XS), e))(jnp.zeros(4))
-    np.testing.assert_allclose(inter["h"]["cotangent"], expected, rtol=1e-5)
-    np.testing.assert_allclose(grads, jax.grad(lambda x: loss(x, jnp.zeros(4)))(XS), rtol=1e-5)
 
 
 def test_hessian_through_a_bwd_rerunning_the_forward_function_reports_each_mode_once() -> None:
@@ -611,20 +516,6 @@ def test_hessian_through_a_bwd_rerunning_the_forward_function_reports_each_mode_
                                                  "cotangent.tangent"]
     for mode, value in want["h"].items():
         np.testing.assert_allclose(got["h"][mode], value, rtol=1e-5, atol=1e-6, err_msg=mode)
-
-
-@pytest.mark.parametrize("jit_bwd", [False, True], ids=["bwd", "jitted_bwd"])
-def test_bwd_rerunning_the_forward_function_in_a_scan_streams_each_index_once(
-        transport: str, jit_bwd: bool) -> None:
-    records = stream(jit(jax.grad(lambda x: rerun_in_scan(x, jit_bwd=jit_bwd))), XS)
-    expected = jax.grad(lambda e: rerun_in_scan(jnp.asarray(XS), e))(jnp.zeros(4))
-    assert {r.name for r in records} == {"h"}
-    primal, cotangent = by_mode(records, "primal"), by_mode(records, "cotangent")
-    assert sorted(r.index for r in primal) == sorted(r.index for r in cotangent) == [0, 1, 2, 3]
-    for r in primal:
-        np.testing.assert_allclose(r.value, np.sin(XS[r.index]) * 1.5, rtol=1e-6)
-    for r in cotangent:  # the cotangent of the forward iteration it belongs to
-        np.testing.assert_allclose(r.value, expected[r.index], rtol=1e-5)
 
 
 # -- the two transports give the same records: names, modes, steps and indices ---------------
@@ -695,13 +586,8 @@ SOLVERS: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
 
 
 def _stream_at_step(fn: Callable[..., Any], *args: Any) -> list[Record]:
-    with sowtel.enable(exporter="memory", summary="full") as session:
-        with sowtel.at_step(3):  # the host's step: sites in while bodies count no steps
-            jax.block_until_ready(fn(*args))
-        assert sowtel.flush(timeout=60)
-        status = sowtel.status()
-    assert status["dropped"] == 0 and not any(status["errors"].values())
-    return list(session.exporters[0].records)
+    # The host's step: sites in while bodies count no steps.
+    return stream(fn, *args, at_step=3)
 
 
 def _by_key(records: list[Record]) -> dict[tuple[Any, ...], list[np.ndarray]]:
@@ -717,7 +603,7 @@ def _by_key(records: list[Record]) -> dict[tuple[Any, ...], list[np.ndarray]]:
 def test_solvers_stream_the_same_records_through_both_transports(
         case: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     fn, args = SOLVERS[case]
-    monkeypatch.setenv("SOWTEL_CALLBACK", path)
+    jit_of(path, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the repeated names' warning, once per process
         by_callback = _by_key(_stream_at_step(jax.jit(lambda *a: fn(*a)), *args))
@@ -734,7 +620,7 @@ def test_solvers_stream_the_same_records_through_both_transports(
 
 @pytest.mark.parametrize("unroll", [1, 5, True], ids=lambda u: f"unroll{u}")
 def test_unrolled_scan_indexes_its_iterations_not_a_while_loop_in_its_body(
-        transport: str, unroll: Any) -> None:
+        streaming: str, unroll: Any) -> None:
     # JAX lowers a scan as a while loop of its own, or (unrolled whole) as none: a while_loop
     # in its body is never taken for it.
     def f(xs):
@@ -745,7 +631,7 @@ def test_unrolled_scan_indexes_its_iterations_not_a_while_loop_in_its_body(
 
         return jax.lax.scan(body, 0.0, xs, unroll=unroll)[0]
 
-    records = stream(jit(f), np.arange(5.0, dtype=np.float32))
+    records = stream(jit(streaming)(f), np.arange(5.0, dtype=np.float32))
     assert sorted(r.index for r in records if r.name == "s") == list(range(5))
     for r in records:
         np.testing.assert_allclose(r.value, 2.0 * r.index if r.name == "s" else 1.0)

@@ -16,32 +16,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transform_cases
+from transform_cases import POLICIES, jit, scan_loss, scan_primal, square_loss, stream
 
 import sowtel
 from sowtel import _jax_compat as jc
 from sowtel import save_intermediates, sow
-from sowtel.records import Record
+
+streaming = transform_cases.streaming  # the transport fixture of every transform test
 
 X = np.array([0.5, 1.0], np.float32)
 XS = np.array([1.0, 2.0, 3.0], np.float32)
-POLICIES = {
-    "default": None,
-    "everything_saveable": jax.checkpoint_policies.everything_saveable,
-    "save_anything_except_these_names":
-        jax.checkpoint_policies.save_anything_except_these_names("unused"),
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-}
 
 
 def close(a: Any, b: Any) -> None:
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-
-
-def stream(fn: Callable[..., Any], *args: Any) -> list[Record]:
-    with sowtel.enable(exporter="memory", summary="full") as session:
-        jax.block_until_ready(fn(*args))
-        assert sowtel.flush(timeout=30)
-    return sorted(session.exporters[0].records, key=lambda r: (r.step, r.order, r.seq))
 
 
 @contextmanager
@@ -55,40 +44,7 @@ def flag(name: str, value: bool) -> Iterator[None]:
 
 
 # -- jax.checkpoint of a scan, differentiated ----------------------------------------------
-
-
-def scan_loss(x: Any, eps: Any = None, *, reverse: bool = False, policy: Any = None) -> Any:
-    def body(c: Any, xi_i: Any) -> Any:
-        xi, i = xi_i
-        s = jnp.sin(c * xi)
-        s = sow(s, "s") if eps is None else s + eps[i]
-        return c + s, None
-
-    def run(x: Any) -> Any:
-        return jax.lax.scan(body, x, (jnp.asarray(XS), jnp.arange(3)), reverse=reverse)[0]
-
-    return jax.checkpoint(run, policy=policy)(x)
-
-
-def scan_primal(x: float, reverse: bool) -> np.ndarray:
-    c, out = np.float64(x), np.zeros(3)
-    for i in (range(3)[::-1] if reverse else range(3)):
-        out[i] = np.sin(c * XS[i])
-        c = c + out[i]
-    return out
-
-
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("policy", ["default", "everything_saveable"])
-def test_grad_of_checkpointed_scan_is_captured(policy: str, reverse: bool) -> None:
-    pol = POLICIES[policy]
-    grad, inter = save_intermediates(
-        jax.grad(lambda x: scan_loss(x, reverse=reverse, policy=pol)))(jnp.float32(0.7))
-    cot = jax.grad(lambda e: scan_loss(jnp.float32(0.7), e, reverse=reverse))(jnp.zeros(3))
-    close(inter["s"]["primal"], scan_primal(0.7, reverse))
-    close(inter["s"]["cotangent"], cot)
-    close(grad, jax.grad(lambda x: scan_loss(x, reverse=reverse))(jnp.float32(0.7)))
-    assert inter["s"].stacked == {"primal": (("scan", 3),), "cotangent": (("scan", 3),)}
+# (Its grad, captured and streamed: the checkpoint_scan cases of tests/transform_cases.py.)
 
 
 def test_vmap_and_jvp_of_grad_of_checkpointed_scan_are_captured() -> None:
@@ -121,25 +77,7 @@ def scan_primal_jnp(x: Any) -> list[Any]:
     return out
 
 
-def test_sowtel_jit_streams_grad_of_checkpointed_scan() -> None:
-    records = stream(sowtel.jit(jax.grad(scan_loss)), jnp.float32(0.7))
-    cot = jax.grad(lambda e: scan_loss(jnp.float32(0.7), e))(jnp.zeros(3))
-    got = {(r.mode, r.index): float(r.value) for r in records}
-    assert sorted(got) == [("cotangent", i) for i in range(3)] + [("primal", i) for i in range(3)]
-    close([got[("primal", i)] for i in range(3)], scan_primal(0.7, False))
-    close([got[("cotangent", i)] for i in range(3)], cot)
-
-
 # -- checkpoint policies that save the sown value's input ----------------------------------
-
-
-def square_loss(x: Any, eps: Any = None, *, policy: Any = None) -> Any:
-    def inner(x: Any) -> Any:
-        h = jnp.sin(x)
-        h = sow(h, "h") if eps is None else h + eps
-        return (h * h).sum()  # the sown value is needed by the backward pass
-
-    return jax.checkpoint(inner, policy=policy)(x)
 
 
 def explicit_cotangent(x: Any) -> Any:
@@ -147,30 +85,15 @@ def explicit_cotangent(x: Any) -> Any:
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_checkpoint_policy_grad_and_hessian_capture(policy: str) -> None:
+def test_checkpoint_policy_hessian_capture(policy: str) -> None:
+    # The policy's grad, captured and streamed: the transform matrix's checkpoint_policy cases.
     pol = POLICIES[policy]
-    grad, inter = save_intermediates(jax.grad(lambda x: square_loss(x, policy=pol)))(X)
-    close(inter["h"]["primal"], np.sin(X))
-    close(inter["h"]["cotangent"], 2 * np.sin(X))  # d(h*h)/dh by hand
-    close(grad, 2 * np.sin(X) * np.cos(X))
-
     hess, inter = save_intermediates(jax.hessian(lambda x: square_loss(x, policy=pol)))(X)
     close(hess, np.diag(2 * np.cos(2 * X)))
     assert sorted(inter["h"]) == ["cotangent", "cotangent.tangent", "primal", "tangent"]
     # jacfwd over jacrev: the tangent basis leads, then jacrev's one-row basis.
     close(inter["h"]["cotangent.tangent"][:, 0, :], jax.jacfwd(explicit_cotangent)(X).T)
     close(inter["h"]["tangent"], np.diag(np.cos(X)))
-
-
-@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
-@pytest.mark.parametrize("policy", ["everything_saveable", "save_anything_except_these_names"])
-def test_checkpoint_policy_grad_streams(policy: str, transport: str) -> None:
-    pol = POLICIES[policy]
-    jit = jax.jit if transport == "callback" else sowtel.jit
-    records = stream(jit(jax.grad(lambda x: square_loss(x, policy=pol))), X)
-    assert [(r.name, r.mode) for r in records] == [("h", "primal"), ("h", "cotangent")]
-    close(records[0].value, np.sin(X))
-    close(records[1].value, explicit_cotangent(jnp.asarray(X)))
 
 
 # -- second order through jax.checkpoint: one site, each mode once ---------------------------
@@ -416,11 +339,9 @@ def test_sow_in_custom_vjp_bwd_differentiated_from_outside_raises() -> None:
 # -- a custom rule's sow in a loop under vmap, differentiated: one index per loop ------------
 
 
-@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
-def test_custom_vjp_in_vmapped_scan_under_grad_streams_one_index(transport: str) -> None:
+def test_custom_vjp_in_vmapped_scan_under_grad_streams_one_index(streaming: str) -> None:
     # grad(vmap(scan(custom_vjp))): vmap rebinds the scan with a batched copy of its body, and
     # the custom_vjp's fwd is traced again by the jvp rule of that copy: still one loop.
-    jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
     rows = np.stack([XS, XS * 0.5 - 1.0])  # (2 rows, 3 iterations)
 
     def f(x: Any) -> Any:
@@ -428,7 +349,7 @@ def test_custom_vjp_in_vmapped_scan_under_grad_streams_one_index(transport: str)
             lambda c, v: (c + scaled_grad(v) * 2.0, None), 0.0, row)[0]
         return jax.vmap(scanned)(x).sum()
 
-    records = stream(jit(jax.grad(f)), rows)
+    records = stream(jit(streaming)(jax.grad(f)), rows)
     by_name = {name: sorted((r for r in records if r.name == name), key=lambda r: r.index)
                for name in ("fwd_value", "bwd_value")}
     assert [(r.mode, r.index, r.step) for r in by_name["fwd_value"]] == [
@@ -452,13 +373,11 @@ def _sin_sown_jvp(primals: Any, tangents: Any) -> Any:
     return sin_sown(x), jnp.cos(x) * t
 
 
-@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
 @pytest.mark.parametrize("outer", ["jvp", "grad"])
 def test_custom_jvp_in_vmapped_fori_differentiated_streams_one_index(
-        outer: str, transport: str) -> None:
+        outer: str, streaming: str) -> None:
     # The custom_jvp function is traced again by the jvp rule of the vmapped loop's batched
     # copy: one loop, its two iterations, whether forward or reverse mode drives it.
-    jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
     rows = jnp.asarray(np.stack([X, X * 2.0]))
 
     def f(x: Any) -> Any:
@@ -467,24 +386,23 @@ def test_custom_jvp_in_vmapped_fori_differentiated_streams_one_index(
 
     fn = ((lambda x: jax.jvp(f, (x,), (jnp.ones_like(x),))) if outer == "jvp"
           else jax.grad(f))
-    records = sorted(stream(jit(fn), rows), key=lambda r: r.index)
+    records = sorted(stream(jit(streaming)(fn), rows), key=lambda r: r.index)
     assert [(r.mode, r.index, r.step) for r in records] == [("primal", 0, 0), ("primal", 1, 0)]
     first = np.sin(np.stack([X, X * 2.0]).astype(np.float64))  # iteration 0 adds 0
     close(records[0].value, first)
     close(records[1].value, np.sin(first + 1.0))  # iteration 1 adds 1 to the carry
 
 
-@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
-def test_custom_jvp_in_scan_under_jvp_of_grad_streams_one_index(transport: str) -> None:
+def test_custom_jvp_in_scan_under_jvp_of_grad_streams_one_index(streaming: str) -> None:
     # jvp-of-grad linearizes the scan, then differentiates the primal half it rebinds (a copy
     # of the body): the custom_jvp function traced there is still in the one loop.
-    jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
 
     def f(x: Any) -> Any:
         return jax.lax.scan(lambda c, s: (sin_sown(c + s), None), x, jnp.arange(2.0))[0].sum()
 
     x = jnp.asarray(X)
-    records = stream(jit(lambda x, t: jax.jvp(jax.grad(f), (x,), (t,))), x, jnp.ones_like(x))
+    second = jit(streaming)(lambda x, t: jax.jvp(jax.grad(f), (x,), (t,)))
+    records = stream(second, x, jnp.ones_like(x))
     primal = sorted((r for r in records if r.mode == "primal"), key=lambda r: r.index)
     assert [(r.index, r.step) for r in primal] == [(0, 0), (1, 0)]
     first = np.sin(X.astype(np.float64))

@@ -1,357 +1,239 @@
-"""The transform matrix of save_intermediates.
+"""The transform matrix: every case of ``tests/transform_cases.py`` (a program written once,
+with its hand-derived values and an explicit-perturbation twin) through the four paths it runs
+on, capture (``sowtel.save_intermediates``), the fast host callback, the debug callback and
+``sowtel.jit``, under each transformation the case claims.
 
-Every case is one function written once with a hook at each site. With ``eps=None`` the hook is
-``sowtel.sow``; with ``eps`` a dict it adds an explicit perturbation instead. So:
+The capture path checks the captured dict; the streaming paths check the memory exporter's
+records (names, modes, steps, indices, shapes, values or device stats) against the same
+references: primals against numpy, cotangents against ``jax.grad`` of the perturbation,
+tangents against a closed form or central finite differences of the numpy primal.
 
-- primals are checked against values derived by hand (numpy, written separately per case);
-- cotangents against ``jax.grad`` with respect to a zero perturbation at the same point;
-- tangents against central finite differences of the captured primal.
+After the matrix, the cases that do not fit it (pytrees batched leaf by leaf, shard_map and
+pmap, duplicates, errors), on the paths they concern. Random programs across the same
+transforms are the fuzzer's (tests/test_fuzz_transforms.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transform_cases
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from transform_cases import (
+    CASES,
+    STREAMING,
+    Case,
+    T,
+    X,
+    by,
+    checkpoint_fn,
+    jit,
+    jit_of,
+    plain_fn,
+    stream,
+)
 
 import sowtel
 from sowtel import save_intermediates, sow
-
-X = np.array([0.3, -0.7, 1.1, 0.5], np.float32)
-T = np.array([1.0, 0.5, -0.25, 2.0], np.float32)
-
-
-def site(h: Any, name: str, eps: Any, i: Any = None) -> Any:
-    if eps is None:
-        return sow(h, name)
-    e = eps[name]
-    return h + (e if i is None else e[i])
-
-
-@dataclasses.dataclass
-class Case:
-    fn: Callable[[Any, Any], Any]  # (x, eps) -> scalar loss
-    primal: Callable[[np.ndarray], dict[str, np.ndarray]]  # hand-derived sown values
-    grad: bool = True  # reverse mode applies
-    jvp: bool = True  # forward mode applies (JAX has no jvp of custom_vjp)
-    # The cotangent reaches the site (not inside a custom_vjp fwd, whose bwd is the user's).
-    cotangent: bool = True
-    x: np.ndarray = dataclasses.field(default_factory=lambda: X)
-
-
-# -- the cases ------------------------------------------------------------------------------
-
-
-def plain_fn(x, eps):
-    h = site(jnp.sin(x) * 2.0, "h", eps)
-    return jnp.sum(h**2)
-
-
-def plain_ref(x):
-    return {"h": np.sin(x) * 2.0}
-
-
-def jit_inside_fn(x, eps):
-    return jax.jit(plain_fn)(x, eps)
-
-
-def scan_fn(x, eps):
-    def body(c, xi):
-        xt, i = xi
-        h = site(jnp.tanh(c * xt + 0.1), "s", eps, i)
-        return c + h, h
-
-    c, _ = jax.lax.scan(body, jnp.float32(1.0), (x, jnp.arange(x.shape[0])))
-    return c**2
-
-
-def scan_ref(x):
-    c, hs = np.float32(1.0), []
-    for xt in x:
-        h = np.tanh(c * xt + 0.1)
-        hs.append(h)
-        c = c + h
-    return {"s": np.array(hs)}
-
-
-def reverse_scan_fn(x, eps):
-    def body(c, xi):
-        xt, i = xi
-        h = site(jnp.sin(c + xt), "r", eps, i)
-        return c * 0.5 + h, None
-
-    c, _ = jax.lax.scan(body, jnp.float32(0.2), (x, jnp.arange(x.shape[0])), reverse=True)
-    return c**2
-
-
-def reverse_scan_ref(x):
-    c, hs = np.float32(0.2), [None] * len(x)
-    for i in reversed(range(len(x))):
-        h = np.sin(c + x[i])
-        hs[i] = h
-        c = c * 0.5 + h
-    return {"r": np.array(hs)}
-
-
-def fori_fn(x, eps):
-    def body(i, c):
-        return c + site(jnp.cos(c) * jnp.asarray(x)[i], "f", eps, i)
-
-    return jax.lax.fori_loop(0, x.shape[0], body, jnp.float32(0.5)) ** 2
-
-
-def fori_ref(x):
-    c, hs = np.float32(0.5), []
-    for xi in x:
-        h = np.cos(c) * xi
-        hs.append(h)
-        c = c + h
-    return {"f": np.array(hs)}
-
-
-def map_fn(x, eps):
-    def f(xi):
-        xv, i = xi
-        return site(xv**3, "m", eps, i)
-
-    return jnp.sum(jax.lax.map(f, (x, jnp.arange(x.shape[0]))) ** 2)
-
-
-def map_ref(x):
-    return {"m": x**3}
-
-
-def nested_scan_fn(x, eps):
-    xs = jnp.asarray(x).reshape(2, 2)
-
-    def outer(c, row_i):
-        row, i = row_i
-
-        def inner(c2, xj):
-            xv, j = xj
-            h = site(jnp.sin(c2 + xv), "n", eps, None if eps is None else (i, j))
-            return c2 + h, None
-
-        c, _ = jax.lax.scan(inner, c, (row, jnp.arange(2)))
-        return c, None
-
-    c, _ = jax.lax.scan(outer, jnp.float32(0.1), (xs, jnp.arange(2)))
-    return c**2
-
-
-def nested_scan_ref(x):
-    c, hs = np.float32(0.1), np.zeros((2, 2), np.float32)
-    for i in range(2):
-        for j in range(2):
-            h = np.sin(c + x[2 * i + j])
-            hs[i, j] = h
-            c = c + h
-    return {"n": hs}
-
-
-def while_fn(x, eps):
-    def body(state):
-        k, v = state
-        v = site(v * 1.5, "w", eps)
-        return k + 1, v
-
-    _, v = jax.lax.while_loop(lambda s: s[0] < 3, body, (0, x))
-    return jnp.sum(v)
-
-
-def while_ref(x):
-    return {"w": x * 1.5**3}
-
-
-def cond_fn(x, eps):
-    def yes(x):
-        return site(x * 2.0, "yes", eps)
-
-    def no(x):
-        return site(x * 3.0, "no", eps)
-
-    return jnp.sum(jax.lax.cond(jnp.sum(x) > 0, yes, no, x) ** 2)
-
-
-def cond_ref(x):
-    nan = np.full_like(x, np.nan)
-    return {"yes": x * 2.0, "no": nan} if x.sum() > 0 else {"yes": nan, "no": x * 3.0}
-
-
-def switch_fn(x, eps):
-    branches = [lambda x: site(x + 1.0, "b0", eps), lambda x: site(x * x, "b1", eps),
-                lambda x: site(-x, "b2", eps)]
-    return jnp.sum(jax.lax.switch(1, branches, x) ** 2)
-
-
-def switch_ref(x):
-    nan = np.full_like(x, np.nan)
-    return {"b0": nan, "b1": x * x, "b2": nan}
-
-
-def checkpoint_fn(x, eps):
-    @jax.checkpoint
-    def block(x):
-        return jnp.sin(site(jnp.tanh(x) * 3.0, "c", eps))
-
-    return jnp.sum(block(x) ** 2)
-
-
-def checkpoint_ref(x):
-    return {"c": np.tanh(x) * 3.0}
-
-
-@jax.custom_jvp
-def _softplus(x):
-    return jnp.log1p(jnp.exp(x))
-
-
-@_softplus.defjvp
-def _softplus_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return _softplus(x), t * jax.nn.sigmoid(x)
-
-
-def custom_jvp_fn(x, eps):
-    return jnp.sum(_softplus(site(x * 2.0, "cj", eps)) ** 2)
-
-
-def custom_jvp_ref(x):
-    return {"cj": x * 2.0}
-
-
-def custom_vjp_fn(x, eps):
-    # The perturbation is an argument of the custom_vjp function: it may not close over tracers.
-    use_sow = eps is None
-    e = jnp.zeros_like(x) if use_sow else eps["fwd"]
-
-    def hooked(y, e):
-        return sow(y, "fwd") if use_sow else y + e
-
-    @jax.custom_vjp
-    def scale(x, e):
-        return hooked(x * 3.0, e)
-
-    def fwd(x, e):
-        return hooked(x * 3.0, e), None
-
-    def bwd(_, ct):
-        return ct * 3.0, ct
-
-    scale.defvjp(fwd, bwd)
-    return jnp.sum(scale(x, e) ** 2)
-
-
-def custom_vjp_ref(x):
-    return {"fwd": x * 3.0}
-
-
-CASES: dict[str, Case] = {
-    "plain": Case(plain_fn, plain_ref),
-    "jit_inside": Case(jit_inside_fn, plain_ref),
-    "scan": Case(scan_fn, scan_ref),
-    "scan_reverse": Case(reverse_scan_fn, reverse_scan_ref),
-    "fori_loop": Case(fori_fn, fori_ref),
-    "lax_map": Case(map_fn, map_ref),
-    "nested_scan": Case(nested_scan_fn, nested_scan_ref),
-    "while_body": Case(while_fn, while_ref, grad=False),
-    "cond": Case(cond_fn, cond_ref),
-    "cond_other_branch": Case(cond_fn, cond_ref, x=-X - 1.0),
-    "switch": Case(switch_fn, switch_ref),
-    "checkpoint": Case(checkpoint_fn, checkpoint_ref),
-    "custom_jvp": Case(custom_jvp_fn, custom_jvp_ref),
-    "custom_vjp": Case(custom_vjp_fn, custom_vjp_ref, jvp=False, cotangent=False),
-}
-
-
-def _assert_primals(inter: dict, ref: dict[str, np.ndarray]) -> None:
-    assert set(inter) == set(ref)
-    for name, value in ref.items():
-        np.testing.assert_allclose(np.asarray(inter[name]["primal"]), value, rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
-
-
-def _zero_eps(inter: dict) -> dict[str, Any]:
-    return {n: jnp.zeros_like(jnp.nan_to_num(m["primal"])) for n, m in inter.items()}
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_plain_call(name: str) -> None:
+from sowtel.records import Record
+from sowtel.summaries import host_summary
+
+streaming = transform_cases.streaming  # the transport fixture of every transform test
+PATHS = ("capture",) + STREAMING
+# The cotangent seed of each reverse-mode transform; the others run forward or not at all.
+REVERSE = {"grad": 1.0, "grad_jit_outside": 1.0, "value_and_grad": 1.0, "vjp": 2.0}
+FORWARD = ("jvp", "linearize")
+DELTA = 1e-3  # the finite differences' step
+
+
+def transformed(transform: str, case: Case) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The case's function under ``transform``, and the arguments to call it with."""
+    f = lambda x: case.fn(x, None)  # noqa: E731
+    if transform in ("call", "call_stats"):
+        return f, (case.x,)
+    if transform in ("grad", "grad_jit_outside"):
+        return jax.grad(f), (case.x,)
+    if transform == "value_and_grad":
+        return jax.value_and_grad(f), (case.x,)
+    if transform == "vjp":
+        return (lambda x, ct: jax.vjp(f, x)[1](ct)), (case.x, jnp.float32(REVERSE["vjp"]))
+    if transform == "jvp":
+        return (lambda x, t: jax.jvp(f, (x,), (t,))), (case.x, T)
+    assert transform == "linearize"
+    return (lambda x, t: jax.linearize(f, x)[1](t)), (case.x, T)
+
+
+def zero_eps(ref: dict[str, np.ndarray]) -> dict[str, Any]:
+    return {n: jnp.zeros_like(jnp.nan_to_num(v)) for n, v in ref.items()}
+
+
+@functools.cache
+def cotangents(name: str) -> dict[str, np.ndarray]:
+    """``jax.grad`` of the loss at a zero perturbation of each site (one per case, shared)."""
     case = CASES[name]
-    out, inter = save_intermediates(lambda x: case.fn(x, None))(case.x)
-    np.testing.assert_allclose(out, case.fn(case.x, _zero_eps(inter)), rtol=1e-6)
-    _assert_primals(inter, case.primal(case.x))
-    assert all(list(m) == ["primal"] for m in inter.values())
+    ct = jax.jit(jax.grad(lambda e: case.fn(case.x, e)))(zero_eps(case.primal(case.x)))
+    return {n: np.asarray(v) for n, v in ct.items()}
 
 
-@pytest.mark.parametrize("jit_outside", [False, True], ids=["eager", "jit_outside"])
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.grad])
-def test_grad_cotangent_equals_grad_of_perturbation(name: str, jit_outside: bool) -> None:
+@functools.cache
+def input_grad(name: str) -> np.ndarray:
+    """``jax.grad`` of the loss with respect to ``x``, perturbation zero: what grad returns."""
     case = CASES[name]
-    wrapped = save_intermediates(jax.grad(lambda x: case.fn(x, None)))
-    if jit_outside:
+    return np.asarray(jax.jit(jax.grad(case.fn))(case.x, zero_eps(case.primal(case.x))))
+
+
+def expected(name: str, transform: str) -> dict[str, dict[str, np.ndarray]]:
+    """Each site's expected value per mode, in the order the modes are reported."""
+    case = CASES[name]
+    ref = case.primal(case.x)
+    want = {n: {"primal": np.asarray(v)} for n, v in ref.items()}
+    if transform in REVERSE and case.cotangent:
+        for n, ct in cotangents(name).items():
+            want[n]["cotangent"] = REVERSE[transform] * ct
+    if transform in FORWARD:
+        if case.tangent is not None:
+            tangent = case.tangent(case.x, T)
+        else:
+            x64, t64 = case.x.astype(np.float64), T.astype(np.float64)
+            plus, minus = case.primal(x64 + DELTA * t64), case.primal(x64 - DELTA * t64)
+            tangent = {n: (np.asarray(plus[n], np.float64) - np.asarray(minus[n], np.float64))
+                       / (2 * DELTA) for n in ref}
+        for n in want:
+            want[n]["tangent"] = np.asarray(tangent[n])
+    return want
+
+
+def tolerance(case: Case, mode: str) -> dict[str, float]:
+    if mode == "tangent" and case.tangent is None:
+        return {"rtol": 2e-2, "atol": 2e-3}  # finite differences
+    return {"rtol": 1e-5, "atol": 1e-6}
+
+
+def matrix() -> Iterator[Any]:
+    for name, case in CASES.items():
+        for transform in case.capture_transforms():
+            yield pytest.param(name, transform, "capture", id=f"{name}-{transform}-capture")
+        for transform in case.streamed:
+            for path in STREAMING:
+                yield pytest.param(name, transform, path, id=f"{name}-{transform}-{path}")
+
+
+@pytest.mark.parametrize(("name", "transform", "path"), list(matrix()))
+def test_matrix(name: str, transform: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "capture":
+        check_capture(name, transform)
+    else:
+        check_stream(name, transform, path, monkeypatch)
+
+
+# -- the capture path -----------------------------------------------------------------------
+
+
+def check_capture(name: str, transform: str) -> None:
+    case = CASES[name]
+    fn, args = transformed(transform, case)
+    wrapped = save_intermediates(fn)
+    if transform == "grad_jit_outside":
         wrapped = jax.jit(wrapped)
-    g, inter = wrapped(case.x)
-    _assert_primals(inter, case.primal(case.x))
-    np.testing.assert_allclose(g, jax.grad(case.fn)(case.x, _zero_eps(inter)), rtol=1e-5)
-    expected = jax.grad(lambda e: case.fn(case.x, e))(_zero_eps(inter))
-    if not case.cotangent:
-        assert all(list(m) == ["primal"] for m in inter.values())
-        return
-    for n, cot in expected.items():
-        got = np.asarray(inter[n]["cotangent"])
-        ran = ~np.isnan(np.asarray(inter[n]["primal"]))
-        # A site whose branch did not run has a NaN cotangent too; where it ran, it must match.
-        np.testing.assert_allclose(got[ran], np.asarray(cot)[ran], rtol=1e-5, atol=1e-6,
-                                   err_msg=n)
-        assert np.isnan(got[~ran]).all()
+    out, inter = wrapped(*args)
+    want = expected(name, transform)
+    if transform == "call":
+        np.testing.assert_allclose(out, case.fn(case.x, zero_eps(case.primal(case.x))),
+                                   rtol=1e-6)
+    if transform in ("grad", "grad_jit_outside"):
+        np.testing.assert_allclose(out, input_grad(name), rtol=1e-5)
+    assert set(inter) == set(want)
+    for n, modes in want.items():
+        got = inter[n]
+        if case.stacked is not None:
+            assert got.stacked == dict.fromkeys(modes, case.stacked), n
+        if transform in FORWARD:
+            assert set(got) == set(modes), n
+        else:
+            assert list(got) == list(modes), n
+        primal = np.asarray(got["primal"])
+        np.testing.assert_allclose(primal, modes["primal"], err_msg=n, **tolerance(case, "primal"))
+        # A site whose branch did not run has NaN derivatives too; where it ran, they match.
+        ran = ~np.isnan(primal)
+        for mode, value in modes.items():
+            if mode == "primal":
+                continue
+            d = np.asarray(got[mode])
+            np.testing.assert_allclose(d[ran], value[ran], err_msg=f"{n} {mode}",
+                                       **tolerance(case, mode))
+            if mode == "cotangent":
+                assert np.isnan(d[~ran]).all()
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.jvp])
-def test_jvp_tangent_equals_finite_differences(name: str) -> None:
+# -- the streaming paths --------------------------------------------------------------------
+
+
+def check_record(r: Record, value: np.ndarray, stats: bool, tol: dict[str, float]) -> None:
+    assert r.shape == value.shape and r.dtype == "float32", (r.name, r.shape, r.dtype)
+    if stats:
+        want = host_summary(value.astype(np.float64), "stats")["stats"]
+        for k, v in want.items():
+            np.testing.assert_allclose(r.stats[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    else:
+        np.testing.assert_allclose(r.value, value, err_msg=f"{r.name} {r.mode}", **tol)
+
+
+def check_stream(name: str, transform: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     case = CASES[name]
-    (y, ty), inter = save_intermediates(
-        lambda x, t: jax.jvp(lambda x: case.fn(x, None), (x,), (t,)))(case.x, T)
-    assert all(set(m) == {"primal", "tangent"} for m in inter.values())
-    delta = 1e-3
-    plus = save_intermediates(lambda x: case.fn(x, None))(case.x + delta * T)[1]
-    minus = save_intermediates(lambda x: case.fn(x, None))(case.x - delta * T)[1]
-    for n in inter:
-        fd = (np.asarray(plus[n]["primal"], np.float64)
-              - np.asarray(minus[n]["primal"], np.float64)) / (2 * delta)
-        got = np.asarray(inter[n]["tangent"])
-        ran = ~np.isnan(np.asarray(inter[n]["primal"]))
-        np.testing.assert_allclose(got[ran], fd[ran], rtol=2e-2, atol=2e-3, err_msg=n)
+    fn, args = transformed(transform, case)
+    stats = transform == "call_stats"
+    records = stream(jit_of(path, monkeypatch)(fn), *args, calls=case.calls,
+                     summary="stats" if stats else "full")
+    want = expected(name, transform)
+    if case.streamed_primal is not None:
+        for n, v in case.streamed_primal(case.x).items():
+            want[n]["primal"] = v
+    # A branch that did not run streams nothing.
+    want = {n: m for n, m in want.items() if not np.isnan(m["primal"]).all()}
+    assert {r.name for r in records} == set(want)
+    for n, modes in want.items():
+        assert {r.mode for r in records if r.name == n} == set(modes), n
+        for mode, value in modes.items():
+            got, tol = by(records, mode, n), tolerance(case, mode)
+            if case.streamed_primal is not None:  # every iteration, in order, unindexed
+                assert len(got) == len(value) and all(r.index is None for r in got)
+                for r, v in zip(got, value, strict=True):
+                    check_record(r, v, stats, tol)
+            elif got[0].index is None:  # once per call
+                assert [(r.step, r.index) for r in got] == [(s, None) for s in range(case.calls)]
+                for r in got:
+                    check_record(r, value, stats, tol)
+            else:  # once per iteration of the loops around the site, each call
+                depth = value.ndim - len(got[0].shape)
+                indices = [i[0] if depth == 1 else i for i in np.ndindex(value.shape[:depth])]
+                for step in range(case.calls):
+                    here = [r for r in got if r.step == step]
+                    assert sorted(r.index for r in here) == indices, (n, mode, step)
+                    for r in here:
+                        check_record(r, value[r.index], stats, tol)
+                assert len(got) == case.calls * len(indices)
+        if "cotangent" in modes and by(records, "primal", n)[0].index is not None:
+            # The backward pass runs the loop in reverse.
+            forward = [r.index for r in by(records, "primal", n) if r.step == 0]
+            assert [r.index for r in by(records, "cotangent", n) if r.step == 0] == forward[::-1]
+    if len(want) == 1 and records[0].index is None and case.streamed_primal is None:
+        # One record per mode per call, in the modes' order.
+        assert [r.mode for r in records] == list(next(iter(want.values()))) * case.calls
+    if case.streamed_primal is not None:
+        # Without at_step the callback transports count occurrences; sowtel.jit counts calls,
+        # and its while-body callbacks carry the call's step.
+        n = len(records)
+        assert [r.step for r in records] == ([0] * n if path == "sowtel.jit" else list(range(n)))
 
 
-def test_value_and_grad_vjp_linearize_keys() -> None:
-    f = lambda x: plain_fn(x, None)  # noqa: E731
-    (v, g), inter = save_intermediates(jax.value_and_grad(f))(X)
-    assert list(inter["h"]) == ["primal", "cotangent"]
-    expected_ct = jax.grad(lambda e: plain_fn(X, e))({"h": jnp.zeros(4)})["h"]
-    np.testing.assert_allclose(inter["h"]["cotangent"], expected_ct, rtol=1e-6)
-
-    def vjp_call(x, ct):
-        y, pullback = jax.vjp(f, x)
-        return pullback(ct)
-
-    _, inter = save_intermediates(vjp_call)(X, jnp.float32(2.0))
-    np.testing.assert_allclose(inter["h"]["cotangent"], 2 * expected_ct, rtol=1e-6)
-
-    def linearized(x, t):
-        y, f_jvp = jax.linearize(f, x)
-        return f_jvp(t)
-
-    _, inter = save_intermediates(linearized)(X, T)
-    np.testing.assert_allclose(inter["h"]["tangent"], 2 * np.cos(X) * T, rtol=1e-5)
-    assert set(inter["h"]) == {"primal", "tangent"}
+# -- capture beyond the matrix ------------------------------------------------------------
 
 
 def test_hessian_and_jvp_of_grad_compose_modes() -> None:
@@ -761,3 +643,102 @@ def test_unsupported_construct_is_an_error_not_a_silent_drop() -> None:
 
     with pytest.raises(NotImplementedError, match="cannot capture sow 'hidden' inside"):
         save_intermediates(g)(X)
+
+
+# -- streaming beyond the matrix ----------------------------------------------------------
+
+
+def plain(x, eps=None):
+    h = jnp.sin(x) * 2.0
+    h = sow(h, "h") if eps is None else h + eps
+    return jnp.sum(h**2)
+
+
+def test_vmap_inside_and_outside_one_record_per_batch(streaming: str) -> None:
+    xs = np.stack([X, X * 2, -X])
+    for fn in (jit(streaming)(jax.vmap(plain)), jax.vmap(jit(streaming)(plain))):
+        [r] = stream(fn, xs)
+        assert r.shape == (3, 4)
+        np.testing.assert_allclose(r.value, 2 * np.sin(xs), rtol=1e-6)
+
+
+def test_vmap_streams_each_leaf_batched_as_it_was(streaming: str) -> None:
+    # A pytree of a batched and an unbatched leaf (out_axes=None on the latter, which turning
+    # streaming on used to break): each leaf's record has the shape the program gives it.
+    xs, s = np.stack([X, X * 2, -X]), np.float32(0.8)
+    pair = jax.vmap(lambda x, s: sow((x * 2.0, jnp.sin(s)), "pair"), in_axes=(0, None),
+                    out_axes=(0, None))
+
+    def loss(xs, s, eps=None):
+        a, b = pair(xs, s) if eps is None else (xs * 2.0 + eps[0], jnp.sin(s) + eps[1])
+        return jnp.sum(a * b**2)
+
+    _, b = jit(streaming)(pair)(xs, s)
+    np.testing.assert_allclose(b, np.sin(s), rtol=1e-6)
+    records = stream(jit(streaming)(jax.grad(loss, argnums=(0, 1))), xs, s)
+    got = {(r.name, r.mode): r for r in records}
+    assert set(got) == {("pair/0", "primal"), ("pair/1", "primal"), ("pair/0", "cotangent"),
+                        ("pair/1", "cotangent")}
+    assert got["pair/0", "primal"].shape == (3, 4) and got["pair/1", "primal"].shape == ()
+    np.testing.assert_allclose(got["pair/0", "primal"].value, 2 * xs, rtol=1e-6)
+    np.testing.assert_allclose(got["pair/1", "primal"].value, np.sin(s), rtol=1e-6)
+    want = jax.grad(lambda e: loss(xs, s, e))((jnp.zeros_like(xs), jnp.float32(0)))
+    assert got["pair/1", "cotangent"].shape == ()  # the rows' sum, as the program holds it
+    np.testing.assert_allclose(got["pair/0", "cotangent"].value, want[0], rtol=1e-5)
+    np.testing.assert_allclose(got["pair/1", "cotangent"].value, want[1], rtol=1e-5)
+
+
+def test_switch_streams_only_the_taken_branch(streaming: str) -> None:
+    def f(x, k):
+        return jax.lax.switch(
+            k, [lambda v: sow(v + 1, "b0"), lambda v: sow(v * 2, "b1"), lambda v: sow(-v, "b2")], x)
+
+    jitted = jit(streaming)(f)
+    for k in (0, 1, 2):
+        [r] = stream(jitted, X, jnp.int32(k))
+        assert r.name == f"b{k}"
+
+
+def test_custom_vjp_fwd_primal_bwd_cotangent(streaming: str) -> None:
+    @jax.custom_vjp
+    def scale(x):
+        return x * 3.0
+
+    def fwd(x):
+        return sow(x * 3.0, "fwd"), None
+
+    def bwd(_, ct):
+        return (sow(ct * 3.0, "bwd"),)
+
+    scale.defvjp(fwd, bwd)
+    records = stream(jit(streaming)(jax.grad(lambda x: jnp.sum(scale(x) ** 2))), X)
+    assert [(r.name, r.mode) for r in records] == [("fwd", "primal"), ("bwd", "cotangent")]
+    np.testing.assert_allclose(records[1].value, 3 * 2 * 3 * X, rtol=1e-6)
+
+
+def test_shard_map_and_pmap_one_record_per_shard(streaming: str) -> None:
+    mesh = jax.make_mesh((8,), ("i",))
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("i")))
+    sm = jax.shard_map(lambda v: sow(v * 2.0, "sm"), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    records = stream(jit(streaming)(jax.grad(lambda v: jnp.sum(sm(v) ** 2))), x)
+    expected = 2.0 * np.arange(16.0).reshape(8, 2)
+    for mode, factor in (("primal", 1.0), ("cotangent", 2.0)):
+        got = by(records, mode)
+        assert sorted(r.index for r in got) == list(range(8))
+        for r in got:
+            np.testing.assert_allclose(r.value, factor * expected[r.index], rtol=1e-6)
+
+    records = stream(jax.pmap(lambda v: sow(v + 1.0, "pm")), np.arange(16.0).reshape(8, 2))
+    assert sorted(r.index for r in records) == list(range(8))
+    for r in records:
+        np.testing.assert_allclose(r.value, np.arange(16.0).reshape(8, 2)[r.index] + 1)
+
+
+def test_sharded_jit_reduces_globally(streaming: str) -> None:
+    mesh = jax.make_mesh((8,), ("i",))
+    x = jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("i")))
+    [r] = stream(jit(streaming)(lambda v: sow(v * 0.5, "g").sum()), x, summary="stats")
+    assert r.shape == (16, 4) and r.index is None
+    expected = host_summary(np.arange(64.0).reshape(16, 4) * 0.5, "stats")["stats"]
+    for k, v in expected.items():
+        np.testing.assert_allclose(r.stats[k], v, rtol=1e-5, err_msg=k)
