@@ -23,9 +23,10 @@ Example:
 
 from sowtel import _cond_rows  # noqa: F401  (sowtel's rule for a vmapped cond)
 from sowtel.alerts import AlertError, AlertWarning, alert
-from sowtel.capture import Intermediates, save_intermediates
+from sowtel.capture import save_intermediates
 from sowtel.compare import Divergence, compare_runs
 from sowtel.dumps import dump, load
+from sowtel.intermediates import Intermediates
 from sowtel.jit import jit
 from sowtel.locate import NonFiniteEvent, NonFiniteReport, locate_nonfinite
 from sowtel.naming import scope

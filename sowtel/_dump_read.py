@@ -595,7 +595,7 @@ def build_tree(f: DumpReader, lazy: bool) -> Any:
     entries = {(e.site, e.mode, e.leaf): e for e in f.info().entries}
 
     # The same container save_intermediates returns, so the site order survives jit too.
-    from sowtel.capture import Intermediates
+    from sowtel.intermediates import Intermediates
 
     def value(name: str, mode: str, node: Any) -> Any:
         def leaf(kind: str, body: Any, path: tuple[Any, ...]) -> np.ndarray:

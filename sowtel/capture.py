@@ -61,7 +61,7 @@ import numpy as np
 from sowtel import _interpret, naming
 from sowtel import _jax_compat as jc
 from sowtel.context import CONTEXT, Context, current_context
-from sowtel.intermediates import nothing_captured
+from sowtel.intermediates import Intermediates, nothing_captured
 from sowtel.naming import check_tag
 
 __all__ = ["Intermediates", "is_dynamic", "over_dynamic", "save_intermediates", "trace_flat"]
@@ -70,54 +70,6 @@ __all__ = ["Intermediates", "is_dynamic", "over_dynamic", "save_intermediates", 
 Stacking = _interpret.Stacking
 _Captured = _interpret.Captured
 
-
-class Intermediates(dict):  # type: ignore[type-arg]
-    """A dict that keeps its insertion order through ``jit`` (plain dicts come back sorted).
-
-    ``save_intermediates`` returns ``{name: {mode: value}}`` as nested ``Intermediates``, names
-    in the order sites ran, modes as primal, tangent, cotangent, then compositions.
-
-    A site's ``{mode: value}`` dict also says which leading axes of a value are not the value's
-    own: ``stacked[mode]`` is ``(("scan", length) | ("shard", count), ...)``, outermost first,
-    for each mode whose value a ``scan`` or a ``shard_map`` stacked (modes with nothing
-    stacked are absent). :func:`sowtel.export` and :func:`sowtel.dump` use it to give one
-    record per iteration and shard, as streaming does.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, sowtel
-        >>> def f(xs):
-        ...     return jax.lax.scan(lambda c, x: (c + sowtel.sow(x * 2.0, "h"), None), 0.0, xs)[0]
-        >>> _, inter = sowtel.save_intermediates(f)(jnp.arange(3.0))
-        >>> inter["h"]["primal"], inter["h"].stacked
-        (Array([0., 2., 4.], dtype=float32), {'primal': (('scan', 3),)})
-    """
-
-    stacked: dict[str, Stacking]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.stacked = {}
-
-    def __repr__(self) -> str:
-        return f"Intermediates({dict.__repr__(self)})"
-
-
-def _flatten_intermediates(d: Intermediates) -> tuple[Any, tuple[Any, ...]]:
-    keys = tuple(d)
-    stacked = tuple(sorted(getattr(d, "stacked", {}).items()))
-    return [(jax.tree_util.DictKey(k), d[k]) for k in keys], (keys, stacked)
-
-
-def _unflatten_intermediates(aux: tuple[Any, ...], values: Any) -> Intermediates:
-    keys, stacked = aux
-    out = Intermediates(zip(keys, values, strict=True))
-    out.stacked = dict(stacked)
-    return out
-
-
-jax.tree_util.register_pytree_with_keys(
-    Intermediates, _flatten_intermediates, _unflatten_intermediates,
-)
 
 DUPLICATE_POLICIES = ("error", "number")
 

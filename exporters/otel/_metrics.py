@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -161,9 +162,8 @@ class SeriesState:
 def session_status() -> dict[str, Any]:
     # The dispatcher keeps these counters; sowtel may be absent, disabled or of another shape.
     try:
-        import sowtel
-
-        status = getattr(sowtel, "status", None)
+        # Looked up, not imported: an exporter sits below the session that runs it.
+        status = getattr(sys.modules.get("sowtel"), "status", None)
         counters = status() if callable(status) else {}
         return counters if isinstance(counters, dict) else {}
     except Exception:
