@@ -1,4 +1,4 @@
-"""Checks of what :func:`sowtel.save_intermediates` captured (``capture.py`` builds it).
+"""Checks of what :func:`sowtel.save_intermediates` captured (the capture pass builds it).
 
 A capture that finds nothing is almost always a mistake: no ``sow`` in the function, or sows
 of another ``tag=``. :func:`nothing_captured` says which, naming the tags the function does sow.
