@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sowtel import _jax_compat as jc
-from sowtel import naming
+from sowtel import errors, naming
 from sowtel.context import CONTEXT, Context, current_context
 from sowtel.primitive import fill_like, sow_p
 
@@ -368,11 +368,8 @@ def _cond_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any], 
             if k in union:
                 prev_shapes = [(s.shape, s.dtype) for s in union[k][1]]
                 if prev_shapes != [(s.shape, s.dtype) for s in c.leaves]:
-                    raise ValueError(
-                        f"sow {c.name!r} ({c.mode}) has different shapes or dtypes in the "
-                        f"branches of a cond/switch ({prev_shapes} vs "
-                        f"{[(s.shape, s.dtype) for s in c.leaves]}): give the sites distinct names"
-                    )
+                    raise errors.BranchMismatchError(
+                        c.name, c.mode, prev_shapes, [(s.shape, s.dtype) for s in c.leaves])
             else:
                 union[k] = (c, list(c.leaves))
         per_branch_keys.append(keys)

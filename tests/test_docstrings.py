@@ -20,7 +20,8 @@ MODULES = [
     "sowtel.exporters._tensorboard_order",
     "sowtel._interpret", "sowtel._interpret_rules", "sowtel.alerts", "sowtel.tap",
     "sowtel.receiver", "sowtel._reductions", "sowtel.context", "sowtel.steps", "sowtel.sites",
-    "sowtel._cond_rows", "sowtel.naming", "sowtel.dispatcher._worker", "sowtel.dispatcher._ledger",
+    "sowtel._cond_rows", "sowtel.naming", "sowtel.errors", "sowtel.dispatcher._worker",
+    "sowtel.dispatcher._ledger",
     "sowtel.exporters._tensorboard_events",
 ]
 

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"records", "_exit", "_jax_compat", "_jax_compat._frames", "_jax_compat._jaxprs",
      "_jax_compat._lowering", "dumps._format", "dispatcher._ledger", "exporters",
      "exporters._tensorboard_events", "exporters._tensorboard_order",
-     "exporters._tensorboard_layout", "exporters.otel._providers", "dashboards"},
+     "exporters._tensorboard_layout", "exporters.otel._providers", "dashboards", "errors"},
     # rules over names and reductions; the plugin's reading of runs
     {"naming", "_reductions", "alerts", "tensorboard_plugin._run", "exporters.otel._metrics"},
     {"summaries", "tensorboard_plugin"},
