@@ -293,7 +293,7 @@ def _scan3_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any],
     with st.in_loop("scan", p["length"], p["reverse"]):
         ys, flat = jc.scan3_over(body, xs, length=p["length"], reverse=p["reverse"],
                                  unroll=p["unroll"])
-    return list(ys), [c.stacked_in("scan", p["length"]) for c in unflat(meta, flat)]
+    return list(ys), st.scanned(unflat(meta, flat), p["length"], p["reverse"])
 
 
 def _while_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Captured]]:
