@@ -44,7 +44,8 @@ class FakeClock:
         self.now = 0.0
         self.waits: Counter[str] = Counter()  # timed or not, by thread name
         self._lock = threading.Lock()
-        self._timed: list[tuple[list[float | bool], threading.Condition]] = []  # [end, up]
+        # The timed waits now: [end, up], their condition, the waiting thread's name.
+        self._timed: list[tuple[list[float | bool], threading.Condition, str]] = []
         self._free_since: float | None = None
 
     def __call__(self) -> float:
@@ -55,7 +56,7 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         with self._lock:
             self.now += seconds
-            up = [(w, cond) for w, cond in self._timed if w[0] <= self.now]
+            up = [(w, cond) for w, cond, _ in self._timed if w[0] <= self.now]
             for w, _ in up:
                 w[1] = True
         for _, cond in up:  # not under self._lock: a waiter takes it holding its condition
@@ -67,7 +68,7 @@ class FakeClock:
         with self._lock:
             self._free_since = time.monotonic()
             waiting = list(self._timed)
-        for _, cond in waiting:
+        for _, cond, _ in waiting:
             with cond:
                 cond.notify_all()
 
@@ -80,8 +81,8 @@ class FakeClock:
         if timeout <= 0:
             return False
         with self._lock:
-            entry: tuple[list[float | bool], threading.Condition] = (
-                [self.now + timeout, False], cond)
+            entry: tuple[list[float | bool], threading.Condition, str] = (
+                [self.now + timeout, False], cond, threading.current_thread().name)
             self._timed.append(entry)
         try:
             cond.wait()  # the caller holds cond: advance() notifies only once this waits
@@ -98,6 +99,16 @@ class FakeClock:
         while self.waits[name] < times and time.monotonic() < deadline:
             time.sleep(0.001)
         assert self.waits[name] >= times, f"{name} never waited"
+
+    def until_timed(self, name: str) -> None:
+        """Returns once the thread ``name`` is in a timed wait whose time is not up."""
+        def timed() -> bool:
+            with self._lock:
+                return any(n == name and not w[1] for w, _, n in self._timed)
+        deadline = time.monotonic() + 60.0  # a safety bound only: fires on a hang
+        while not timed() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert timed(), f"{name} is not in a timed wait"
 
 
 @pytest.fixture
@@ -336,16 +347,18 @@ def test_drop_mode_bounds_the_queue_and_a_slow_backlog_together(made, release):
     assert a["received"] == a["exported"] + a["dropped"] + a["failed"] + a["pending"]
 
 
-def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made):
-    memory, slow = MemoryExporter(), CallLog(write_delay=0.002)
+def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made, clock):
+    # The slow exporter's writes wait until the test lets them end: while they cannot, the
+    # producers must be held back (nothing may be dropped), whatever the machine's speed.
+    may_write = threading.Event()
+    memory, slow = MemoryExporter(), CallLog(write_delay=1.0, sleep=lambda _: may_write.wait(60))
 
     def slow_convert(items):
-        time.sleep(0.0005)
         return [make_record(k, name=f"t{t}") for t, k in items]
 
     queue_size = 16
     d = Dispatcher([memory, slow], convert=slow_convert, queue_size=queue_size,
-                   on_full="block", flush_interval=0.01)
+                   on_full="block", flush_interval=0.01, clock=clock, wait=clock.wait)
     made.append(d)
     most_queued, most_pending, done = [0], [0], threading.Event()
 
@@ -357,21 +370,28 @@ def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made):
             time.sleep(0.0005)
 
     per_thread, threads = 1_000, 4
+    total = per_thread * threads
     accepted = []
     watcher = threading.Thread(target=watch)
     watcher.start()
-    start = time.monotonic()
     producers = [threading.Thread(target=lambda t=t: accepted.append(
         sum(d.put((t, k)) for k in range(per_thread)))) for t in range(threads)]
     for p in producers:
         p.start()
+    # Back-pressure: with the slow exporter's write held, every producer comes to wait for room
+    # inside put(), and only what the bounds let through was taken.
     for p in producers:
-        p.join()
+        clock.until_waiting(p)
+    held = d.status()
+    assert held["received"] <= 4 * queue_size + 2 and held["dropped"] == 0
+    assert all(p.is_alive() for p in producers) and accepted == []
+    may_write.set()
+    for p in producers:
+        p.join(60.0)  # a safety bound only
+    assert not any(p.is_alive() for p in producers)
     assert d.flush(timeout=30.0)
-    elapsed = time.monotonic() - start
     done.set()
     watcher.join()
-    total = per_thread * threads
     assert accepted == [per_thread] * threads
     s = d.status()
     assert s["dropped"] == 0 and s["exporter_dropped"] == {"memory": 0, "CallLog": 0}
@@ -382,10 +402,8 @@ def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made):
     # most its bound plus one batch (itself at most queue_size items).
     assert most_queued[0] <= queue_size
     assert most_pending[0] <= 2 * queue_size
-    # Back-pressure really happened: the slow exporter's writes pace the producers. A lower
-    # bound only: each write sleeps its 2 ms, and a sleep never ends early, however loaded.
-    n_writes = sum(1 for kind, _ in slow.calls if kind == "write")
-    assert elapsed >= n_writes * 0.002
+    # Nothing above waited for a timeout: notifications alone moved every record.
+    assert clock() == 0.0
 
 
 # -- a failing exporter ------------------------------------------------------------------------
@@ -568,15 +586,41 @@ def test_flush_returns_false_on_timeout_then_true(made, clock):
     assert slow.steps == [1]
 
 
-def test_periodic_flush_reaches_exporters_without_explicit_flush(made):
+def until(condition: Callable[[], bool]) -> None:
+    """Waits for ``condition`` to hold (a safety bound of 60 s fires only on a hang)."""
+    deadline = time.monotonic() + 60.0
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert condition()
+
+
+def test_periodic_flush_reaches_exporters_without_explicit_flush(made, clock):
+    # Seconds exact in binary: the clock's sums are exact, so "due at 1 s" is exactly 1 s.
     log = CallLog()
-    d = Dispatcher([log], convert=convert, flush_interval=0.05)
+    d = Dispatcher([log], convert=convert, flush_interval=0.5, clock=clock, wait=clock.wait)
     made.append(d)
+    # A write leaves the exporter to be flushed one flush_interval after its last flush.
     d.put(7)
-    deadline = time.monotonic() + 5.0
-    while ("flush", 0) not in log.calls and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert log.steps == [7] and ("flush", 0) in log.calls
+    d.convert_now()
+    until(lambda: log.calls == [("write", 1)])
+    clock.until_timed("sowtel-exporter-CallLog")  # written at 0 s; the flush is due at 0.5 s
+    clock.until_timed("sowtel-dispatcher")  # it drained at 0 s; it looks again at 0.5 s
+    clock.advance(0.375)
+    clock.until_timed("sowtel-exporter-CallLog")
+    assert log.calls == [("write", 1)]  # not yet
+    clock.advance(0.125)
+    until(lambda: len(log.calls) == 2)
+    assert log.calls == [("write", 1), ("flush", 0)]
+    # A slowly filling queue is drained one flush_interval after the dispatcher's last drain.
+    clock.until_timed("sowtel-dispatcher")  # it looked at 0.5 s: the next look is at 1 s
+    d.put(8)
+    clock.advance(0.375)
+    clock.until_timed("sowtel-dispatcher")
+    assert log.steps == [7]  # not yet
+    clock.advance(0.125)
+    until(lambda: len(log.calls) == 4)
+    assert log.steps == [7, 8]
+    assert log.calls[2:] == [("write", 1), ("flush", 0)]  # the last flush was 0.5 s ago
 
 
 def test_flush_from_inside_an_exporter_does_not_deadlock(made):
@@ -749,15 +793,27 @@ def test_benchmark_script_runs_and_prints_its_table():
         assert any(line.startswith(row) for line in lines), row
 
 
-def test_periodic_flush_happens_under_a_steady_stream(made):
-    log = CallLog(write_delay=0.08)  # slower than the drains: its backlog never runs empty
-    d = Dispatcher([log], convert=convert, flush_interval=0.05, queue_size=100_000)
+def test_periodic_flush_happens_under_a_steady_stream(made, clock):
+    # Every write takes 0.08 s of the clock, longer than flush_interval, and the backlog holds
+    # every record before the first write ends: it never runs empty between writes, yet the
+    # exporter is flushed on schedule, after every write.
+    may_write = threading.Event()
+
+    def slow(seconds: float) -> None:
+        assert may_write.wait(60.0)
+        clock.advance(seconds)
+
+    log = CallLog(write_delay=0.08, sleep=slow)
+    d = Dispatcher([log], convert=convert, flush_interval=0.05, queue_size=100_000,
+                   clock=clock, wait=clock.wait)
     made.append(d)
-    t0 = time.monotonic()
-    i = 0
-    while time.monotonic() - t0 < 0.6:
-        d.put(i)
-        i += 1
-        time.sleep(0.0005)
-    flushes = [k for k, _ in log.calls if k == "flush"]
-    assert len(flushes) >= 3
+    n = 1000
+    assert all(d.put(i) for i in range(n))
+    d.convert_now()
+    until(lambda: d.status()["backlog"]["CallLog"] == n)  # the first write is held
+    may_write.set()
+    until(lambda: len(log.steps) == n and len(log.calls) % 2 == 0)
+    writes = [k for k, _ in log.calls].count("write")
+    assert writes >= 3
+    assert [k for k, _ in log.calls] == ["write", "flush"] * writes
+    assert log.steps == list(range(n))
