@@ -140,7 +140,7 @@ def returns_without_time(clock: FakeClock, fn: Callable[[], object]) -> object:
 
 class CallLog:
     """An exporter that remembers every call, its thread, and the records written; each write
-    takes ``write_delay`` seconds of ``sleep`` (a fake clock's ``advance``: of that clock)."""
+    calls ``sleep(write_delay)`` (a test gives one that waits for it, or moves a fake clock)."""
 
     def __init__(self, write_delay: float = 0.0,
                  sleep: Callable[[float], object] = time.sleep) -> None:
@@ -481,7 +481,7 @@ def test_hung_exporter_in_drop_mode_never_blocks_training_nor_the_others(made, r
     flushing, flushed = in_thread(lambda: d.flush(timeout=10.0))
     clock.until_waiting(flushing)
     clock.advance(3.9)
-    flushing.join(0.2)
+    clock.until_timed(flushing.name)  # it looked again at that time, and waits on
     assert flushing.is_alive()  # not stalled yet: still waiting
     clock.advance(0.2)
     flushing.join(60.0)
@@ -508,7 +508,7 @@ def test_hung_exporter_in_block_mode_applies_back_pressure_then_is_skipped(made,
     # The producer waits for the hung exporter until it is declared stalled (its write lasted
     # past exporter_timeout, 0.5 s), then goes on: not sooner, not forever.
     clock.advance(0.4)
-    producer.join(0.2)
+    clock.until_timed(producer.name)  # it looked again at that time, and waits on
     assert producer.is_alive()
     clock.advance(0.2)
     producer.join(60.0)
@@ -531,7 +531,7 @@ def test_close_is_bounded_by_its_timeout_while_an_exporter_hangs(release, clock)
     closing, _ = in_thread(lambda: d.close(timeout=0.5))
     clock.until_waiting(closing)
     clock.advance(0.4)
-    closing.join(0.2)
+    clock.until_timed(closing.name)  # it looked again at that time, and waits on
     assert closing.is_alive()  # its 0.5 s are not up
     clock.advance(0.2)
     closing.join(60.0)
@@ -575,7 +575,7 @@ def test_flush_returns_false_on_timeout_then_true(made, clock):
     flushing, flushed = in_thread(lambda: d.flush(timeout=0.2))
     clock.until_waiting(flushing)
     clock.advance(0.1)
-    flushing.join(0.2)
+    clock.until_timed(flushing.name)  # it looked again at that time, and waits on
     assert flushing.is_alive()
     clock.advance(0.15)
     flushing.join(60.0)
