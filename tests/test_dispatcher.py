@@ -91,14 +91,12 @@ class FakeClock:
                 self._timed.remove(entry)
         return not entry[0][1]
 
-    def until_waiting(self, thread: threading.Thread | str, times: int = 1) -> None:
-        """Returns once ``thread`` (or the thread of that name) waited ``times`` times (it read
-        the clock for its deadline before its first wait)."""
-        name = thread if isinstance(thread, str) else thread.name
+    def until_waiting(self, thread: threading.Thread) -> None:
+        """Returns once ``thread`` waited (it read the clock for its deadlines before)."""
         deadline = time.monotonic() + 60.0  # a safety bound only: fires on a hang
-        while self.waits[name] < times and time.monotonic() < deadline:
+        while not self.waits[thread.name] and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert self.waits[name] >= times, f"{name} never waited"
+        assert self.waits[thread.name], f"{thread.name} never waited"
 
     def until_timed(self, name: str) -> None:
         """Returns once the thread ``name`` is in a timed wait whose time is not up."""
