@@ -21,7 +21,10 @@ Example:
     ['cotangent', 'primal']
 """
 
-from sowtel import _cond_rows  # noqa: F401  (sowtel's rule for a vmapped cond)
+from sowtel import (
+    _cond_rows,  # noqa: F401  (sowtel's rule for a vmapped cond)
+    errors,
+)
 from sowtel.alerts import AlertError, AlertWarning, alert
 from sowtel.capture import save_intermediates
 from sowtel.compare import Divergence, compare_runs
@@ -45,7 +48,7 @@ __all__ = [
     "dump", "enable", "export",
     "flush", "jit", "load", "locate_nonfinite", "log", "NonFiniteError", "NonFiniteEvent",
     "NonFiniteReport", "NonFiniteWarning",
-    "save_intermediates", "scope", "sow", "status", "tap",
+    "save_intermediates", "scope", "sow", "status", "tap", "errors",
 ]
 
 # Integrations whose frameworks are optional: imported on first use, so `sowtel.optax.watch`

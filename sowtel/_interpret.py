@@ -23,8 +23,9 @@ with a message saying so under ``duplicates="error"``.
 
 The evaluator runs one pass (:class:`Pass`), passed explicitly to it and to every rule:
 the capture pass of ``save_intermediates`` (:func:`eval_capture`), ``sowtel.jit``'s
-summary pass (:func:`eval_summaries`) and ``sowtel.tap``'s pass (:func:`eval_taps`). Its
-rules for JAX's own constructs are in :mod:`sowtel._interpret_rules`.
+summary pass (:func:`eval_summaries`), ``sowtel.tap``'s pass (:func:`eval_taps`) and
+``sowtel.locate_nonfinite``'s (:func:`eval_locate`). Its rules for JAX's own constructs are in
+:mod:`sowtel._interpret_rules`.
 
 Example:
     >>> import jax, jax.numpy as jnp, sowtel
@@ -56,13 +57,16 @@ from sowtel._interpret_rules import (
     Stacking,
     bind_plain,
     custom_jvp_rule,
+    keep_last_iteration,
+    stacked_scan,
 )
 from sowtel.context import CONTEXT, Context, current_context
 from sowtel.primitive import sow_effect, sow_p, taken_rows
 
-__all__ = ["CALLS_BACK", "NOT_DUE", "Captured", "Pass", "Reruns", "Stacking", "SummaryPass",
-           "TapPass", "eval_capture", "eval_summaries", "eval_taps", "fallback_sites", "hides_sows",
-           "library_rule", "site_params", "sites_of"]
+__all__ = ["CALLS_BACK", "NOT_DUE", "Captured", "CheckedEquation", "LocatePass", "Pass", "Reruns",
+           "Stacking", "SummaryPass", "TapPass", "any_flag", "eval_capture", "eval_locate",
+           "eval_summaries", "eval_taps", "fallback_sites", "hides_sows", "library_rule",
+           "nonfinite_flag", "site_params", "sites_of"]
 
 Wanted = Callable[[dict[str, Any]], bool]
 
@@ -329,12 +333,132 @@ class TapPass:
         return self.sow(outs, name)
 
 
+def nonfinite_flag(x: Any) -> Any:
+    """Whether ``x`` holds a NaN or an infinity: a bool array, or Python False where it cannot
+    (integer values) and a Python bool for a concrete value, so no check is compiled for them."""
+    if isinstance(x, float | complex):  # a Python scalar of a literal
+        return bool(not np.isfinite(x))
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+        return False
+    if isinstance(x, np.ndarray | np.generic):
+        return bool(not np.isfinite(x).all())
+    return jnp.logical_not(jnp.all(jnp.isfinite(x)))
+
+
+def any_flag(flags: Any) -> Any:
+    """The or of :func:`nonfinite_flag` values, Python False while none can be True."""
+    acc: Any = False
+    for f in flags:
+        if f is True:
+            return True
+        if f is not False:
+            acc = f if acc is False else jnp.logical_or(acc, f)
+    return acc
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedEquation:
+    """An equation the locate pass checks: where it is and what JAX knew of it when traced.
+
+    ``path``: outermost first, the index of each enclosing equation in its jaxpr, and after a
+    loop's index the loop as ``(kind, length, reverse)``; ``stack``: the name stacks of the
+    enclosing equations and its own, joined; ``site``: the sow site traced last before it.
+    """
+
+    eqn: Any
+    path: tuple[Any, ...]
+    stack: tuple[tuple[str, str], ...]
+    site: str | None
+
+
+@dataclasses.dataclass
+class LocatePass:
+    """A pass that checks every primitive for a non-finite value made from finite inputs
+    (``sowtel.locate_nonfinite``), its sows dropped (streaming is off inside).
+
+    Each checked equation gives a ``Captured`` whose ``site`` is its :class:`CheckedEquation`
+    and whose leaves are ``[hit, *iteration]``: whether it made one, and, outermost first,
+    the iteration of each enclosing loop where it first did (in the order the loop ran).
+    """
+
+    site: str | None = None  # the last sow site traced
+    path: list[Any] = dataclasses.field(default_factory=list)
+    stacks: list[tuple[tuple[str, str], ...]] = dataclasses.field(default_factory=list)
+    # The site on entry to each enclosing equation: every evaluation of a body starts from it
+    # (a cond's branches, a body traced twice), so a site is the last one before in the code.
+    entry_sites: list[str | None] = dataclasses.field(default_factory=list)
+    count: int = 0
+
+    #: The constructs whose bodies are checked equation by equation; any other primitive
+    #: (a library's solver, shard_map) is checked as one.
+    CONSTRUCTS = frozenset({"call", "custom_jvp", "custom_vjp", "checkpoint", "scan", "while",
+                            "cond"})
+
+    def enter(self, index: int, eqn: Any) -> None:
+        self.path.append(index)
+        self.stacks.append(tuple(jc.equation_name_stack(eqn)))
+        self.entry_sites.append(self.site)
+
+    def leave(self) -> None:
+        self.path.pop()
+        self.stacks.pop()
+        self.entry_sites.pop()
+
+    def begin_body(self) -> None:
+        if self.entry_sites:
+            self.site = self.entry_sites[-1]
+
+    def check(self, eqn: Any, invals: list[Any], outs: list[Any]) -> list[Captured]:
+        """The check of a primitive's outputs: a capture when they can be non-finite."""
+        made = any_flag(nonfinite_flag(o) for o in outs)
+        if made is False:
+            return []
+        before = any_flag(nonfinite_flag(x) for x in invals)
+        hit = made if before is False else jnp.logical_and(made, jnp.logical_not(before))
+        if hit is False:
+            return []
+        where = CheckedEquation(eqn, tuple(self.path),
+                                tuple(x for s in self.stacks for x in s), self.site)
+        self.count += 1
+        return [Captured(f"check{self.count}", "primal", None, [jnp.asarray(hit, bool)],
+                         site=where)]
+
+    def scanned(self, caps: list[Captured], reverse: bool) -> list[Captured]:
+        """A scan's checks (stacked): the first iteration that hit, in the order it ran."""
+        out = []
+        for c in caps:
+            hits, *inner = c.leaves
+            at = hits.shape[0] - 1 - jnp.argmax(hits[::-1]) if reverse else jnp.argmax(hits)
+            out.append(c.with_leaves([jnp.any(hits), at, *(i[at] for i in inner)]))
+        return out
+
+    def kept_in_while(self, caps: list[Captured], kept: list[Any]) -> list[Captured]:
+        """A while_loop's checks: ``[seen, at, *inner]``, ``at`` the first iteration that hit
+        once seen, the count of iterations run until then."""
+        out, i = [], 0
+        for c in caps:
+            hit, *inner = c.leaves
+            if kept:
+                seen, at, *before = kept[i:i + len(inner) + 2]
+            else:
+                seen, at, before = jnp.zeros((), bool), jnp.zeros((), jnp.int32), inner
+            i += len(inner) + 2
+            new = jnp.logical_and(hit, jnp.logical_not(seen))
+            done = jnp.logical_or(seen, hit)
+            out.append(c.with_leaves([done, jnp.where(done, at, at + 1),
+                                      *(jnp.where(new, a, b) for a, b in zip(inner, before,
+                                                                             strict=True))]))
+        return out
+
+
 @dataclasses.dataclass
 class Pass:
     """One evaluation of a jaxpr: which pass runs, given to the evaluator and every rule.
 
     ``tag``: the tag ``save_intermediates`` captures (None in a summary or tap pass);
-    ``summary`` / ``tap``: the summary pass of ``sowtel.jit`` or the tap pass of ``sowtel.tap``;
+    ``summary`` / ``tap`` / ``locate``: the summary pass of ``sowtel.jit``, the tap pass of
+    ``sowtel.tap`` or the locate pass of ``sowtel.locate_nonfinite``;
     ``reruns``: what the library primitives of the pass ran (see :class:`Reruns`);
     ``transposed``: how many transposed equations (a backward pass) enclose the one evaluated.
     A pass is passed explicitly: one started while another is evaluated (a trace inside a
@@ -344,6 +468,7 @@ class Pass:
     tag: str | None = None
     summary: SummaryPass | None = None
     tap: TapPass | None = None
+    locate: LocatePass | None = None
     reruns: Reruns = dataclasses.field(default_factory=Reruns)
     transposed: int = 0
 
@@ -361,8 +486,8 @@ class Pass:
         return _wanted(params, summaries=self.summary is not None)
 
     def has_capture(self, jaxpr: Any) -> bool:
-        """Whether ``jaxpr`` holds a sow this pass wants."""
-        return _has_wanted(jaxpr, self.summary is not None)
+        """Whether ``jaxpr`` holds a sow this pass wants (the locate pass wants none)."""
+        return self.locate is None and _has_wanted(jaxpr, self.summary is not None)
 
     def first_capture_name(self, jaxpr: Any) -> str:
         """The name of the first sow in ``jaxpr`` this pass wants ("?" if none)."""
@@ -371,7 +496,14 @@ class Pass:
     @contextlib.contextmanager
     def in_loop(self, kind: str, length: int = 0, reverse: bool = False) -> Iterator[None]:
         """Notes, for the summary pass, that the equations evaluated inside sit in this loop."""
-        summary_pass = self.summary
+        summary_pass, locate = self.summary, self.locate
+        if locate is not None:
+            locate.path.append((kind, length, reverse))
+            try:
+                yield
+            finally:
+                locate.path.pop()
+            return
         if summary_pass is None:
             yield
             return
@@ -380,6 +512,19 @@ class Pass:
             yield
         finally:
             summary_pass.loops.pop()
+
+    def scanned(self, caps: list[Captured], length: int, reverse: bool) -> list[Captured]:
+        """What a scan keeps of its body's captures, stacked over its iterations."""
+        if self.locate is not None:
+            return self.locate.scanned(caps, reverse)
+        return stacked_scan(caps, length)
+
+    def kept_in_while(self, caps: list[Captured], kept: list[Any]) -> list[Captured]:
+        """What a while_loop carries of its body's captures: ``caps`` (this iteration's) over
+        ``kept`` (what it carried in; empty while the loop's shapes are traced)."""
+        if self.locate is not None:
+            return self.locate.kept_in_while(caps, kept)
+        return keep_last_iteration(caps, kept)
 
 
 def eval_capture(jaxpr: Any, consts: list[Any], args: list[Any],
@@ -407,6 +552,13 @@ def eval_summaries(jaxpr: Any, consts: list[Any], args: list[Any],
     summary_pass.fallback = frozenset(
         p["site"].name for p in fallback_sites(jaxpr, streams))
     return Pass(summary=summary_pass).eval(jaxpr, consts, args)
+
+
+def eval_locate(jaxpr: Any, consts: list[Any], args: list[Any],
+                locate: LocatePass) -> tuple[list[Any], list[Captured]]:
+    """Evaluates ``jaxpr`` checking every primitive (``sowtel.locate_nonfinite``): its outputs
+    and one ``Captured`` per check (see :class:`LocatePass`), in trace order."""
+    return Pass(locate=locate).eval(jaxpr, consts, args)
 
 
 def _wanted(params: dict[str, Any], summaries: bool) -> bool:
@@ -456,13 +608,17 @@ def _eval(st: Pass, jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
     captured: list[Captured] = []
-    tap = st.tap
-    for eqn in jaxpr.eqns:
+    tap, locate = st.tap, st.locate
+    if locate is not None:
+        locate.begin_body()
+    for k, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         transposed = jc.eqn_transposed(eqn)
         st.transposed += transposed
         if tap is not None:
             tap.path.append(id(eqn))
+        if locate is not None:
+            locate.enter(k, eqn)
         try:
             # Re-bound in the backward pass where JAX's made it: the lowering of what is bound
             # as it is (a library's primitive) tells a recomputation by that (see _eval_sow).
@@ -475,6 +631,8 @@ def _eval(st: Pass, jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list
             st.transposed -= transposed
             if tap is not None:
                 tap.path.pop()
+            if locate is not None:
+                locate.leave()
         captured.extend(caps)
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
@@ -484,6 +642,8 @@ def _eval(st: Pass, jaxpr: Any, consts: Any, args: Any) -> tuple[list[Any], list
 def _eval_eqn(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Captured]]:
     prim = eqn.primitive
     tap = st.tap
+    if st.locate is not None:
+        return _locate_eqn(st, st.locate, eqn, invals)
     if tap is not None:
         # sowtel.tap: a construct holding a site runs its rule (its body evaluated, so the site
         # is sown inside it); everything else, a sow included, is bound as it was traced.
@@ -507,6 +667,19 @@ def _eval_eqn(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Ca
     if rule is None:
         return _library_rule(st, eqn, invals)
     return rule(st, eqn, invals)
+
+
+def _locate_eqn(st: Pass, locate: LocatePass, eqn: Any,
+                invals: list[Any]) -> tuple[list[Any], list[Captured]]:
+    if eqn.primitive is sow_p:
+        p = eqn.params
+        locate.site = f"{p['site'].name} ({p['mode']})"
+        return list(invals[:len(invals) - len(p["site"].extras)]), []
+    kind = jc.construct(eqn)
+    if kind in locate.CONSTRUCTS and not (kind == "scan" and jc.loop_parts(eqn)["length"] == 0):
+        return RULES[kind](st, eqn, invals)
+    outs = bind_plain(eqn, invals)
+    return outs, locate.check(eqn, invals, outs)
 
 
 def _tap_custom_rule(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Captured]]:

@@ -31,12 +31,13 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sowtel import _jax_compat as jc
-from sowtel import naming
+from sowtel import errors, naming
 from sowtel.context import CONTEXT, Context, current_context
 from sowtel.primitive import fill_like, sow_p
 
 __all__ = ["RULES", "Captured", "Evaluation", "Stacking", "bind_plain", "call_rule",
-           "custom_jvp_rule", "fill_value", "leaves_of", "unflat"]
+           "custom_jvp_rule", "fill_value", "keep_last_iteration", "leaves_of", "stacked_scan",
+           "unflat"]
 
 
 #: How a value was stacked: ``(("scan", length) | ("shard", count), ...)``, outermost first.
@@ -102,6 +103,15 @@ class Evaluation(Protocol):
 
     def in_loop(self, kind: str, length: int = 0,
                 reverse: bool = False) -> contextlib.AbstractContextManager[None]: ...
+
+    # The two hooks where passes differ in what a loop keeps of its iterations: capture keeps
+    # every iteration of a scan (stacked) and the last of a while_loop (keep_last_iteration);
+    # locate_nonfinite keeps the first iteration that made a non-finite value.
+    def scanned(self, caps: list[Captured], length: int,
+                reverse: bool) -> list[Captured]: ...
+
+    def kept_in_while(self, caps: list[Captured],
+                      kept: list[Any]) -> list[Captured]: ...
 
 
 def bind_plain(eqn: Any, invals: list[Any]) -> list[Any]:
@@ -261,7 +271,7 @@ def _scan_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any], 
         carry, (ys, flat) = jax.lax.scan(
             body, list(init), list(xs), length=p["length"], reverse=p["reverse"],
             unroll=p["unroll"])
-    return [*carry, *ys], [c.stacked_in("scan", p["length"]) for c in unflat(meta, flat)]
+    return [*carry, *ys], st.scanned(unflat(meta, flat), p["length"], p["reverse"])
 
 
 def _scan3_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Captured]]:
@@ -283,7 +293,7 @@ def _scan3_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any],
     with st.in_loop("scan", p["length"], p["reverse"]):
         ys, flat = jc.scan3_over(body, xs, length=p["length"], reverse=p["reverse"],
                                  unroll=p["unroll"])
-    return list(ys), [c.stacked_in("scan", p["length"]) for c in unflat(meta, flat)]
+    return list(ys), st.scanned(unflat(meta, flat), p["length"], p["reverse"])
 
 
 def _while_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Captured]]:
@@ -301,18 +311,10 @@ def _while_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any],
     def body_fn(state: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
         carry, kept = state
         outs, caps = st.eval_body(body, [*body_consts, *carry])
+        # What the loop carries of its sites (kept is empty where the shapes are traced).
+        caps = st.kept_in_while(caps, kept)
         meta[:] = caps
-        flat = leaves_of(caps)
-        if kept:
-            # A site's value is its last forward iteration's. A loop that runs in a backward
-            # pass (a checkpointed while_loop's bwd, as Equinox's) runs the iterations last
-            # first: there the last forward iteration's cotangent is the first one it computes
-            # (its iterations that recompute forward code fill the site, as an untaken branch
-            # does: NaN, or 0 for other dtypes; those are skipped).
-            first = [naming.runs_backward(c.mode) for c in caps for _ in c.leaves]
-            flat = [jnp.where(jnp.all(_is_fill(old)), new, old) if keep_first else new
-                    for new, old, keep_first in zip(flat, kept, first, strict=True)]
-        return outs, flat
+        return outs, leaves_of(caps)
 
     def cond_fn(state: tuple[list[Any], list[Any]]) -> Any:
         pred = st.eval_body(cond, [*cond_consts, *state[0]])[0][0]
@@ -332,6 +334,29 @@ def _while_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any],
         if summary_pass is not None:
             summary_pass.in_while -= 1
     return list(state[0]), unflat(meta, state[1])
+
+
+def stacked_scan(caps: list[Captured], length: int) -> list[Captured]:
+    """What capture keeps of a scan's sites: every iteration, stacked."""
+    return [c.stacked_in("scan", length) for c in caps]
+
+
+def keep_last_iteration(caps: list[Captured], kept: list[Any]) -> list[Captured]:
+    """What capture keeps of a while_loop's sites: ``caps`` (this iteration's) over ``kept``.
+
+    A site's value is its last forward iteration's. A loop that runs in a backward pass (a
+    checkpointed while_loop's bwd, as Equinox's) runs the iterations last first: there the
+    last forward iteration's cotangent is the first one it computes (its iterations that
+    recompute forward code fill the site, as an untaken branch does: NaN, or 0 for other
+    dtypes; those are skipped).
+    """
+    if not kept:
+        return caps
+    flat = leaves_of(caps)
+    first = [naming.runs_backward(c.mode) for c in caps for _ in c.leaves]
+    flat = [jnp.where(jnp.all(_is_fill(old)), new, old) if keep_first else new
+            for new, old, keep_first in zip(flat, kept, first, strict=True)]
+    return unflat(caps, flat)
 
 
 def _is_fill(x: Any) -> Any:
@@ -368,11 +393,8 @@ def _cond_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any], 
             if k in union:
                 prev_shapes = [(s.shape, s.dtype) for s in union[k][1]]
                 if prev_shapes != [(s.shape, s.dtype) for s in c.leaves]:
-                    raise ValueError(
-                        f"sow {c.name!r} ({c.mode}) has different shapes or dtypes in the "
-                        f"branches of a cond/switch ({prev_shapes} vs "
-                        f"{[(s.shape, s.dtype) for s in c.leaves]}): give the sites distinct names"
-                    )
+                    raise errors.BranchMismatchError(
+                        c.name, c.mode, prev_shapes, [(s.shape, s.dtype) for s in c.leaves])
             else:
                 union[k] = (c, list(c.leaves))
         per_branch_keys.append(keys)

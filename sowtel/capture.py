@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sowtel import _interpret, naming
+from sowtel import _interpret, errors, naming
 from sowtel import _jax_compat as jc
 from sowtel.context import CONTEXT, Context, current_context
 from sowtel.intermediates import Intermediates, nothing_captured
@@ -180,9 +180,7 @@ def _join_branches(caps: list[_Captured]) -> list[_Captured]:
         j = first[key]
         kept = joined[j]
         if [(x.shape, x.dtype) for x in kept.leaves] != [(x.shape, x.dtype) for x in c.leaves]:
-            raise ValueError(
-                f"sow {c.name!r} ({c.mode}) has different shapes or dtypes in the branches of "
-                "a cond/switch: give the sites distinct names")
+            raise errors.BranchMismatchError(c.name, c.mode)
         leaves = [jnp.where(jnp.isnan(a) if jnp.issubdtype(a.dtype, jnp.inexact) else a == 0,
                             b, a) for a, b in zip(kept.leaves, c.leaves, strict=True)]
         joined[j] = kept.with_leaves(leaves)
@@ -210,23 +208,8 @@ def _assemble(caps: list[_Captured], duplicates: str) -> dict[str, dict[str, Any
             count = max(len(group) for _, group in modes)
             again = next((c for _, group in modes for _, c in group if c.rerun), None)
             if again is not None:
-                raise ValueError(
-                    f"sow {name!r} ({again.mode}) runs again in a second {again.rerun!r} "
-                    "primitive that runs the functions of an earlier one: the derivative rules "
-                    "of a solver (the implicit-function theorem) run them again, on the "
-                    "solution and on the tangent or transposed system, so the site has "
-                    f"{count} occurrences, each the value of one run. Pass "
-                    "save_intermediates(..., duplicates='number') to capture every run as "
-                    f"{name}_0, {name}_1, ... (the names streaming gives them), capture the "
-                    "solver undifferentiated (save_intermediates(f), not "
-                    "save_intermediates(jax.grad(f))), or sow a value computed outside the "
-                    "solver's functions (its solution, or a residual after it).")
-            raise ValueError(
-                f"sow name {name!r} is used {count} times; names must be unique under "
-                "duplicates='error': rename the sites, or pass "
-                "save_intermediates(..., duplicates='number') to get "
-                f"{name}_0, {name}_1, ..."
-            )
+                raise errors.DuplicateSiteError(name, count, again.mode, again.rerun)
+            raise errors.DuplicateSiteError(name, count)
         for mode, group in modes:
             # Occurrence order (a backward mode's sites ran last-first): name_0 first.
             for key, c in (reversed(group) if naming.runs_backward(mode) else group):
@@ -370,14 +353,9 @@ def save_intermediates(
         Array([1., 1.], dtype=float32)
     """
     if not callable(fn):
-        raise TypeError(
-            f"save_intermediates needs a callable, got {type(fn).__name__} {fn!r:.60}: "
-            "pass the function itself, e.g. save_intermediates(jax.grad(loss))"
-        )
+        raise errors.NotCallableError(fn)
     if duplicates not in DUPLICATE_POLICIES:
-        raise ValueError(
-            f"duplicates={duplicates!r} is not a duplicate policy: use 'error' or 'number'"
-        )
+        raise errors.DuplicatePolicyError(duplicates)
     check_tag(tag)
     cache: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
     # The message of a trace that captured nothing, warned about once by the first call.

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import numpy as np
 
+from sowtel import errors
+
 if TYPE_CHECKING:
     from sowtel.sites import StreamSite
 
@@ -214,6 +216,5 @@ def check_positive_int(value: Any, what: str) -> int:
     """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         func, _, arg = what.rpartition(" ")
-        raise ValueError(f"{func}({arg}={value!r}): {arg} must be a positive int, such as 1 "
-                         "or 10")
+        raise errors.NotPositiveIntError(func, arg, value)
     return int(value)

@@ -40,20 +40,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sowtel import _jax_compat as jc
 from sowtel import naming
+from sowtel._interpret import (
+    Captured,
+    CheckedEquation,
+    LocatePass,
+    any_flag,
+    eval_locate,
+    nonfinite_flag,
+)
 from sowtel.context import CONTEXT, Context
 from sowtel.naming import check_tag
-from sowtel.primitive import sow_p
 
 __all__ = ["NonFiniteEvent", "NonFiniteReport", "locate_nonfinite"]
-
-# One level of an equation's position: (equation index, cond branch, enclosing loop) where the
-# loop is (kind, length, reverse) for the scan or while_loop equation at that index.
-_Loop = tuple[str, int, bool]
-_Level = tuple[int, int, "_Loop | None"]
 
 _SOWTEL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -152,273 +153,21 @@ class NonFiniteReport:
 
 
 # ---------------------------------------------------------------------------------------------
-# Flags: whether a value holds a non-finite element. Python False stands for "cannot" (integer
-# values, finite literals), so no check is compiled for them.
-
-
-def _bad(x: Any) -> Any:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
-        return False
-    if isinstance(x, np.ndarray | np.generic):
-        return bool(not np.isfinite(x).all())
-    return jnp.logical_not(jnp.all(jnp.isfinite(x)))
-
-
-def _any(flags: list[Any]) -> Any:
-    acc: Any = False
-    for f in flags:
-        if f is True:
-            return True
-        if f is not False:
-            acc = f if acc is False else jnp.logical_or(acc, f)
-    return acc
-
-
-def _as_array(flag: Any) -> Any:
-    return jnp.asarray(flag, dtype=bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    """An equation checked at run time: where it is, and what JAX knew of it when traced."""
-
-    eqn: Any
-    path: tuple[_Level, ...]
-    stack: tuple[tuple[str, str], ...]
-    site: str | None
-
-    def under(self, index: int, branch: int = 0, loop: _Loop | None = None) -> _Slot:
-        return dataclasses.replace(self, path=((index, branch, loop), *self.path))
-
-    def placed(self, index: int) -> _Slot:
-        """Fills in the equation index of the outermost level (see ``_placeholder``)."""
-        _, branch, loop = self.path[0]
-        return dataclasses.replace(self, path=((index, branch, loop), *self.path[1:]))
-
-
-# A slot's run-time flag: (hit, iterations of the enclosing loops, outermost first).
-_Flag = tuple[Any, tuple[Any, ...]]
-
-
-class _Walk:
-    """Evaluates a jaxpr, checking every primitive; control flow keeps the checks per iteration."""
-
-    def __init__(self) -> None:
-        self.site: str | None = None  # the last sow site traced
-
-    def run(self, jaxpr: Any, consts: list[Any], args: list[Any], arg_bads: list[Any],
-            stack: tuple[tuple[str, str], ...]) -> tuple[list[Any], list[Any], list[_Slot],
-                                                           list[_Flag]]:
-        env: dict[Any, tuple[Any, Any]] = {}
-
-        def read(v: Any) -> tuple[Any, Any]:
-            if isinstance(v, jc.core.Literal):
-                return v.val, _bad(np.asarray(v.val))
-            return env[v]
-
-        for v, x in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = (x, _bad(x))
-        for v, x, b in zip(jaxpr.invars, args, arg_bads, strict=True):
-            env[v] = (x, b)
-        slots: list[_Slot] = []
-        flags: list[_Flag] = []
-        for k, eqn in enumerate(jaxpr.eqns):
-            ins = [read(v) for v in eqn.invars]
-            invals, in_bads = [x for x, _ in ins], [b for _, b in ins]
-            estack = (*stack, *jc.equation_name_stack(eqn))
-            rule = _RULES.get(eqn.primitive.name)
-            with eqn.ctx.manager:
-                if eqn.primitive is sow_p:
-                    p = eqn.params
-                    n = len(invals) - len(p["site"].extras)
-                    self.site = f"{p['site'].name} ({p['mode']})"
-                    outs, out_bads = invals[:n], in_bads[:n]
-                elif rule is not None:
-                    outs, out_bads, sub_slots, sub_flags = rule(self, eqn, invals, in_bads, estack)
-                    slots.extend(s.placed(k) for s in sub_slots)
-                    flags.extend(sub_flags)
-                else:
-                    outs = _bind(eqn, invals)
-                    out_bads = [_bad(o) for o in outs]
-                    made = _any(out_bads)
-                    if made is not False:
-                        in_bad = _any(in_bads)
-                        hit = made if in_bad is False else jnp.logical_and(
-                            made, jnp.logical_not(in_bad))
-                        if hit is not False:
-                            slots.append(_Slot(eqn, ((k, 0, None),), estack, self.site))
-                            flags.append((hit, ()))
-            for v, x, b in zip(eqn.outvars, outs, out_bads, strict=True):
-                env[v] = (x, b)
-        outs_bads = [read(v) for v in jaxpr.outvars]
-        return [x for x, _ in outs_bads], [b for _, b in outs_bads], slots, flags
-
-
-def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    out = eqn.primitive.bind(*invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-_RuleOut = tuple[list[Any], list[Any], list[_Slot], list[_Flag]]
-
-
-def _placeholder(slots: list[_Slot], branch: int = 0, loop: _Loop | None = None) -> list[_Slot]:
-    """Sub-jaxpr slots with a level whose equation index the enclosing ``run`` fills in."""
-    return [s.under(-1, branch, loop) for s in slots]
-
-
-def _inline(key: str) -> Callable[..., _RuleOut]:
-    def rule(walk: _Walk, eqn: Any, invals: list[Any], bads: list[Any],
-             stack: tuple[tuple[str, str], ...]) -> _RuleOut:
-        jaxpr, consts = jc.jaxpr_and_consts(eqn.params[key])
-        outs, out_bads, slots, flags = walk.run(jaxpr, consts, invals, bads, stack)
-        return outs, out_bads, _placeholder(slots), flags
-
-    return rule
-
-
-def _scan_rule(walk: _Walk, eqn: Any, invals: list[Any], bads: list[Any],
-               stack: tuple[tuple[str, str], ...]) -> _RuleOut:
-    p = eqn.params
-    length, reverse = int(p["length"]), bool(p["reverse"])
-    if length == 0:
-        outs = _bind(eqn, invals)
-        return outs, [_bad(o) for o in outs], [], []
-    jaxpr, jconsts = jc.jaxpr_and_consts(p["jaxpr"])
-    nc, ncar = jc.scan_split_counts(p)
-    consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
-    const_bads, init_bads = bads[:nc], bads[nc:nc + ncar]
-    meta: list[_Slot] = []
-
-    def body(carry: tuple[list[Any], list[Any]], x: list[Any]) -> tuple[Any, Any]:
-        vals, cbads = carry
-        outs, obads, slots, flags = walk.run(
-            jaxpr, jconsts, [*consts, *vals, *x], [*const_bads, *cbads, *map(_bad, x)], stack)
-        meta[:] = slots
-        return (outs[:ncar], [_as_array(b) for b in obads[:ncar]]), (outs[ncar:], flags)
-
-    (carry, carry_bads), (ys, stacked) = jax.lax.scan(
-        body, (list(init), [_as_array(b) for b in init_bads]), list(xs),
-        length=length, reverse=reverse, unroll=p["unroll"])
-    flags: list[_Flag] = []
-    for hits, iters in stacked:
-        # The first iteration to run: the lowest index, or the highest of a reverse scan.
-        at = length - 1 - jnp.argmax(hits[::-1]) if reverse else jnp.argmax(hits)
-        flags.append((jnp.any(hits), (at, *(i[at] for i in iters))))
-    return ([*carry, *ys], [*carry_bads, *map(_bad, ys)],
-            _placeholder(meta, loop=("scan", length, reverse)), flags)
-
-
-def _while_rule(walk: _Walk, eqn: Any, invals: list[Any], bads: list[Any],
-                stack: tuple[tuple[str, str], ...]) -> _RuleOut:
-    p = eqn.params
-    (cj, cconsts), (bj, bconsts) = (jc.jaxpr_and_consts(p["cond_jaxpr"]),
-                                    jc.jaxpr_and_consts(p["body_jaxpr"]))
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
-    cond_bads, body_bads, init_bads = bads[:nc], bads[nc:nc + nb], bads[nc + nb:]
-    meta: list[_Slot] = []
-
-    def body_fn(vals: list[Any], vbads: list[Any]) -> tuple[list[Any], list[Any], list[_Flag]]:
-        outs, obads, slots, flags = walk.run(bj, bconsts, [*body_consts, *vals],
-                                             [*body_bads, *vbads], stack)
-        meta[:] = slots
-        return outs, [_as_array(b) for b in obads], flags
-
-    site = walk.site
-    init_bads = [_as_array(b) for b in init_bads]
-    shapes = jax.eval_shape(lambda v, b: body_fn(v, b)[2], list(init), init_bads)
-    walk.site = site
-    state0 = [(jnp.zeros((), bool), jnp.zeros((), jnp.int32),
-               tuple(jnp.zeros(i.shape, i.dtype) for i in iters)) for _, iters in shapes]
-
-    def cond(carry: Any) -> Any:
-        vals, vbads = carry[0], carry[1]
-        return walk.run(cj, cconsts, [*cond_consts, *vals], [*cond_bads, *vbads], stack)[0][0]
-
-    def body(carry: Any) -> Any:
-        vals, vbads, n, state = carry
-        outs, obads, flags = body_fn(vals, vbads)
-        new_state = []
-        for (seen, first, inner), (hit, iters) in zip(state, flags, strict=True):
-            new = jnp.logical_and(hit, jnp.logical_not(seen))
-            new_state.append((jnp.logical_or(seen, hit), jnp.where(new, n, first),
-                              tuple(jnp.where(new, i, j) for i, j in zip(iters, inner,
-                                                                          strict=True))))
-        return outs, obads, n + 1, new_state
-
-    vals, vbads, _, state = jax.lax.while_loop(
-        cond, body, (list(init), init_bads, jnp.zeros((), jnp.int32), state0))
-    flags = [(seen, (first, *inner)) for seen, first, inner in state]
-    return list(vals), list(vbads), _placeholder(meta, loop=("while", -1, False)), flags
-
-
-def _cond_rule(walk: _Walk, eqn: Any, invals: list[Any], bads: list[Any],
-               stack: tuple[tuple[str, str], ...]) -> _RuleOut:
-    branches = eqn.params["branches"]
-    index, operands, op_bads = invals[0], invals[1:], bads[1:]
-    metas: list[list[_Slot]] = [[] for _ in branches]
-    site = walk.site
-
-    def run_branch(i: int, ops: list[Any]) -> tuple[list[Any], list[Any], list[_Flag]]:
-        walk.site = site
-        outs, obads, slots, flags = walk.run(*jc.jaxpr_and_consts(branches[i]), list(ops),
-                                             op_bads, stack)
-        metas[i][:] = slots
-        return outs, [_as_array(b) for b in obads], flags
-
-    shapes = [jax.eval_shape(lambda *ops, i=i: run_branch(i, list(ops))[2], *operands)
-              for i in range(len(branches))]
-
-    def widen(i: int) -> Callable[..., Any]:
-        def branch(*ops: Any) -> Any:
-            outs, obads, flags = run_branch(i, list(ops))
-            every: list[_Flag] = []
-            for j, sh in enumerate(shapes):
-                every.extend(flags if j == i else [
-                    (jnp.zeros((), bool), tuple(jnp.zeros(s.shape, s.dtype) for s in iters))
-                    for _, iters in sh])
-            return outs, obads, every
-
-        return branch
-
-    outs, obads, flags = jax.lax.switch(index, [widen(i) for i in range(len(branches))],
-                                        *operands)
-    slots = [s for i, m in enumerate(metas) for s in _placeholder(m, branch=i)]
-    return list(outs), list(obads), slots, list(flags)
-
-
-_RULES: dict[str, Callable[..., _RuleOut]] = {
-    "jit": _inline("jaxpr"),
-    "pjit": _inline("jaxpr"),
-    "closed_call": _inline("call_jaxpr"),
-    "core_call": _inline("call_jaxpr"),
-    "remat2": _inline("jaxpr"),
-    "checkpoint": _inline("jaxpr"),
-    "custom_jvp_call": _inline("call_jaxpr"),
-    "custom_vjp_call": _inline("call_jaxpr"),
-    "custom_vjp_call_jaxpr": _inline("fun_jaxpr"),
-    "scan": _scan_rule,
-    "while": _while_rule,
-    "cond": _cond_rule,
-}
-
-
-# ---------------------------------------------------------------------------------------------
 # From the flags back to the program.
 
 
-def _order_key(slot: _Slot, iteration: tuple[int, ...]) -> tuple[int, ...]:
-    """Program order: equation indices, with each loop's iteration in the order it ran."""
+def _order_key(slot: CheckedEquation, iteration: tuple[int, ...]) -> tuple[int, ...]:
+    """Program order: equation indices, with each loop's iteration in the order it ran (the
+    branches of a cond need no place: of one run of it, only one branch's checks can hit)."""
     key: list[int] = []
     it = iter(iteration)
-    for index, branch, loop in slot.path:
-        key += [index, branch]
-        if loop is not None:
+    for level in slot.path:
+        if isinstance(level, tuple):
+            _, length, reverse = level
             i = next(it)
-            key.append(loop[1] - 1 - i if loop[2] else i)
+            key.append(length - 1 - i if reverse else i)
+        else:
+            key.append(level)
     return tuple(key)
 
 
@@ -431,7 +180,7 @@ def _location(frames: list[tuple[str, int, str]]) -> tuple[str, int, str] | None
     return frames[0] if frames else None
 
 
-def _event(slot: _Slot, iteration: tuple[int, ...], shape: tuple[int, ...],
+def _event(slot: CheckedEquation, iteration: tuple[int, ...], shape: tuple[int, ...],
            dtype: str) -> NonFiniteEvent:
     frames = jc.equation_frames(slot.eqn)
     where = _location(frames)
@@ -450,7 +199,7 @@ def _event(slot: _Slot, iteration: tuple[int, ...], shape: tuple[int, ...],
         function=where[2] if where else None,
         phase="backward" if ("transform", "transpose") in slot.stack else "forward",
         recomputed=("scope", "rematted_computation") in slot.stack,
-        loops=tuple(loop[0] for _, _, loop in slot.path if loop is not None),
+        loops=tuple(level[0] for level in slot.path if isinstance(level, tuple)),
         iteration=iteration,
         scopes="/".join(scopes) or None, module_path="/".join(modules) or None,
         site=slot.site, shape=shape, dtype=dtype, frames=tuple(frames), name_stack=text,
@@ -501,22 +250,22 @@ def locate_nonfinite(fn: Callable[..., Any], *,
 
         with naming.scopes_in_name_stack(), CONTEXT(Context(capture=tag)):
             jaxpr, consts, out_tree = trace_flat(merged, dyn, (fn, args, kwargs, dynamic))
-        meta: list[_Slot] = []
-        walk = _Walk()
+        meta: list[Captured] = []
 
         def checked(consts: list[Any], dyn: list[Any]) -> Any:
-            arg_bads = [_as_array(_bad(x)) for x in dyn]
-            outs, out_bads, slots, flags = walk.run(jaxpr, consts, dyn, arg_bads, ())
-            meta[:] = slots
-            return outs, _as_array(_any(out_bads)), arg_bads, flags
+            arg_bads = [jnp.asarray(nonfinite_flag(x), bool) for x in dyn]
+            outs, caps = eval_locate(jaxpr, consts, dyn, LocatePass())
+            meta[:] = caps
+            out_bad = jnp.asarray(any_flag(nonfinite_flag(o) for o in outs), bool)
+            return outs, out_bad, arg_bads, [c.leaves for c in caps]
 
         outs, out_bad, arg_bads, flags = jax.jit(checked)(consts, dyn)
         flags = jax.device_get(flags)
         hits = []
-        for slot, (hit, iters) in zip(meta, flags, strict=True):
+        for cap, (hit, *iters) in zip(meta, flags, strict=True):
             if bool(hit):
                 iteration = tuple(int(i) for i in iters)
-                hits.append((_order_key(slot, iteration), slot, iteration))
+                hits.append((_order_key(cap.site, iteration), cap.site, iteration))
         hits.sort(key=lambda h: h[0])
         events = []
         for _, slot, iteration in hits:

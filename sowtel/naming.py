@@ -45,7 +45,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 
 import jax
 
-from sowtel import _exit
+from sowtel import _exit, errors
 from sowtel import _jax_compat as jc
 
 __all__ = ["check_name", "check_tag", "leaf_segment", "leaf_name", "scope", "scoped",
@@ -56,9 +56,6 @@ __all__ = ["check_name", "check_tag", "leaf_segment", "leaf_name", "scope", "sco
 # -- THE name rule -------------------------------------------------------------------------------
 
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_\-./]+")
-# Said after every refused name, so each message also says what is allowed.
-_NAME_RULE = ("a name is segments of letters, digits and _ - . joined by '/', such as "
-              "'block0/attn' (no empty, '.' or '..' segment, no leading '/')")
 
 
 def check_name(name: Any, what: str = "sow name") -> str:
@@ -78,24 +75,19 @@ def check_name(name: Any, what: str = "sow name") -> str:
         ValueError: sow name '../etc/x' has a '..' segment, which is not allowed (names are ...
     """
     if not isinstance(name, str):
-        raise ValueError(f"{what} must be a str, got {type(name).__name__} {name!r}")
+        raise errors.BadNameError(what, name, "type")
     if not name:
-        raise ValueError(f"{what} must be non-empty, got ''")
+        raise errors.BadNameError(what, name, "empty")
     if not _NAME_CHARS.fullmatch(name):
         bad = sorted({c for c in name if not _NAME_CHARS.fullmatch(c)})
-        raise ValueError(
-            f"{what} {name!r} has the character(s) {''.join(bad)!r}: use only letters, digits "
-            "and _ - . / ('/' makes hierarchy, as in 'block0/attn')"
-        )
+        raise errors.BadNameError(what, name, "chars:" + "".join(bad))
     if name.startswith("/"):
-        raise ValueError(f"{what} {name!r} starts with '/': {_NAME_RULE}")
+        raise errors.BadNameError(what, name, "leading")
     for segment in name.split("/"):
         if segment == "":
-            raise ValueError(f"{what} {name!r} has an empty segment ('//' or a trailing '/'): "
-                             f"{_NAME_RULE}")
+            raise errors.BadNameError(what, name, "empty segment")
         if segment in (".", ".."):
-            raise ValueError(f"{what} {name!r} has a {segment!r} segment, which is not allowed "
-                             f"(names are never paths): {_NAME_RULE}")
+            raise errors.BadNameError(what, name, segment)
     return name
 
 
@@ -108,7 +100,7 @@ def check_tag(tag: Any) -> str:
         'intermediates'
     """
     if not isinstance(tag, str) or not tag:
-        raise ValueError(f"sow tag must be a non-empty str, got {tag!r}")
+        raise errors.BadTagError(tag)
     return tag
 
 

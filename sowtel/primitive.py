@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sowtel import _jax_compat as jc
-from sowtel import naming
+from sowtel import errors, naming
 from sowtel.context import RECEIVERS, StreamConfig, check_positive_int, current_context, is_due
 from sowtel.records import SUMMARIES
 from sowtel.sites import StreamSite, stream_site
@@ -71,11 +71,7 @@ def _check_leaves(value: Any, leaves: list[Any], name: str) -> None:
         return
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:  # only to name the leaf
         if not _is_array_leaf(leaf):
-            raise ValueError(
-                f"sow {name!r}: the leaf at {jax.tree_util.keystr(path) or '<root>'} is a "
-                f"{type(leaf).__name__} ({leaf!r:.60}), not an array: sow pytrees of arrays "
-                "only (mark other values static)"
-            )
+            raise errors.NotAnArrayError(name, jax.tree_util.keystr(path) or "<root>", leaf)
 
 
 def _unflattenable(value: Any, name: str, error: Exception) -> ValueError:
@@ -339,7 +335,7 @@ def sow(
     naming.check_name(name)
     naming.check_tag(tag)
     if summary is not None and summary not in SUMMARIES:
-        raise ValueError(f"sow summary={summary!r} is not a summary: use one of {SUMMARIES}")
+        raise errors.UnknownSummaryError(summary, SUMMARIES)
     if every is not None:
         check_positive_int(every, "sow every")
     # Validated whatever is enabled: turning streaming on never breaks a working program.
@@ -349,10 +345,7 @@ def sow(
         raise _unflattenable(value, name, e) from None
     _check_leaves(value, leaves, name)
     if jc.traced_for() == "while_cond":
-        raise ValueError(
-            f"sow {name!r} is inside a while_loop cond function: its value can never be captured "
-            "or streamed there; sow it in the body (or before the loop) instead"
-        )
+        raise errors.SowInWhileCondError(name)
     name = naming.scoped(name)
     ctx = current_context()
     if ctx is None:
@@ -523,10 +516,7 @@ def _sow_batch(args: Any, dims: Any, *, site: SiteStatic, **params: Any) -> tupl
     not_mapped = None
     if any(d is not not_mapped for k, d in zip(site.extras, extra_dims, strict=True)
            if k not in ("batch", "taken")):
-        raise ValueError(
-            f"sow {site.name!r}: the at_step step (or shard index) is batched by vmap; "
-            "enter at_step outside the vmapped function"
-        )
+        raise errors.BatchedStepError(site.name)
     sizes = [x.shape[d] for x, d in zip(args, dims, strict=True) if d is not not_mapped]
     if not sizes:
         return sow_p.bind(*args, site=site, **params), list(dims[: len(leaves)])

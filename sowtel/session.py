@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sowtel import _exit, multihost
+from sowtel import _exit, errors, multihost
 from sowtel import _jax_compat as jc
 from sowtel.alerts import Alert, Alerts, make_alerts
 from sowtel.context import CONTEXT, RECEIVERS, Context, Globs, StreamConfig, check_positive_int
@@ -421,10 +421,7 @@ def enable(
         >>> _ = sowtel.disable()
     """
     if jc.is_tracing():
-        raise RuntimeError(
-            "sowtel.enable() was called inside a function JAX is tracing (under jit, grad, vmap, "
-            "scan...): a session is process-wide state that a compiled program cannot switch; "
-            "call enable() before the traced call (e.g. before the training loop)")
+        raise errors.EnableWhileTracingError()
     summary = check_summary(summary, "enable summary")
     tags_t = _check_strings(tags, "enable tags")
     modes_t = _check_strings(modes, "enable modes")
@@ -641,7 +638,7 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
     _exit.keep_sigterm()
     session = active_session()
     if session is None:
-        raise RuntimeError("sowtel.export needs an active session: call sowtel.enable(...) first")
+        raise errors.NoSessionError("sowtel.export")
     try:
         records = records_from_intermediates(
             intermediates, step=int(step), summary=summary or session.summary,
@@ -693,7 +690,7 @@ def log(scalars: dict[str, Any], *, step: int) -> int:
     _exit.keep_sigterm()
     session = active_session()
     if session is None:
-        raise RuntimeError("sowtel.log needs an active session: call sowtel.enable(...) first")
+        raise errors.NoSessionError("sowtel.log")
     records = log_records(values, step=int(step), wall_time=time.time(),
                           process_index=session.process_index)
     session.dispatcher.put_records(records)

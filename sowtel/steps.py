@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sowtel import _jax_compat as jc
+from sowtel import errors
 from sowtel.context import CONTEXT, RECEIVERS, current_context
 
 __all__ = ["at_step", "host_step", "traced_step"]
@@ -67,11 +68,9 @@ def at_step(step: Any) -> Iterator[None]:
         isinstance(step, (int, np.integer))
         or (hasattr(step, "dtype") and jnp.issubdtype(step.dtype, jnp.integer))
     ):
-        raise ValueError(
-            f"at_step step must be an integer scalar (Python int or integer array), got {step!r}"
-        )
+        raise errors.BadStepError(step)
     if hasattr(step, "shape") and tuple(step.shape) != ():
-        raise ValueError(f"at_step step must be a scalar, got shape {tuple(step.shape)}")
+        raise errors.BadStepError(step, tuple(step.shape))
     if not jc.is_tracing() and not isinstance(step, jc.core.Tracer):
         with _host_step(int(step)):
             yield

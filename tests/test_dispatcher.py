@@ -14,7 +14,8 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -27,19 +28,130 @@ from sowtel.records import Record
 from sowtel.to_records import RecordBatch, first_nonfinite
 
 
-class CallLog:
-    """An exporter that remembers every call, its thread, and the records written."""
+class FakeClock:
+    """Time that moves only when the test moves it, for a dispatcher made with
+    ``clock=fake, wait=fake.wait``.
 
-    def __init__(self, write_delay: float = 0.0) -> None:
+    A timed wait returns when its condition is notified or once the test advanced the clock
+    past its timeout, never because real time passed: what happens at which time is exact,
+    however slowly a loaded machine runs the threads. It waits without a real timeout (a real
+    timeout that ran out just as a notification came would swallow it); :meth:`advance` wakes
+    the waits whose time is up (and, harmlessly, others on the same condition: every wait of the
+    dispatcher re-checks what it waits for).
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.waits: Counter[str] = Counter()  # timed or not, by thread name
+        self._lock = threading.Lock()
+        # The timed waits now: [end, up], their condition, the waiting thread's name.
+        self._timed: list[tuple[list[float | bool], threading.Condition, str]] = []
+        self._free_since: float | None = None
+
+    def __call__(self) -> float:
+        if self._free_since is not None:
+            return self.now + time.monotonic() - self._free_since
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+            up = [(w, cond) for w, cond, _ in self._timed if w[0] <= self.now]
+            for w, _ in up:
+                w[1] = True
+        for _, cond in up:  # not under self._lock: a waiter takes it holding its condition
+            with cond:
+                cond.notify_all()
+
+    def run_free(self) -> None:
+        """From now on time is real: the end of a test closes its dispatchers in bounded time."""
+        with self._lock:
+            self._free_since = time.monotonic()
+            waiting = list(self._timed)
+        for _, cond, _ in waiting:
+            with cond:
+                cond.notify_all()
+
+    def wait(self, cond: threading.Condition, timeout: float | None) -> bool:
+        self.waits[threading.current_thread().name] += 1
+        if timeout is None:
+            return cond.wait()
+        if self._free_since is not None:
+            return cond.wait(timeout)
+        if timeout <= 0:
+            return False
+        with self._lock:
+            entry: tuple[list[float | bool], threading.Condition, str] = (
+                [self.now + timeout, False], cond, threading.current_thread().name)
+            self._timed.append(entry)
+        try:
+            cond.wait()  # the caller holds cond: advance() notifies only once this waits
+        finally:
+            with self._lock:
+                self._timed.remove(entry)
+        return not entry[0][1]
+
+    def until_waiting(self, thread: threading.Thread) -> None:
+        """Returns once ``thread`` waited (it read the clock for its deadlines before)."""
+        deadline = time.monotonic() + 60.0  # a safety bound only: fires on a hang
+        while not self.waits[thread.name] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert self.waits[thread.name], f"{thread.name} never waited"
+
+    def until_timed(self, name: str) -> None:
+        """Returns once the thread ``name`` is in a timed wait whose time is not up."""
+        def timed() -> bool:
+            with self._lock:
+                return any(n == name and not w[1] for w, _, n in self._timed)
+        deadline = time.monotonic() + 60.0  # a safety bound only: fires on a hang
+        while not timed() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert timed(), f"{name} is not in a timed wait"
+
+
+@pytest.fixture
+def clock(made: list[Dispatcher]) -> Iterator[FakeClock]:
+    """A fake clock; at the end of the test it runs free, before ``made`` closes the
+    dispatchers, so that a test that failed half-way still ends."""
+    fake = FakeClock()
+    yield fake
+    fake.run_free()
+
+
+def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Runs ``fn`` on a new thread; its result lands in the list returned."""
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    return thread, result
+
+
+def returns_without_time(clock: FakeClock, fn: Callable[[], object]) -> object:
+    """``fn()`` returns without the clock moving: it waited for no timeout."""
+    before = clock()
+    thread, result = in_thread(fn)
+    thread.join(60.0)  # a call waiting for a timeout of the fake clock would never return
+    assert not thread.is_alive(), "waited for the clock"
+    assert clock() == before
+    return result[0]
+
+
+class CallLog:
+    """An exporter that remembers every call, its thread, and the records written; each write
+    calls ``sleep(write_delay)`` (a test gives one that waits for it, or moves a fake clock)."""
+
+    def __init__(self, write_delay: float = 0.0,
+                 sleep: Callable[[float], object] = time.sleep) -> None:
         self.calls: list[tuple[str, int]] = []
         self.threads: set[int] = set()
         self.steps: list[int] = []
         self.write_delay = write_delay
+        self.sleep = sleep
 
     def write(self, records: Sequence[Record]) -> None:
         self.threads.add(threading.get_ident())
         if self.write_delay:
-            time.sleep(self.write_delay)
+            self.sleep(self.write_delay)
         self.steps.extend(r.step for r in records)
         self.calls.append(("write", len(records)))
 
@@ -233,16 +345,18 @@ def test_drop_mode_bounds_the_queue_and_a_slow_backlog_together(made, release):
     assert a["received"] == a["exported"] + a["dropped"] + a["failed"] + a["pending"]
 
 
-def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made):
-    memory, slow = MemoryExporter(), CallLog(write_delay=0.002)
+def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made, clock):
+    # The slow exporter's writes wait until the test lets them end: while they cannot, the
+    # producers must be held back (nothing may be dropped), whatever the machine's speed.
+    may_write = threading.Event()
+    memory, slow = MemoryExporter(), CallLog(write_delay=1.0, sleep=lambda _: may_write.wait(60))
 
     def slow_convert(items):
-        time.sleep(0.0005)
         return [make_record(k, name=f"t{t}") for t, k in items]
 
     queue_size = 16
     d = Dispatcher([memory, slow], convert=slow_convert, queue_size=queue_size,
-                   on_full="block", flush_interval=0.01)
+                   on_full="block", flush_interval=0.01, clock=clock, wait=clock.wait)
     made.append(d)
     most_queued, most_pending, done = [0], [0], threading.Event()
 
@@ -254,21 +368,28 @@ def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made):
             time.sleep(0.0005)
 
     per_thread, threads = 1_000, 4
+    total = per_thread * threads
     accepted = []
     watcher = threading.Thread(target=watch)
     watcher.start()
-    start = time.monotonic()
     producers = [threading.Thread(target=lambda t=t: accepted.append(
         sum(d.put((t, k)) for k in range(per_thread)))) for t in range(threads)]
     for p in producers:
         p.start()
+    # Back-pressure: with the slow exporter's write held, every producer comes to wait for room
+    # inside put(), and only what the bounds let through was taken.
     for p in producers:
-        p.join()
+        clock.until_waiting(p)
+    held = d.status()
+    assert held["received"] <= 4 * queue_size + 2 and held["dropped"] == 0
+    assert all(p.is_alive() for p in producers) and accepted == []
+    may_write.set()
+    for p in producers:
+        p.join(60.0)  # a safety bound only
+    assert not any(p.is_alive() for p in producers)
     assert d.flush(timeout=30.0)
-    elapsed = time.monotonic() - start
     done.set()
     watcher.join()
-    total = per_thread * threads
     assert accepted == [per_thread] * threads
     s = d.status()
     assert s["dropped"] == 0 and s["exporter_dropped"] == {"memory": 0, "CallLog": 0}
@@ -279,9 +400,8 @@ def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made):
     # most its bound plus one batch (itself at most queue_size items).
     assert most_queued[0] <= queue_size
     assert most_pending[0] <= 2 * queue_size
-    # Back-pressure really happened: the slow exporter's writes pace the producers.
-    n_writes = sum(1 for kind, _ in slow.calls if kind == "write")
-    assert elapsed >= n_writes * 0.002 * 0.9
+    # Nothing above waited for a timeout: notifications alone moved every record.
+    assert clock() == 0.0
 
 
 # -- a failing exporter ------------------------------------------------------------------------
@@ -332,29 +452,38 @@ def test_convert_failure_loses_only_its_batch_and_is_logged_once(made, caplog):
 
 # -- a hung exporter ---------------------------------------------------------------------------
 
-def test_hung_exporter_in_drop_mode_never_blocks_training_nor_the_others(made, release):
+def test_hung_exporter_in_drop_mode_never_blocks_training_nor_the_others(made, release, clock):
     hung, memory = Hung(release), MemoryExporter()
     d = Dispatcher([hung, memory], convert=convert, queue_size=500, exporter_timeout=4.0,
-                   flush_interval=0.01)
+                   flush_interval=0.01, clock=clock, wait=clock.wait)
     made.append(d)
-    slowest, n = 0.0, 0
+    n = 0
     for _chunk in range(10):
         for _ in range(400):
-            t0 = time.perf_counter()
             assert d.put(n)
-            slowest = max(slowest, time.perf_counter() - t0)
             n += 1
         # Lets the dispatcher drain the queue (the healthy exporter has everything so far), so
-        # only the hung backlog overflows: waited for, not timed, as the machine may be loaded.
-        deadline = time.monotonic() + 60.0
+        # only the hung backlog overflows. The clock stands still, so no flush_interval drain
+        # comes: the drain is asked for, then waited for (not timed: the machine may be loaded).
+        d.convert_now()
+        deadline = time.monotonic() + 60.0  # a safety bound only: fires on a hang
         while len(memory.records) < n and time.monotonic() < deadline:
-            time.sleep(0.005)
+            time.sleep(0.002)
+        assert len(memory.records) == n
     assert hung.entered.wait(timeout=30.0)  # its thread may start late on a loaded machine
-    # A put that waited for the hung exporter would take exporter_timeout (4 s).
-    assert slowest < 2.5
-    t0 = time.monotonic()
-    assert d.flush(timeout=10.0)  # waits until the hung exporter counts as stalled, then skips it
-    assert 1.0 < time.monotonic() - t0 < 9.0  # not the whole 10 s
+    # No put ever waited (for the hung exporter, or for anything), and no time passed: a put
+    # that waited for the hung exporter would have waited for exporter_timeout of the clock.
+    assert clock.waits[threading.current_thread().name] == 0 and clock() == 0.0
+    # flush waits until the hung exporter counts as stalled (its write started at 0 s and
+    # lasts past exporter_timeout, 4 s), then skips it, before its own 10 s are up.
+    flushing, flushed = in_thread(lambda: d.flush(timeout=10.0))
+    clock.until_waiting(flushing)
+    clock.advance(3.9)
+    clock.until_timed(flushing.name)  # it looked again at that time, and waits on
+    assert flushing.is_alive()  # not stalled yet: still waiting
+    clock.advance(0.2)
+    flushing.join(60.0)
+    assert not flushing.is_alive() and flushed == [True]
     assert [r.step for r in memory.records] == list(range(n))
     s = d.status()
     assert s["stalled"] == ["Hung"]
@@ -362,53 +491,63 @@ def test_hung_exporter_in_drop_mode_never_blocks_training_nor_the_others(made, r
     # The hung exporter's backlog stayed bounded; everything beyond it was counted as dropped.
     assert s["pending"]["Hung"] <= 2 * 500
     assert s["pending"]["Hung"] + s["exporter_dropped"]["Hung"] == n
-    t0 = time.monotonic()
-    d.close(timeout=10.0)
-    assert time.monotonic() - t0 < 3.0  # already stalled: close does not wait (10 s) for it
+    # Already stalled: close does not wait (10 s) for it.
+    returns_without_time(clock, lambda: d.close(timeout=10.0))
 
 
-def test_hung_exporter_in_block_mode_applies_back_pressure_then_is_skipped(made, release):
+def test_hung_exporter_in_block_mode_applies_back_pressure_then_is_skipped(made, release, clock):
     hung, memory = Hung(release), MemoryExporter()
     d = Dispatcher([hung, memory], convert=convert, queue_size=20, on_full="block",
-                   exporter_timeout=0.5, flush_interval=0.01)
+                   exporter_timeout=0.5, flush_interval=0.01, clock=clock, wait=clock.wait)
     made.append(d)
-    t0 = time.monotonic()
-    assert all(d.put(i) for i in range(300))
-    elapsed = time.monotonic() - t0
-    # The producer waited for the hung exporter until it was declared stalled, not forever.
-    assert 0.4 < elapsed < 5.0
-    assert d.flush(timeout=10.0)
+    producer, accepted = in_thread(lambda: all(d.put(i) for i in range(300)))
+    assert hung.entered.wait(timeout=30.0)  # its write started at 0 s
+    clock.until_waiting(producer)  # the hung backlog is full: the producer waits for room
+    # The producer waits for the hung exporter until it is declared stalled (its write lasted
+    # past exporter_timeout, 0.5 s), then goes on: not sooner, not forever.
+    clock.advance(0.4)
+    clock.until_timed(producer.name)  # it looked again at that time, and waits on
+    assert producer.is_alive()
+    clock.advance(0.2)
+    producer.join(60.0)
+    assert not producer.is_alive() and accepted == [True]
+    assert returns_without_time(clock, lambda: d.flush(timeout=10.0))
     assert [r.step for r in memory.records] == list(range(300))
     s = d.status()
     assert s["stalled"] == ["Hung"] and s["dropped"] == 0
-    t0 = time.monotonic()
-    d.close(timeout=10.0)
-    assert time.monotonic() - t0 < 3.0  # a close that waited for the hung exporter takes 10 s
+    # A close that waited for the hung exporter would take its 10 s.
+    returns_without_time(clock, lambda: d.close(timeout=10.0))
 
 
-def test_close_is_bounded_by_its_timeout_while_an_exporter_hangs(release):
+def test_close_is_bounded_by_its_timeout_while_an_exporter_hangs(release, clock):
     hung = Hung(release)
-    d = Dispatcher([hung], convert=convert, exporter_timeout=60.0, flush_interval=0.01)
+    d = Dispatcher([hung], convert=convert, exporter_timeout=60.0, flush_interval=0.01,
+                   clock=clock, wait=clock.wait)
     d.put(1)
-    assert hung.entered.wait(5.0)
-    t0 = time.monotonic()
-    d.close(timeout=0.5)
-    assert 0.3 < time.monotonic() - t0 < 2.0
+    d.convert_now()  # the clock stands still: no flush_interval drain would come
+    assert hung.entered.wait(30.0)
+    closing, _ = in_thread(lambda: d.close(timeout=0.5))
+    clock.until_waiting(closing)
+    clock.advance(0.4)
+    clock.until_timed(closing.name)  # it looked again at that time, and waits on
+    assert closing.is_alive()  # its 0.5 s are not up
+    clock.advance(0.2)
+    closing.join(60.0)
+    assert not closing.is_alive()  # they are: it returned, the exporter still hanging
     assert d.put(2) is False
 
 
 # -- flush and close ---------------------------------------------------------------------------
 
-def test_flush_delivers_everything_then_flushes_each_exporter_on_its_own_thread(made):
+def test_flush_delivers_everything_then_flushes_each_exporter_on_its_own_thread(made, clock):
     log = CallLog()
-    d = Dispatcher([log], convert=convert, flush_interval=60.0)  # no periodic drain
+    d = Dispatcher([log], convert=convert, flush_interval=60.0,  # no periodic drain
+                   clock=clock, wait=clock.wait)
     made.append(d)
     for i in range(10):
         d.put(i)
     assert log.steps == []  # nothing moves before the interval or a flush
-    t0 = time.monotonic()
-    assert d.flush(timeout=5.0)
-    assert time.monotonic() - t0 < 3.0
+    assert returns_without_time(clock, lambda: d.flush(timeout=5.0))
     assert log.steps == list(range(10))
     assert log.calls[-1] == ("flush", 0) and ("write", 10) in log.calls
     d.close()
@@ -424,27 +563,62 @@ def test_flush_delivers_everything_then_flushes_each_exporter_on_its_own_thread(
     assert s["closed"] and s["dropped"] == 1
 
 
-def test_flush_returns_false_on_timeout_then_true(made):
-    slow = CallLog(write_delay=3.0)
-    d = Dispatcher([slow], convert=convert, exporter_timeout=30.0, flush_interval=60.0)
+def test_flush_returns_false_on_timeout_then_true(made, clock):
+    write_may_end = threading.Event()
+    slow = CallLog(write_delay=3.0, sleep=lambda _: write_may_end.wait(60.0))
+    d = Dispatcher([slow], convert=convert, exporter_timeout=30.0, flush_interval=60.0,
+                   clock=clock, wait=clock.wait)
     made.append(d)
     d.put(1)
-    t0 = time.monotonic()
-    assert d.flush(timeout=0.2) is False
-    assert 0.15 < time.monotonic() - t0 < 2.0  # returned before the 3 s write ended
-    assert d.flush(timeout=10.0) is True
+    flushing, flushed = in_thread(lambda: d.flush(timeout=0.2))
+    clock.until_waiting(flushing)
+    clock.advance(0.1)
+    clock.until_timed(flushing.name)  # it looked again at that time, and waits on
+    assert flushing.is_alive()
+    clock.advance(0.15)
+    flushing.join(60.0)
+    assert not flushing.is_alive() and flushed == [False]  # its 0.2 s were up, the write not
+    assert slow.steps == []
+    write_may_end.set()
+    assert returns_without_time(clock, lambda: d.flush(timeout=10.0)) is True
     assert slow.steps == [1]
 
 
-def test_periodic_flush_reaches_exporters_without_explicit_flush(made):
+def until(condition: Callable[[], bool]) -> None:
+    """Waits for ``condition`` to hold (a safety bound of 60 s fires only on a hang)."""
+    deadline = time.monotonic() + 60.0
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert condition()
+
+
+def test_periodic_flush_reaches_exporters_without_explicit_flush(made, clock):
+    # Seconds exact in binary: the clock's sums are exact, so "due at 1 s" is exactly 1 s.
     log = CallLog()
-    d = Dispatcher([log], convert=convert, flush_interval=0.05)
+    d = Dispatcher([log], convert=convert, flush_interval=0.5, clock=clock, wait=clock.wait)
     made.append(d)
+    # A write leaves the exporter to be flushed one flush_interval after its last flush.
     d.put(7)
-    deadline = time.monotonic() + 5.0
-    while ("flush", 0) not in log.calls and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert log.steps == [7] and ("flush", 0) in log.calls
+    d.convert_now()
+    until(lambda: log.calls == [("write", 1)])
+    clock.until_timed("sowtel-exporter-CallLog")  # written at 0 s; the flush is due at 0.5 s
+    clock.until_timed("sowtel-dispatcher")  # it drained at 0 s; it looks again at 0.5 s
+    clock.advance(0.375)
+    clock.until_timed("sowtel-exporter-CallLog")
+    assert log.calls == [("write", 1)]  # not yet
+    clock.advance(0.125)
+    until(lambda: len(log.calls) == 2)
+    assert log.calls == [("write", 1), ("flush", 0)]
+    # A slowly filling queue is drained one flush_interval after the dispatcher's last drain.
+    clock.until_timed("sowtel-dispatcher")  # it looked at 0.5 s: the next look is at 1 s
+    d.put(8)
+    clock.advance(0.375)
+    clock.until_timed("sowtel-dispatcher")
+    assert log.steps == [7]  # not yet
+    clock.advance(0.125)
+    until(lambda: len(log.calls) == 4)
+    assert log.steps == [7, 8]
+    assert log.calls[2:] == [("write", 1), ("flush", 0)]  # the last flush was 0.5 s ago
 
 
 def test_flush_from_inside_an_exporter_does_not_deadlock(made):
@@ -617,15 +791,27 @@ def test_benchmark_script_runs_and_prints_its_table():
         assert any(line.startswith(row) for line in lines), row
 
 
-def test_periodic_flush_happens_under_a_steady_stream(made):
-    log = CallLog(write_delay=0.08)  # slower than the drains: its backlog never runs empty
-    d = Dispatcher([log], convert=convert, flush_interval=0.05, queue_size=100_000)
+def test_periodic_flush_happens_under_a_steady_stream(made, clock):
+    # Every write takes 0.08 s of the clock, longer than flush_interval, and the backlog holds
+    # every record before the first write ends: it never runs empty between writes, yet the
+    # exporter is flushed on schedule, after every write.
+    may_write = threading.Event()
+
+    def slow(seconds: float) -> None:
+        assert may_write.wait(60.0)
+        clock.advance(seconds)
+
+    log = CallLog(write_delay=0.08, sleep=slow)
+    d = Dispatcher([log], convert=convert, flush_interval=0.05, queue_size=100_000,
+                   clock=clock, wait=clock.wait)
     made.append(d)
-    t0 = time.monotonic()
-    i = 0
-    while time.monotonic() - t0 < 0.6:
-        d.put(i)
-        i += 1
-        time.sleep(0.0005)
-    flushes = [k for k, _ in log.calls if k == "flush"]
-    assert len(flushes) >= 3
+    n = 1000
+    assert all(d.put(i) for i in range(n))
+    d.convert_now()
+    until(lambda: d.status()["backlog"]["CallLog"] == n)  # the first write is held
+    may_write.set()
+    until(lambda: len(log.steps) == n and len(log.calls) % 2 == 0)
+    writes = [k for k, _ in log.calls].count("write")
+    assert writes >= 3
+    assert [k for k, _ in log.calls] == ["write", "flush"] * writes
+    assert log.steps == list(range(n))

@@ -13,14 +13,15 @@ MODULES = [
     "sowtel.exporters", "sowtel.exporters.memory", "sowtel.exporters.console",
     "sowtel.exporters.jsonl", "sowtel._jax_compat", "sowtel._jax_compat._jaxprs",
     "sowtel._jax_compat._lowering", "sowtel.jit",
-    "sowtel._dump_format", "sowtel.locate", "sowtel.nonfinite", "sowtel.to_records",
+    "sowtel.dumps._format", "sowtel.locate", "sowtel.nonfinite", "sowtel.to_records",
     "sowtel.tensorboard_plugin", "sowtel.tensorboard_plugin._run", "sowtel.exporters.tensorboard",
     "sowtel.exporters._tensorboard_layout", "sowtel.dashboard", "sowtel.dashboards",
     "sowtel.intermediates", "sowtel.compare", "sowtel._run_read",
     "sowtel.exporters._tensorboard_order",
     "sowtel._interpret", "sowtel._interpret_rules", "sowtel.alerts", "sowtel.tap",
     "sowtel.receiver", "sowtel._reductions", "sowtel.context", "sowtel.steps", "sowtel.sites",
-    "sowtel._cond_rows", "sowtel.naming", "sowtel.dispatcher._worker", "sowtel.dispatcher._ledger",
+    "sowtel._cond_rows", "sowtel.naming", "sowtel.errors", "sowtel.dispatcher._worker",
+    "sowtel.dispatcher._ledger",
     "sowtel.exporters._tensorboard_events",
 ]
 

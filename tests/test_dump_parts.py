@@ -17,8 +17,9 @@ import pytest
 from reference import numpy_stats
 from test_hostile import forged
 
-from sowtel import _dump_read, dumps
+from sowtel import dumps
 from sowtel.cli import main
+from sowtel.dumps import _read as _dump_read
 from sowtel.dumps import dump, find_dumps, info, load
 from sowtel.postmortem import diff_dumps, inspect_dump
 

@@ -29,8 +29,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import sowtel
-from sowtel import _dump_format, dumps
+from sowtel import dumps
 from sowtel.capture import Intermediates
+from sowtel.dumps import _format as _dump_format
 from sowtel.dumps import dump, find_dumps, info, load, records_from_intermediates
 from sowtel.records import STAT_KEYS
 from sowtel.summaries import decode_device_summary, device_summary

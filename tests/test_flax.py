@@ -310,7 +310,10 @@ def test_sow_in_nn_scan_body_with_capture_and_streaming(broadcast: bool, transpo
         h = np.tanh(np.asarray(h, np.float64) @ np.asarray(kernel, np.float64) + bias)
         want_primal.append(h)
     want_cot = jax.grad(_scan_stack_reference, argnums=2)(params, x, zero)
-    want_grad = jax.grad(loss)(params)
+    # The same compiled program without sowtel. A tanh whose sown value only a fused
+    # reduction consumes is the one case streaming may round differently (docs/benchmarks.md,
+    # "the case left"): float32 rounding apart, about 1e-5 relative here.
+    want_grad = jax.jit(jax.grad(loss))(params)
     if transport == "capture":
         grad, inter = jax.jit(sowtel.save_intermediates(jax.grad(loss)))(params)
         primal, cot = inter["act"]["primal"], inter["act"]["cotangent"]
@@ -330,4 +333,4 @@ def test_sow_in_nn_scan_body_with_capture_and_streaming(broadcast: bool, transpo
     np.testing.assert_allclose(np.asarray(primal), np.stack(want_primal), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(cot), want_cot, rtol=1e-5, atol=1e-6)
     jax.tree_util.tree_map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), grad, want_grad)
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), grad, want_grad)

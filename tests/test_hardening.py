@@ -130,7 +130,7 @@ def dead_pid() -> int:
 
 
 def test_stale_temporaries_of_dead_processes_are_removed_by_the_next_dump(tmp_path):
-    from sowtel._dump_write import host_tag as _host_tag
+    from sowtel.dumps._write import host_tag as _host_tag
 
     host, dead = _host_tag(), dead_pid()
     stale = tmp_path / f".step_1.safetensors.{host}.{dead}.0123456789abcdef.tmp"

@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 
 import sowtel
-from sowtel import _dump_format, dumps
+from sowtel import dumps
 from sowtel.cli import main
 from sowtel.dispatcher import Dispatcher
+from sowtel.dumps import _format as _dump_format
 from sowtel.dumps import dump, load
 from sowtel.exporters.jsonl import JsonlExporter
 from sowtel.exporters.memory import MemoryExporter

@@ -19,9 +19,9 @@ LAYERS: list[set[str]] = [
     # the record type, JAX's privates, exit hooks, the dump file format, the exporters' face,
     # the dashboards (data)
     {"records", "_exit", "_jax_compat", "_jax_compat._frames", "_jax_compat._jaxprs",
-     "_jax_compat._lowering", "_dump_format", "dispatcher._ledger", "exporters",
+     "_jax_compat._lowering", "dumps._format", "dispatcher._ledger", "exporters",
      "exporters._tensorboard_events", "exporters._tensorboard_order",
-     "exporters._tensorboard_layout", "exporters.otel._providers", "dashboards"},
+     "exporters._tensorboard_layout", "exporters.otel._providers", "dashboards", "errors"},
     # rules over names and reductions; the plugin's reading of runs
     {"naming", "_reductions", "alerts", "tensorboard_plugin._run", "exporters.otel._metrics"},
     {"summaries", "tensorboard_plugin"},
@@ -31,11 +31,11 @@ LAYERS: list[set[str]] = [
     {"primitive"},  # sow, sow_p and its rules
     {"intermediates", "_interpret_rules", "_module_sites", "optax", "flax",
      "exporters.mlflow", "exporters.wandb", "exporters.trackio"},
-    {"to_records", "_interpret", "_dump_write"},  # records; THE evaluator
+    {"to_records", "_interpret", "dumps._write"},  # records; THE evaluator
     {"capture", "_cond_rows", "dispatcher._worker", "exporters.jsonl", "exporters.memory",
      "exporters.tensorboard", "exporters.otel"},
-    {"locate", "tap", "dispatcher", "_dump_read"},
-    {"receiver", "_dump_parts", "_run_read"},
+    {"locate", "tap", "dispatcher", "dumps._read"},
+    {"receiver", "dumps._parts", "_run_read"},
     {"dumps"},
     {"postmortem", "compare"},
     {"nonfinite"},
@@ -149,7 +149,7 @@ def test_the_measures_see_what_they_measure() -> None:
     # The reader finds the imports it must: a private name, a function-level import, a package.
     _, edges = _graph()
     assert ("_interpret", "", ) in {(t, n) for t, n, _ in edges["capture"]}
-    assert any(t == "intermediates" for t, _, _ in edges["_dump_read"])  # inside a function
+    assert any(t == "intermediates" for t, _, _ in edges["dumps._read"])  # inside a function
     assert {t for t, _, _ in edges["_jax_compat"]} >= {"_jax_compat._frames",
                                                         "_jax_compat._lowering"}
     assert any(t == "records" for t, _, _ in edges["exporters.jsonl"])

@@ -253,3 +253,31 @@ def test_a_python_float_argument_is_static_as_in_save_intermediates():
     assert report.first.primitive == "log" and report.nonfinite_inputs == ()
     assert report.result.tolist()[0] == pytest.approx(np.log(2.0))
     assert sowtel.locate_nonfinite(f)(x, float("nan")).nonfinite_inputs == ("[0][1]",)
+
+
+def test_while_loop_inside_scan_names_both_iterations() -> None:
+    def f(xs: jax.Array) -> jax.Array:
+        def layer(c: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+            def step(s: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+                i, v = s
+                return i + 1, jnp.log(v - i)  # plant: while-in-scan
+            return c, jax.lax.while_loop(lambda s: s[0] < 3, step, (0, x))[1]
+        return jax.lax.scan(layer, 0.0, xs)[1]
+
+    # log(1.5) - 1 < 0: the second step of the third layer; the other layers stay finite.
+    report = sowtel.locate_nonfinite(f)(jnp.array([1e6, 1e6, 1.5, 1e6]))
+    _check(report.first, "log", "while-in-scan", "forward")
+    assert report.first.loops == ("scan", "while") and report.first.iteration == (2, 1)
+    assert len(report.events) == 1
+
+
+def test_vmapped_while_loop() -> None:
+    # Under vmap the loop's predicate is batched: it runs while any row does.
+    def f(r: jax.Array) -> jax.Array:
+        def step(s: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            return s[0] + 1.0, jnp.log(s[1] - 2.0)  # plant: vmap-while
+        return jax.lax.while_loop(lambda s: s[0] < r[0], step, (0.0, r))[1]
+
+    report = sowtel.locate_nonfinite(jax.vmap(f))(jnp.array([[1.0, 5.0], [3.0, 2.0]]))
+    _check(report.first, "log", "vmap-while", "forward")
+    assert report.first.loops == ("while",) and report.first.iteration == (0,)

@@ -43,8 +43,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sowtel import _dump_format, _dump_parts, _dump_write
-from sowtel._dump_format import (
+from sowtel.dumps import _format as _dump_format
+from sowtel.dumps import _parts as _dump_parts
+from sowtel.dumps import _write as _dump_write
+from sowtel.dumps._format import (
     FORMAT,
     FORMAT_VERSION,
     MAX_CONTAINERS,
@@ -57,8 +59,8 @@ from sowtel._dump_format import (
     check_path,
     count_containers,
 )
-from sowtel._dump_parts import open_step
-from sowtel._dump_read import DumpFile, DumpReader
+from sowtel.dumps._parts import open_step
+from sowtel.dumps._read import DumpFile, DumpReader
 
 # Records and the structure of intermediates, shared with streaming.
 from sowtel.intermediates import program_order

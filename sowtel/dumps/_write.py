@@ -1,6 +1,6 @@
 """Writing a dump: values to structure nodes and tensors, tensors to a file no one can steer.
 
-The public face is :func:`sowtel.dumps.dump`; the format is :mod:`sowtel._dump_format`.
+The public face is :func:`sowtel.dumps.dump`; the format is :mod:`sowtel.dumps._format`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from sowtel._dump_format import (
+from sowtel.dumps._format import (
     DTYPE_TO_CODE,
     FORMAT,
     FORMAT_VERSION,

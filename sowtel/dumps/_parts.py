@@ -1,7 +1,7 @@
 """The parts of a multi-process dump (one file per process), read as one dump of global values.
 
 The public face is :func:`sowtel.dumps.load` and :func:`sowtel.dumps.find_dumps`; any part,
-the list of parts or their folder opens as a :class:`~sowtel._dump_read.DumpReader`.
+the list of parts or their folder opens as a :class:`~sowtel.dumps._read.DumpReader`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from sowtel._dump_format import (
+from sowtel.dumps._format import (
     NAME_TO_DTYPE,
     PART_FILE,
     STEP_FILE,
@@ -26,7 +26,7 @@ from sowtel._dump_format import (
     check_path,
     rebuild,
 )
-from sowtel._dump_read import DumpFile, SiteStructure, build_tree, not_regular
+from sowtel.dumps._read import DumpFile, SiteStructure, build_tree, not_regular
 
 
 def skeleton(node: Any, where: str) -> Any:

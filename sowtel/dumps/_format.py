@@ -1,8 +1,8 @@
 """The on-disk format of a dump: names, limits, dtype codes, checksums, and its one node walker.
 
 A dump is a safetensors file whose header's ``__metadata__`` describes the intermediates (see
-``docs/dumps.md``). Everything both the writer (:mod:`sowtel._dump_write`) and the readers
-(:mod:`sowtel._dump_read`, :mod:`sowtel._dump_parts`) must agree on lives here, once: the
+``docs/dumps.md``). Everything both the writer (:mod:`sowtel.dumps._write`) and the readers
+(:mod:`sowtel.dumps._read`, :mod:`sowtel.dumps._parts`) must agree on lives here, once: the
 structure nodes (``null``, ``{"leaf": key}``, ``{"global": ...}``, ``{"list": [...]}``,
 ``{"tuple": [...]}``, ``{"dict": [[key, node], ...]}``) are walked only by :func:`rebuild`.
 

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Protocol, cast
 
 import numpy as np
 
-from sowtel._dump_format import (
+from sowtel.dumps._format import (
     CHUNK,
     CODE_TO_DTYPE,
     FORMAT,
