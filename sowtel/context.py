@@ -210,9 +210,9 @@ def check_positive_int(value: Any, what: str) -> int:
     Example:
         >>> check_positive_int(10, "sow every")
         10
-        >>> check_positive_int(0, "sow every")
+        >>> check_positive_int(0, "sow every")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: sow(every=0): every must be a positive int, such as 1 or 10
+        sowtel.errors.NotPositiveIntError: sow(every=0): every must be a positive int, such as ...
     """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         func, _, arg = what.rpartition(" ")

@@ -72,7 +72,7 @@ def check_name(name: Any, what: str = "sow name") -> str:
         'block0/attn'
         >>> check_name("../etc/x")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: sow name '../etc/x' has a '..' segment, which is not allowed (names are ...
+        sowtel.errors.BadNameError: sow name '../etc/x' has a '..' segment, which is not ...
     """
     if not isinstance(name, str):
         raise errors.BadNameError(what, name, "type")
