@@ -124,6 +124,15 @@ def call_rule(st: Evaluation, eqn: Any, invals: list[Any]) -> tuple[list[Any], l
     return st.eval(*jc.call_body(eqn), invals)
 
 
+def _inlined(st: Evaluation, eqn: Any, args: Any,
+             meta: list[Captured]) -> tuple[list[Any], list[Any]]:
+    """A custom rule's function run inline: its outputs and its captures' leaves, the captures'
+    structure kept in ``meta`` (the custom_jvp and custom_vjp rules' shared body)."""
+    outs, caps = call_rule(st, eqn, list(args))
+    meta[:] = caps
+    return outs, leaves_of(caps)
+
+
 def custom_jvp_rule(st: Evaluation, eqn: Any,
                     invals: list[Any]) -> tuple[list[Any], list[Captured]]:
     """Captures inside a ``custom_jvp`` function, keeping its rule for transformations outside.
@@ -133,20 +142,15 @@ def custom_jvp_rule(st: Evaluation, eqn: Any,
     from running the function, with their own derivatives. A sow in the rule itself (not in
     the function it may call) then raises: the rule runs after the intermediates are returned.
     """
-    inline = call_rule
     meta: list[Captured] = []
     tag = st.tag
 
     def captures(*args: Any) -> list[Any]:
-        _, caps = inline(st, eqn, list(args))
-        meta[:] = caps
-        return leaves_of(caps)
+        return _inlined(st, eqn, args, meta)[1]
 
     @jax.custom_jvp
     def fun(*args: Any) -> tuple[list[Any], list[Any]]:
-        outs, caps = inline(st, eqn, list(args))
-        meta[:] = caps
-        return outs, leaves_of(caps)
+        return _inlined(st, eqn, args, meta)
 
     def plain(*args: Any) -> list[Any]:
         return bind_plain(eqn, list(args))
@@ -213,15 +217,11 @@ def _custom_vjp_rule(st: Evaluation, eqn: Any,
     tag = st.tag
 
     def captures(*args: Any) -> list[Any]:
-        _, caps = call_rule(st, eqn, list(args))
-        meta[:] = caps
-        return leaves_of(caps)
+        return _inlined(st, eqn, args, meta)[1]
 
     @jax.custom_vjp
     def fun(*args: Any) -> tuple[list[Any], list[Any]]:
-        outs, caps = call_rule(st, eqn, list(args))
-        meta[:] = caps
-        return outs, leaves_of(caps)
+        return _inlined(st, eqn, args, meta)
 
     def fun_fwd(*args: Any) -> tuple[Any, Any]:
         outs, outs_vjp = jax.vjp(lambda *a: bind_plain(eqn, list(a)), *args)
