@@ -404,6 +404,27 @@ def test_block_mode_loses_nothing_under_overload_and_stays_bounded(made, clock):
     assert clock() == 0.0
 
 
+def test_a_block_mode_put_reads_the_backlogs_as_they_are_not_a_stale_copy(made, clock):
+    # The largest backlog is kept for put(), refreshed from two threads (the dispatcher's offer,
+    # a worker's release). A stale, larger copy, as an unlocked refresh could leave it, must not
+    # hold a producer back once the backlogs are empty: the waiting put reads them again.
+    memory = MemoryExporter()
+    d = Dispatcher([memory], convert=lambda items: [make_record(k) for k in items],
+                   queue_size=4, on_full="block", clock=clock, wait=clock.wait)
+    made.append(d)
+    d._backlog = 4  # what a lost refresh leaves: nothing is pending for the exporter
+    accepted = []
+    producer = threading.Thread(target=lambda: accepted.append(d.put(7)))
+    producer.start()
+    producer.join(30.0)  # a safety bound only: the put has room and returns at once
+    alive = producer.is_alive()
+    if alive:
+        d.close(timeout=5.0)  # frees the producer the stale copy held
+        producer.join(30.0)
+    assert not alive and accepted == [True]
+    assert d.flush(timeout=30.0) and [r.step for r in memory.records] == [7]
+
+
 # -- a failing exporter ------------------------------------------------------------------------
 
 def test_raising_exporter_is_isolated_counted_and_logged_once(made, caplog):

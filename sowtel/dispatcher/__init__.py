@@ -323,8 +323,11 @@ class Dispatcher:
 
     def _note_backlogs(self) -> None:
         # The largest backlog, kept for put(): refreshed whenever a backlog grows (an offer)
-        # or shrinks (a worker let go of records).
-        self._backlog = max((w.pending for w in self._workers), default=0)
+        # or shrinks (a worker let go of records). Under the lock: a worker's release and the
+        # dispatcher's offer refresh it from two threads, and an unlocked read-then-write
+        # could leave a stale, larger value that no later release corrects.
+        with self._lock:
+            self._backlog = max((w.pending for w in self._workers), default=0)
 
     def _shed(self, records: int) -> None:
         """Under "drop", after the queue took an item of ``records`` records (lock held): a
@@ -347,6 +350,7 @@ class Dispatcher:
         return self._live_bytes + max((w.held_bytes for w in self._workers), default=0)
 
     def _has_room(self, nbytes: int) -> bool:
+        self._note_backlogs()  # a waiting producer reads the backlogs as they are now
         if self._waiting() >= self._queue_size:
             return False
         return nbytes == 0 or self._bytes_fit(nbytes)
@@ -438,9 +442,9 @@ class Dispatcher:
 
     def _release(self, nbytes: int) -> None:
         """A worker let go of records (``nbytes`` of full values): producers may have room."""
-        self._note_backlogs()
-        if self._space_waiters:
-            with self._lock:
+        with self._lock:
+            self._note_backlogs()
+            if self._space_waiters:
                 self._space_cond.notify_all()
 
     # -- the dispatcher thread ----------------------------------------------------------------
