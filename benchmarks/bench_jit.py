@@ -75,7 +75,8 @@ from benchmarks.workloads import (
     transformer_block,
 )
 from sowtel.exporters.memory import MemoryExporter
-from sowtel.summaries import _separate, device_summary, summary_form
+from sowtel._reductions import separate_moments
+from sowtel.summaries import device_summary, summary_form
 
 __all__ = ["run", "main", "jit_table", "floor_step", "copy_cost_table"]
 
@@ -181,7 +182,7 @@ def _unmasked_stats(x: Any) -> list[Any]:
     ``stats`` would cost if those of a value holding a NaN or an infinity were NaN instead of
     its finite elements' (the proposal in docs/benchmarks.md)."""
     jnp = jax.numpy
-    n, mean, m2, mn, mx, a, zeros, bad = _separate(x.astype(jnp.float32))
+    n, mean, m2, mn, mx, a, zeros, bad = separate_moments(x.astype(jnp.float32))
     return [jnp.stack([mean, m2, mn, mx, n, a]), jnp.stack([*bad, zeros])]
 
 
