@@ -74,8 +74,8 @@ from benchmarks.workloads import (
     no_tap,
     transformer_block,
 )
-from sowtel.exporters.memory import MemoryExporter
 from sowtel._reductions import separate_moments
+from sowtel.exporters.memory import MemoryExporter
 from sowtel.summaries import device_summary, summary_form
 
 __all__ = ["run", "main", "jit_table", "floor_step", "copy_cost_table"]
