@@ -97,17 +97,24 @@ KNOWN_BROKEN: dict[str, tuple[str, Callable[[str, str | None, tuple[str, ...], s
     "custom-rule-in-loop-in-batched-cond": (
         "issue 31 (documented in docs/transforms.md): a custom_jvp / custom_vjp site inside a "
         "loop in a cond whose predicate vmap batches reports every row (found by the "
-        "2,000-program run on JAX 0.12; plain vmap on both ends)",
+        "2,000-program run on JAX 0.12)",
         lambda kind, policy, outer, tr: _custom_rule_in_loop_in_batched_cond(kind, outer, tr)),
 }
 
 
-def _custom_rule_in_loop_in_batched_cond(kind: str, outer: tuple[str, ...], transform: str) -> bool:
-    if kind not in ("cjvp", "cvjp") or "cond" not in outer:
-        return False
+def _in_batched_cond(outer: tuple[str, ...], transform: str) -> tuple[str, ...] | None:
+    """The constructs below the outermost cond of ``outer`` when vmap batches its predicate
+    (None when there is no such cond)."""
+    if "cond" not in outer:
+        return None
     first = outer.index("cond")
     batched = transform == "vmap_grad" or "vmap" in outer[:first]
-    return batched and bool(LOOPS_ANY & set(outer[first + 1:]))
+    return outer[first + 1:] if batched else None
+
+
+def _custom_rule_in_loop_in_batched_cond(kind: str, outer: tuple[str, ...], transform: str) -> bool:
+    below = _in_batched_cond(outer, transform)
+    return kind in ("cjvp", "cvjp") and below is not None and bool(LOOPS_ANY & set(below))
 
 
 def _library_in_batched_cond(kind: str, outer: tuple[str, ...], transform: str) -> bool:
@@ -115,10 +122,9 @@ def _library_in_batched_cond(kind: str, outer: tuple[str, ...], transform: str) 
         # A cond inside a library's primitive: every site it could hold is in the gap below
         # (drawing it would leave the cond's body nothing to draw).
         return _library_in_batched_cond("site", (*outer, "cond"), transform)
-    if "cond" not in outer or not (kind in HOPS or HOPS & set(outer)):
+    if not (kind in HOPS or HOPS & set(outer)):
         return False
-    first = outer.index("cond")
-    return transform == "vmap_grad" or "vmap" in outer[:first]
+    return _in_batched_cond(outer, transform) is not None
 
 
 # SOWTEL_FUZZ_INCLUDE_BROKEN=1 generates them too, to count what the open defects still break.
