@@ -31,16 +31,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
 from sowtel import _interpret
 from sowtel import _jax_compat as jc
-from sowtel.primitive import ROWS, sow_p
+from sowtel.primitive import FRESH_ROWS, ROWS, sow_p
 
 # The constructs whose bodies the evaluator traces again (see tap's bodies): the others that
 # hold a sow are bound as they are.
@@ -99,6 +100,20 @@ def _holding(jaxpr: Any, path: tuple[int, ...], out: set[tuple[int, ...]]) -> bo
     return holds
 
 
+@contextlib.contextmanager
+def _fresh_rows(eqn: Any) -> Iterator[None]:
+    """Binding ``eqn``: a custom rule's function holding a sow is traced with the rows."""
+    if jc.construct(eqn) not in ("custom_jvp", "custom_vjp") or not any(
+            _holds_sow(j) for j in jc.sub_jaxprs(eqn)):
+        yield
+        return
+    token = FRESH_ROWS.set(ROWS.get())
+    try:
+        yield
+    finally:
+        FRESH_ROWS.reset(token)
+
+
 def _batch_cond(original: Callable[..., Any], axis_data: Any, args: Any, dims: Any,
                 **params: Any) -> Any:
     branches = params["branches"]
@@ -112,7 +127,8 @@ def _batch_cond(original: Callable[..., Any], axis_data: Any, args: Any, dims: A
         jaxpr, consts = jc.jaxpr_and_consts(branch)
         holding: set[tuple[int, ...]] = set()
         _holding(jaxpr, (), holding)
-        tap_pass = _interpret.TapPass(names={}, holding=holding, sow=lambda o, _: o)
+        tap_pass = _interpret.TapPass(names={}, holding=holding, sow=lambda o, _: o,
+                                      around=_fresh_rows)
 
         def run(taken: Any, *row: Any, jaxpr: Any = jaxpr, consts: Any = consts, i: int = i,
                 tap_pass: _interpret.TapPass = tap_pass) -> list[Any]:

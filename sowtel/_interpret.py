@@ -312,11 +312,13 @@ class TapPass:
     a site, the only ones whose construct rules run (every other equation is bound as it is,
     the user's own sows included). ``sow(outputs, name)`` sows them and returns what to use;
     ``placed`` collects the names sown, so that a site planned but never met is an error.
+    ``around(eqn)``, where given, is the context an equation bound as it is is bound in.
     """
 
     names: dict[tuple[int, ...], str]
     holding: set[tuple[int, ...]]
     sow: Callable[[list[Any], str], list[Any]]
+    around: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None
     path: list[int] = dataclasses.field(default_factory=list)
     placed: set[str] = dataclasses.field(default_factory=set)  # the names sown so far
 
@@ -648,7 +650,8 @@ def _eval_eqn(st: Pass, eqn: Any, invals: list[Any]) -> tuple[list[Any], list[Ca
         # sowtel.tap: a construct holding a site runs its rule (its body evaluated, so the site
         # is sown inside it); everything else, a sow included, is bound as it was traced.
         if not tap.holds():
-            return bind_plain(eqn, invals), []
+            with tap.around(eqn) if tap.around is not None else contextlib.nullcontext():
+                return bind_plain(eqn, invals), []
         if jc.construct(eqn) in ("custom_jvp", "custom_vjp"):
             return _tap_custom_rule(st, eqn, invals)
         rule = RULES.get(jc.construct(eqn) or "")

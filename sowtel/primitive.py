@@ -180,7 +180,8 @@ class SowPrimitive(jc.core.Primitive):
         if site is not None:
             rows = ROWS.get()
             found = None
-            if rows is not None and jc.trace_encloses(rows[3]):
+            if rows is not None and (jc.trace_encloses(rows[3]) or (
+                    FRESH_ROWS.get() is rows and jc.in_fresh_jaxpr_trace())):
                 found = rows[:3]
             else:
                 found = jc.batched_branch_predicate()
@@ -195,6 +196,13 @@ class SowPrimitive(jc.core.Primitive):
 # (the batching rule's own bind, with the rows batched as its operand) has them already.
 ROWS: contextvars.ContextVar[tuple[Any, int, int, Any] | None] = contextvars.ContextVar(
     "sowtel_rows", default=None)
+
+# While that rule binds a custom_jvp / custom_vjp function in a body traced inside that vmap (a
+# loop's): ROWS's value. Binding it there traces the function to a jaxpr of its own, in a trace
+# no parent links to the vmap's; a sow bound in such a trace takes the rows too, which that
+# jaxpr closes over (the function's closure, passed on as its operands).
+FRESH_ROWS: contextvars.ContextVar[tuple[Any, int, int, Any] | None] = contextvars.ContextVar(
+    "sowtel_fresh_rows", default=None)
 
 
 def _with_rows(args: tuple[Any, ...], params: dict[str, Any], site: SiteStatic, taken: Any,

@@ -193,3 +193,52 @@ def test_a_cond_without_nested_sows_is_jaxs_own_rule() -> None:
             assert "broadcast_in_dim 0" not in text and "eq" in text, text
         nested = str(jax.make_jaxpr(jax.vmap(program(jitted)))(XS))
         assert "sow" in nested and "pjit" not in nested.split("sow")[0][-200:]
+
+
+def rule_in_loop(rule: str, loop: str) -> Callable[[Any, Any], Any]:
+    """A ``custom_jvp`` / ``custom_vjp`` function's site inside a loop of one pass in the
+    branch: binding the function in the loop's body traces it to a jaxpr of its own."""
+    def nested(v: Any, eps: Any) -> Any:
+        def step(c: Any) -> Any:
+            return NESTED[rule](c, eps)
+
+        if loop == "scan":
+            return jax.lax.scan(lambda c, _: (step(c), None), v, None, length=1)[0]
+        if loop == "fori":
+            return jax.lax.fori_loop(0, 1, lambda i, c: step(c), v)
+        return jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, step(c[1])),
+                                  (0, v))[1]
+    return nested
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori", "while"])
+@pytest.mark.parametrize("rule", ["custom_jvp", "custom_vjp"])
+def test_a_custom_rules_site_in_a_loop_in_the_branch_is_masked(rule: str, loop: str) -> None:
+    f = program(rule_in_loop(rule, loop))
+    primal = np.where(TAKEN[:, None], np.sin(XS), np.nan)
+    _, inter = save_intermediates(jax.vmap(f))(XS)
+    got = np.asarray(inter["s"]["primal"])
+    assert got.shape == ((4, 2) if loop == "while" else (1, 4, 2))  # a scan's: (T, B, ...)
+    np.testing.assert_allclose(got.reshape(4, 2), primal, rtol=1e-6)
+    if loop == "while":  # forward only
+        return
+    # The loss's gradient is untouched, and equals the one without the site's function.
+    grads, inter = jax.jit(save_intermediates(jax.vmap(jax.grad(f))))(XS)
+    np.testing.assert_allclose(np.asarray(inter["s"]["primal"]).reshape(4, 2), primal,
+                               rtol=1e-6)
+    assert set(inter["s"]) == {"primal"}  # a custom rule's function: its primal only
+    plain = program(rule_in_loop(rule, loop))
+    want = jax.vmap(jax.grad(lambda x: plain(x, jnp.zeros(2))))(XS)
+    np.testing.assert_allclose(grads, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
+def test_streaming_masks_a_custom_rules_site_in_a_loop_in_the_branch(transport: str) -> None:
+    f = jax.vmap(jax.grad(program(rule_in_loop("custom_vjp", "scan"))))
+    jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
+    by_mode = stream(jit(f), XS)
+    assert set(by_mode) == {"primal"}
+    want = np.where(TAKEN[:, None], np.sin(XS), np.nan)
+    np.testing.assert_allclose(np.asarray(by_mode["primal"].value).reshape(4, 2), want,
+                               rtol=1e-6)
+    assert by_mode["primal"].stats["nan"] == 4.0  # two rows of two

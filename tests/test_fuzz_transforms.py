@@ -75,7 +75,6 @@ if set(DRAWN) - set(TRANSFORMS):
                      f"{', '.join(TRANSFORMS)}")
 REVERSE = frozenset({"grad", "jvp_grad", "vmap_grad"})
 LOOPS = frozenset({"scan", "fori"})
-LOOPS_ANY = LOOPS | {"while"}
 POLICIES = {
     "default": None,
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
@@ -94,11 +93,6 @@ KNOWN_BROKEN: dict[str, tuple[str, Callable[[str, str | None, tuple[str, ...], s
         "(custom_linear_solve, custom_root, a jax.extend primitive) in a cond whose predicate "
         "vmap batches reports every row, not only the rows that take the branch",
         lambda kind, policy, outer, tr: _library_in_batched_cond(kind, outer, tr)),
-    "custom-rule-in-loop-in-batched-cond": (
-        "issue 31 (documented in docs/transforms.md): a custom_jvp / custom_vjp site inside a "
-        "loop in a cond whose predicate vmap batches reports every row (found by the "
-        "2,000-program run on JAX 0.12)",
-        lambda kind, policy, outer, tr: _custom_rule_in_loop_in_batched_cond(kind, outer, tr)),
 }
 
 
@@ -110,11 +104,6 @@ def _in_batched_cond(outer: tuple[str, ...], transform: str) -> tuple[str, ...] 
     first = outer.index("cond")
     batched = transform == "vmap_grad" or "vmap" in outer[:first]
     return outer[first + 1:] if batched else None
-
-
-def _custom_rule_in_loop_in_batched_cond(kind: str, outer: tuple[str, ...], transform: str) -> bool:
-    below = _in_batched_cond(outer, transform)
-    return kind in ("cjvp", "cvjp") and below is not None and bool(LOOPS_ANY & set(below))
 
 
 def _library_in_batched_cond(kind: str, outer: tuple[str, ...], transform: str) -> bool:
@@ -745,12 +734,11 @@ def test_random_programs_capture_and_stream_right(program: tuple[str, tuple[Node
 
 def test_a_known_broken_entry_keeps_its_construct_out_and_is_counted(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two classes are excluded today: library primitives nested in a cond that vmap batches,
-    # and custom_jvp / custom_vjp sites in a loop in such a cond.
-    assert set(KNOWN_BROKEN) == {"library-primitive-in-batched-cond",
-                                 "custom-rule-in-loop-in-batched-cond"}
-    assert broken("cjvp", None, ("cond", "scan"), "vmap_grad")
-    assert broken("cvjp", None, ("vmap", "cond", "fori"), "grad")
+    # One class is excluded today: library primitives nested in a cond that vmap batches.
+    # (custom_jvp / custom_vjp sites in a loop in such a cond were, until they were fixed.)
+    assert set(KNOWN_BROKEN) == {"library-primitive-in-batched-cond"}
+    assert not broken("cjvp", None, ("cond", "scan"), "vmap_grad")
+    assert not broken("cvjp", None, ("vmap", "cond", "fori"), "grad")
     assert not broken("cjvp", None, ("cond",), "vmap_grad")
     assert not broken("site", None, ("cond", "scan"), "vmap_grad")
     assert not broken("cjvp", None, ("scan", "cond"), "vmap_grad")

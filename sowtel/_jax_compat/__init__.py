@@ -37,7 +37,8 @@ when that is gone.
   predicate with JAX's own selects (``_bcast_select``, ``_bcast_select_n``); where the entry is
   gone, JAX's rule runs alone and nested sows report every row.
 - ``current_trace`` / ``trace_encloses``: the trace a bind goes to, and whether a ``vmap``'s
-  trace encloses it (``parent_trace`` links, a ``BatchTrace``'s ``tag``).
+  trace encloses it (``parent_trace`` links, a ``BatchTrace``'s ``tag``);
+  ``in_fresh_jaxpr_trace``: whether it stages a jaxpr (``DynamicJaxprTrace``).
 - ``traced_for``: what the innermost trace is tracing (``"while_cond"``, ``"scan"``, ...).
 - ``manual_axes``: the mesh axes that are manual here (inside ``shard_map`` / ``pmap``).
 - ``as_jaxpr`` / ``jaxpr_and_consts``: sub-jaxprs of an equation's parameters. JAX 0.10 wraps a
@@ -118,6 +119,7 @@ from sowtel._jax_compat._frames import (  # re-exported: jc.<name>
     select_branch_inputs,
     select_branch_outputs,
     trace_encloses,
+    in_fresh_jaxpr_trace,
     vmap_axis,
     wrap_cond_batching,
 )
@@ -168,6 +170,7 @@ __all__ = [
     "select_branch_inputs",
     "select_branch_outputs",
     "trace_encloses",
+    "in_fresh_jaxpr_trace",
     "vmap_axis",
     "wrap_cond_batching",
     "CLOSED",

@@ -287,6 +287,13 @@ def current_trace() -> Any:
     return core.trace_ctx.trace
 
 
+def in_fresh_jaxpr_trace() -> bool:
+    """Whether binding here goes to a trace staging a jaxpr (as a ``custom_jvp`` function's own,
+    which ``jax.jit``-style tracing makes), not to a ``vmap``, ``jvp`` or eager one."""
+    from jax._src.interpreters import partial_eval as pe
+    return isinstance(core.trace_ctx.trace, pe.DynamicJaxprTrace)
+
+
 def _same_vmap(here: Any, trace: Any) -> bool:
     tag = getattr(trace, "tag", None)
     return isinstance(here, batching.BatchTrace) and tag is not None and here.tag is tag
