@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
+from sowtel import errors
 from sowtel.records import Record
 
 __all__ = ["Exporter", "register", "known_names", "resolve", "check_exporter", "check_distinct",
@@ -145,7 +146,7 @@ _REGISTERED: dict[str, Callable[..., Exporter]] = {}
 def register(name: str, factory: Callable[..., Exporter]) -> None:
     """Registers ``factory(**options) -> Exporter`` under ``name`` for ``enable(exporter=name)``."""
     if not isinstance(name, str) or not name:
-        raise ValueError(f"exporter name must be a non-empty string, got {name!r}")
+        raise errors.BadOptionTypeError("register name", name, "must be a non-empty str")
     _REGISTERED[name] = factory
 
 
@@ -166,17 +167,10 @@ def check_exporter(obj: Any) -> Exporter:
     records a memory exporter keeps) from the caller, so the error says to pass one instead.
     """
     if isinstance(obj, type):
-        raise TypeError(
-            f"exporter {obj.__qualname__} is a class, not an instance: pass "
-            f"{obj.__qualname__}() (with its options), and keep it to read what it holds; or a "
-            f"built-in name such as 'memory' (known: {', '.join(known_names())})"
-        )
+        raise errors.NotAnExporterError(obj, known=known_names())
     missing = [m for m in ("write", "flush", "close") if not callable(getattr(obj, m, None))]
     if missing:
-        raise TypeError(
-            f"exporter {obj!r} lacks the method(s) {', '.join(missing)}: an exporter needs "
-            "write(records), flush() and close() (see sowtel.exporters.Exporter)"
-        )
+        raise errors.NotAnExporterError(obj, missing)
     return obj
 
 
@@ -193,7 +187,7 @@ def check_distinct(exporters: Sequence[Any]) -> None:
         >>> check_distinct([memory, MemoryExporter()])
         >>> check_distinct([memory, memory])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: exporter 'memory' (<...MemoryExporter object at ...>) is given twice, ...
+        sowtel.errors.DuplicateExporterError: exporter 'memory' (<...MemoryExporter ...>) is ...
     """
     seen: dict[int, int] = {}
     for i, exporter in enumerate(exporters):
@@ -203,11 +197,7 @@ def check_distinct(exporters: Sequence[Any]) -> None:
         if first != i:
             label = getattr(exporter, "label", None)
             name = label if isinstance(label, str) and label else type(exporter).__name__
-            raise ValueError(
-                f"exporter {name!r} ({exporter!r}) is given twice, at positions {first} and {i} "
-                "of exporter=: one instance would be called from two threads and write every "
-                "record twice; pass it once, or pass two instances"
-            )
+            raise errors.DuplicateExporterError(name, exporter, first, i)
 
 
 def _factory(name: str) -> Callable[..., Exporter]:
@@ -220,17 +210,11 @@ def _factory(name: str) -> Callable[..., Exporter]:
         except ImportError as e:
             extra = {"tensorboard": "tensorboard", "otel": "otel", "wandb": "wandb",
                      "mlflow": "mlflow", "trackio": "trackio"}.get(name, "all")
-            raise ImportError(
-                f"exporter {name!r} needs optional dependencies: "
-                f"pip install 'sowtel[{extra}]' ({e})"
-            ) from e
+            raise errors.MissingExtraError(name, extra, e) from e
     eps = _entry_point_factories()
     if name in eps:
         return eps[name].load()  # type: ignore[no-any-return]
-    raise ValueError(
-        f"unknown exporter {name!r}: known exporters are {', '.join(known_names())}; "
-        "or pass an object with write/flush/close"
-    )
+    raise errors.UnknownExporterError(name, known_names())
 
 
 def _accepted(factory: Callable[..., Exporter], options: dict[str, Any]) -> dict[str, Any] | None:
@@ -260,7 +244,7 @@ def resolve(spec: Any, **options: Any) -> list[Exporter]:
     """
     items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     if not items:
-        raise ValueError("exporter must name at least one exporter, got an empty list")
+        raise errors.BadOptionError("exporter", items, "must name at least one exporter")
     plan: list[tuple[Callable[..., Exporter] | None, Any]] = []
     used: set[str] = set()
     named = [item for item in items if isinstance(item, str)]
@@ -276,11 +260,7 @@ def resolve(spec: Any, **options: Any) -> list[Exporter]:
     check_distinct(items)
     unused = sorted(set(options) - used)
     if unused:
-        raise TypeError(
-            f"exporter option(s) {', '.join(unused)} are taken by none of the exporters "
-            f"{', '.join(named) or '(instances only)'}: check the spelling, or configure the "
-            "exporter instance directly"
-        )
+        raise errors.UnusedExporterOptionError(unused, named)
     out: list[Exporter] = []
     created: list[Exporter] = []
     try:
@@ -313,15 +293,16 @@ def check_logdir(logdir: Any, option: str = "logdir") -> str:
         'runs/exp1'
         >>> check_logdir("runs/a\x00b")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: logdir='runs/a\x00b' holds a NUL character (\x00), which no path may ...
+        sowtel.errors.BadOptionError: logdir='runs/a\x00b' holds a NUL character (\x00), ...
     """
     text = os.fspath(logdir)
     if isinstance(text, bytes):
         text = os.fsdecode(text)
     shown = repr(text) if len(text) <= 120 else f"{text[:60]!r}...{text[-20:]!r}"
     if "\0" in text:
-        raise ValueError(
-            f"{option}={shown} holds a NUL character (\\x00), which no path may hold: remove it")
+        raise errors.BadOptionError(
+            option, text, "holds a NUL character (\\x00), which no path may hold: remove it",
+            shown=shown)
     try:
         path_max = os.pathconf(os.path.dirname(os.path.abspath(text)) or "/", "PC_PATH_MAX")
     except (OSError, ValueError, AttributeError):
@@ -333,14 +314,14 @@ def check_logdir(logdir: Any, option: str = "logdir") -> str:
     # 100 bytes for the files and folders written inside (event files, sidecar folders).
     length = len(os.fsencode(os.path.abspath(text)))
     if length + 100 > path_max:
-        raise ValueError(
-            f"{option}={shown} is {length} bytes long as an absolute path; with the files "
+        raise errors.BadOptionError(
+            option, text, f"is {length} bytes long as an absolute path; with the files "
             f"written inside it, it would pass this system's limit of {path_max} bytes per "
-            f"path: choose a shorter {option}")
+            f"path: choose a shorter {option}", shown=shown)
     longest = max(text.replace(os.sep, "/").split("/"), key=lambda c: len(os.fsencode(c)))
     if len(os.fsencode(longest)) > name_max:
-        raise ValueError(
-            f"{option}={shown} has a folder name of {len(os.fsencode(longest))} bytes "
+        raise errors.BadOptionError(
+            option, text, f"has a folder name of {len(os.fsencode(longest))} bytes "
             f"({longest[:40]!r}...), over this system's limit of {name_max} bytes per name: "
-            f"choose a shorter {option}")
+            f"choose a shorter {option}", shown=shown)
     return text

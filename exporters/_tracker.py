@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from sowtel import errors
 from sowtel.records import Record, StatChoice, index_text, nonfinite_count
 from sowtel.summaries import host_summary
 
@@ -59,9 +60,10 @@ class StepMetrics:
                  scalar_derivatives: bool = False, histograms: bool = True,
                  index: tuple[str, str] = ("[]", ",")) -> None:
         if not isinstance(scalar_derivatives, bool):
-            raise TypeError(f"scalar_derivatives={scalar_derivatives!r} must be True or False")
+            raise errors.BadOptionTypeError("scalar_derivatives", scalar_derivatives,
+                                            "must be True or False")
         if not isinstance(histograms, bool):
-            raise TypeError(f"histograms={histograms!r} must be True or False")
+            raise errors.BadOptionTypeError("histograms", histograms, "must be True or False")
         self.choice = StatChoice(stats)
         self.scalar_derivatives = scalar_derivatives
         self.histograms = histograms
@@ -136,7 +138,7 @@ class TrackerExporter:
         after the others are logged, raised as ``ValueError``."""
         name = type(self).__name__
         if self._closed:
-            raise RuntimeError(f"{name}.write() after close(): create a new exporter")
+            raise errors.ExporterClosedError(name)
         bad: list[str] = []
         self._log(self._metrics.convert(
             records, lambda r, e: bad.append(f"{r.name!r} ({r.mode}, step {r.step}): {e}")))

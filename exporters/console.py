@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from sowtel import errors
 from sowtel.records import NONFINITE_KINDS, NONFINITE_LABELS, Record, nonfinite_count
 from sowtel.summaries import host_summary
 
@@ -96,11 +97,11 @@ class ConsoleExporter:
 
     def __init__(self, stream: TextIO | None = None, every: int = 1) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
-            raise ValueError(f"every={every!r} must be a positive integer (print steps divisible "
-                             "by it)")
+            raise errors.BadOptionError("every", every, "must be a positive integer (print steps "
+                                        "divisible by it)")
         if stream is not None and not callable(getattr(stream, "write", None)):
-            raise TypeError(f"stream={stream!r} has no write(): pass a text stream such as "
-                            "sys.stderr or an open file")
+            raise errors.BadOptionTypeError("stream", stream, "has no write(): pass a text "
+                                            "stream such as sys.stderr or an open file")
         self._stream = stream
         self.every = every
 

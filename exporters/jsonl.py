@@ -65,6 +65,7 @@ from typing import Any
 
 import numpy as np
 
+from sowtel import errors
 from sowtel.exporters import check_logdir
 from sowtel.records import Record
 from sowtel.to_records import RecordBatch, SiteColumns
@@ -278,32 +279,30 @@ class JsonlExporter:
         if not isinstance(filename, str) or not filename or filename in (".", "..") or any(
             sep and sep in filename for sep in ("/", "\\", os.sep, os.altsep)
         ):
-            raise ValueError(
-                f"filename={filename!r} must be a bare file name such as 'records.jsonl' "
-                "(no folders); put folders in logdir="
-            )
+            raise errors.BadOptionError(
+                "filename", filename, "must be a bare file name such as 'records.jsonl' (no "
+                "folders); put folders in logdir=", shown=repr(filename))
         if "\0" in filename or len(os.fsencode(filename)) > 240:
-            raise ValueError(
-                f"filename={filename[:60]!r}{'...' if len(filename) > 60 else ''} holds a NUL "
-                "character or is over 240 bytes (a file name, and its <stem>_values folder, "
-                "must fit this system's 255): choose a short file name such as 'records.jsonl'"
-            )
+            raise errors.BadOptionError(
+                "filename", filename, "holds a NUL character or is over 240 bytes (a file "
+                "name, and its <stem>_values folder, must fit this system's 255): choose a "
+                "short file name such as 'records.jsonl'",
+                shown=f"{filename[:60]!r}{'...' if len(filename) > 60 else ''}")
         if not isinstance(logdir, (str, os.PathLike)) or not os.fspath(logdir):
-            raise ValueError(f"logdir={logdir!r} must be a folder path such as 'runs/exp1'")
+            raise errors.BadOptionError("logdir", logdir,
+                                        "must be a folder path such as 'runs/exp1'")
         check_logdir(logdir)
         self.logdir = Path(logdir)
         if self.logdir.exists() and not self.logdir.is_dir():
-            raise ValueError(
-                f"logdir={os.fspath(logdir)!r} is a file, not a folder: pass a folder path "
-                "(it is created if missing)"
-            )
+            raise errors.UnwritableLogdirError(
+                f"logdir={os.fspath(logdir)!r}", "is a file, not a folder: pass a folder path "
+                "(it is created if missing)")
         try:
             self.logdir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ValueError(
-                f"logdir={os.fspath(logdir)!r} cannot be created ({e.strerror or e}): pass a "
-                "folder path you can write to"
-            ) from e
+            raise errors.UnwritableLogdirError(
+                f"logdir={os.fspath(logdir)!r}", f"cannot be created ({e.strerror or e}): pass "
+                "a folder path you can write to") from e
         self.path = self.logdir / filename
         self._filename = filename
         self._values_name = f"{Path(filename).stem or 'records'}_values"
@@ -317,7 +316,7 @@ class JsonlExporter:
         self._warned: set[str] = set()
         for planted in (self.path, self._values_dir):
             if planted.is_symlink():
-                raise ValueError(_link_refused(logdir, planted.name))
+                raise _link_refused(logdir, planted.name)
         self._fd = _open_records_file(self.logdir, filename)
         # Where the file ends once every line written is whole; None when it is.
         self._cut_at: int | None = None
@@ -497,29 +496,28 @@ def _open_records_file(logdir: Path, filename: str) -> int:
         fd = os.open(path, flags, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:  # a link planted since the check above
-            raise ValueError(_link_refused(logdir, filename)) from e
+            raise _link_refused(logdir, filename) from e
         if e.errno == errno.ENAMETOOLONG:
-            raise ValueError(
-                f"logdir={os.fspath(logdir)!r} with filename={filename!r} is longer than this "
-                "system allows a path or a file name to be: choose a shorter logdir or "
+            raise errors.UnwritableLogdirError(
+                f"logdir={os.fspath(logdir)!r} with filename={filename!r}", "is longer than "
+                "this system allows a path or a file name to be: choose a shorter logdir or "
                 "filename=") from e
-        raise ValueError(
-            f"logdir={os.fspath(logdir)!r}: cannot write {filename!r} there "
-            f"({e.strerror or e}): pass a folder you can write to"
-        ) from e
+        raise errors.UnwritableLogdirError(
+            f"logdir={os.fspath(logdir)!r}:", f"cannot write {filename!r} there "
+            f"({e.strerror or e}): pass a folder you can write to") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(
-                f"logdir={os.fspath(logdir)!r}: {filename!r} there is not a regular file (a "
+            raise errors.UnwritableLogdirError(
+                f"logdir={os.fspath(logdir)!r}:", f"{filename!r} there is not a regular file (a "
                 "FIFO, a device?), and the jsonl exporter appends only to regular files: remove "
                 "it, or choose another logdir or filename=")
         if st.st_nlink > 1:
-            raise ValueError(
-                f"logdir={os.fspath(logdir)!r}: {filename!r} there has {st.st_nlink} hard links, "
-                "and the jsonl exporter never writes to a file that is also known by another "
-                "name (it may be outside the logdir): remove that file, or choose another "
-                "logdir or filename=")
+            raise errors.UnwritableLogdirError(
+                f"logdir={os.fspath(logdir)!r}:", f"{filename!r} there has {st.st_nlink} hard "
+                "links, and the jsonl exporter never writes to a file that is also known by "
+                "another name (it may be outside the logdir): remove that file, or choose "
+                "another logdir or filename=")
         _remove_cut_last_line(fd, path, st.st_size)
     except BaseException:
         os.close(fd)
@@ -549,10 +547,11 @@ def _remove_cut_last_line(fd: int, path: Path, size: int) -> None:
                    "finish); removed it before appending", path, size - keep)
 
 
-def _link_refused(logdir: str | os.PathLike[str], name: str) -> str:
-    return (f"logdir={os.fspath(logdir)!r}: {name!r} there is a symbolic link, and the jsonl "
-            "exporter never follows links out of its logdir: remove the link, or choose "
-            "another logdir")
+def _link_refused(logdir: str | os.PathLike[str], name: str) -> errors.UnwritableLogdirError:
+    return errors.UnwritableLogdirError(
+        f"logdir={os.fspath(logdir)!r}:", f"{name!r} there is a symbolic link, and the jsonl "
+        "exporter never follows links out of its logdir: remove the link, or choose another "
+        "logdir")
 
 
 def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> list[Record]:
@@ -581,10 +580,9 @@ def read_records(path: str | os.PathLike[str], *, load_values: bool = True) -> l
         if load_values and obj.get("value_file"):
             file = (base / obj["value_file"]).resolve()
             if base not in file.parents:
-                raise ValueError(
-                    f"{path}:{number}: value_file={obj['value_file']!r} points outside "
-                    f"{base}; refusing to read it"
-                )
+                raise errors.BadRecordsFileError(
+                    f"{path}:{number}:", f"value_file={obj['value_file']!r} points outside "
+                    f"{base}; refusing to read it")
             value = _load_sidecar(file, f"{path}:{number}")
             if obj.get("value_dtype") and obj["value_dtype"] != obj["dtype"]:
                 try:
@@ -676,12 +674,14 @@ def iter_line_blocks(path: str | os.PathLike[str], *, size: int = 1 << 22,
         yield number, [rest]
 
 
-def bad_line(path: str | os.PathLike[str], number: int, error: Exception) -> ValueError:
+def bad_line(path: str | os.PathLike[str], number: int,
+             error: Exception) -> errors.BadRecordsFileError:
     """The error for a line of a jsonl file that is not a record's JSON object."""
     where = (f" ({error.msg}, column {error.colno})"
              if isinstance(error, json.JSONDecodeError) else f" ({error})")
-    return ValueError(f"{path}: line {number} is not a JSON object{where}: this is not a file "
-                      "the jsonl exporter wrote whole")
+    return errors.BadRecordsFileError(
+        f"{path}:", f"line {number} is not a JSON object{where}: this is not a file the jsonl "
+        "exporter wrote whole")
 
 
 def json_float(x: Any) -> float:
@@ -700,8 +700,8 @@ def _open_regular(path: Path, what: str) -> Any:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise ValueError(
-                f"{str(path)!r} is not a regular file (a FIFO, a device or a folder?): "
+            raise errors.BadRecordsFileError(
+                repr(str(path)), "is not a regular file (a FIFO, a device or a folder?): "
                 f"{what} is read only from a regular file, as a pipe or a device could block "
                 "forever; copy it to a file first")
         return os.fdopen(fd, "rb")
@@ -715,7 +715,7 @@ def _load_sidecar(file: Path, where: str) -> np.ndarray:
     try:
         f = _open_regular(file, "a sidecar value")
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        raise errors.prefixed(e, where) from None
     with f:
         try:
             version = np.lib.format.read_magic(f)
@@ -727,17 +727,18 @@ def _load_sidecar(file: Path, where: str) -> np.ndarray:
                 raise ValueError(f".npy format version {version} is not one numpy.save writes "
                                  "for these values")
         except ValueError as e:
-            raise ValueError(f"{where}: the sidecar {str(file)!r} is not a valid .npy file "
-                             f"({e})") from None
+            raise errors.BadRecordsFileError(
+                f"{where}:", f"the sidecar {str(file)!r} is not a valid .npy file ({e})") from None
         if dtype.hasobject:
-            raise ValueError(f"{where}: the sidecar {str(file)!r} holds Python objects, which "
-                             "are never unpickled")
+            raise errors.BadRecordsFileError(
+                f"{where}:", f"the sidecar {str(file)!r} holds Python objects, which are never "
+                "unpickled")
         need = math.prod(shape) * dtype.itemsize
         have = os.fstat(f.fileno()).st_size - f.tell()
         if need != have:
-            raise ValueError(
-                f"{where}: the sidecar {str(file)!r} claims a {dtype} array of shape {shape} "
-                f"({need} bytes) but holds {have} bytes of data: it is truncated or crafted, "
-                "and is not read")
+            raise errors.BadRecordsFileError(
+                f"{where}:", f"the sidecar {str(file)!r} claims a {dtype} array of shape "
+                f"{shape} ({need} bytes) but holds {have} bytes of data: it is truncated or "
+                "crafted, and is not read")
         f.seek(0)
         return np.load(f, allow_pickle=False)

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from sowtel import errors
 from sowtel.records import Record
 from sowtel.to_records import RecordBatch, SiteColumns
 
@@ -61,9 +62,8 @@ class MemoryExporter:
         if max_records is not None and (
             not isinstance(max_records, int) or isinstance(max_records, bool) or max_records <= 0
         ):
-            raise ValueError(
-                f"max_records={max_records!r} must be a positive integer, or None to keep all"
-            )
+            raise errors.BadOptionError("max_records", max_records,
+                                        "must be a positive integer, or None to keep all")
         self.max_records = max_records
         # Batches are kept as they come (columnar tables stay tables): records are built only
         # when read, by whoever reads them.

@@ -32,6 +32,7 @@ from typing import Any
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+from sowtel import errors
 from sowtel.exporters._tracker import StepBatch, StepMetrics, TrackerExporter
 
 __all__ = ["MlflowExporter", "BATCH"]
@@ -68,7 +69,8 @@ class MlflowExporter(TrackerExporter):
         self._owned = run_id is None
         if run_id is None:
             if not isinstance(experiment, str) or not experiment:
-                raise ValueError(f"experiment={experiment!r} must be a non-empty name")
+                raise errors.BadOptionError("experiment", experiment,
+                                            "must be a non-empty name")
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = (found.experiment_id if found is not None else
                              self.client.create_experiment(experiment, artifact_location))

@@ -69,6 +69,7 @@ from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboardX.proto.types_pb2 import DT_FLOAT, DT_STRING
 from tensorboardX.summary import histogram_raw, text
 
+from sowtel import errors
 from sowtel.exporters import check_logdir
 from sowtel.exporters._tensorboard_events import EventFile, event_bytes, value_head
 
@@ -163,29 +164,26 @@ class TensorBoardExporter:
         if logdir is None:
             logdir = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         if not isinstance(logdir, (str, os.PathLike)):
-            raise TypeError(
-                f"logdir={logdir!r} is not a path: pass a directory as a str or pathlib.Path"
-            )
+            raise errors.BadOptionTypeError(
+                "logdir", logdir, "is not a path: pass a directory as a str or pathlib.Path")
         if not os.fspath(logdir):
             # os.path.abspath("") is the current directory: an empty string is a mistake, not a
             # request to scatter event files there ("." says that explicitly).
-            raise ValueError(
-                "logdir='' is empty: pass a directory such as 'runs/exp1', or leave logdir out "
-                "for runs/<date-time>"
-            )
+            raise errors.BadOptionError(
+                "logdir", logdir, "is empty: pass a directory such as 'runs/exp1', or leave "
+                "logdir out for runs/<date-time>")
         if (isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float))
                 or not math.isfinite(flush_secs) or flush_secs <= 0):
-            raise ValueError(
-                f"flush_secs={flush_secs!r} must be a positive number of seconds, such as 2.0"
-            )
+            raise errors.BadOptionError(
+                "flush_secs", flush_secs, "must be a positive number of seconds, such as 2.0")
         if not isinstance(scalar_derivatives, bool):
-            raise TypeError(f"scalar_derivatives={scalar_derivatives!r} must be True or False")
+            raise errors.BadOptionTypeError("scalar_derivatives", scalar_derivatives,
+                                            "must be True or False")
         if depth not in DEPTH_LAYOUTS:
-            raise ValueError(
-                f"depth={depth!r} is not a layout of scan-stacked sites: use 'tensor' (one "
+            raise errors.BadOptionError(
+                "depth", depth, "is not a layout of scan-stacked sites: use 'tensor' (one "
                 "vector a step for the sowtel plugin, plus one headline scalar), 'scalars' (a "
-                "scalar tag per position and statistic) or 'both'"
-            )
+                "scalar tag per position and statistic) or 'both'")
         self.depth = depth
         self.flush_secs = float(flush_secs)
         self._choice = StatChoice(stats, by_mode=default_stats)
@@ -233,25 +231,23 @@ class TensorBoardExporter:
         if f is None:
             run_dir = self.run_dir(process_index)
             if run_dir != self.logdir and os.path.islink(run_dir):
-                raise ValueError(
-                    f"{run_dir!r} is a symbolic link, and the tensorboard exporter never follows "
-                    "links out of its logdir: remove the link, or choose another logdir"
-                )
+                raise errors.UnwritableLogdirError(
+                    repr(run_dir), "is a symbolic link, and the tensorboard exporter never "
+                    "follows links out of its logdir: remove the link, or choose another logdir")
             try:
                 os.makedirs(run_dir, exist_ok=True)
                 f = EventFile(run_dir)
             except FileExistsError as e:
-                raise ValueError(
-                    f"logdir={run_dir!r}: a file named {os.path.basename(e.filename or '')!r} "
-                    "is already there, under the name of the event file this exporter was about "
-                    "to create, and it never writes into a file it did not create (it may be a "
-                    "link planted to redirect it): remove that file, or choose another logdir"
-                ) from e
+                raise errors.UnwritableLogdirError(
+                    f"logdir={run_dir!r}:", f"a file named "
+                    f"{os.path.basename(e.filename or '')!r} is already there, under the name of "
+                    "the event file this exporter was about to create, and it never writes into "
+                    "a file it did not create (it may be a link planted to redirect it): remove "
+                    "that file, or choose another logdir") from e
             except OSError as e:
-                raise ValueError(
-                    f"logdir {run_dir!r} is not writable ({e.strerror or e}): pass a directory "
-                    "this process can create files in"
-                ) from e
+                raise errors.UnwritableLogdirError(
+                    f"logdir {run_dir!r}", f"is not writable ({e.strerror or e}): pass a "
+                    "directory this process can create files in") from e
             self._files[process_index] = f
         return f
 
@@ -262,7 +258,7 @@ class TensorBoardExporter:
         records are still written; the failure is then raised as ``ValueError`` after them.
         """
         if self._closed:
-            raise RuntimeError("TensorBoardExporter.write() after close(): create a new exporter")
+            raise errors.ExporterClosedError("TensorBoardExporter")
         bad: list[str] = []
         # Sorting by step keeps each tag's steps increasing in the file, which TensorBoard's
         # loader needs: it drops a tag's points after a step that goes backwards.
@@ -361,7 +357,7 @@ class TensorBoardExporter:
         histograms, ``sowtel.log`` scalars, non-finite rows) as :meth:`write` converts them; one
         event per process and step either way."""
         if self._closed:
-            raise RuntimeError("TensorBoardExporter.write() after close(): create a new exporter")
+            raise errors.ExporterClosedError("TensorBoardExporter")
         units: list[tuple[int, int, int, SiteColumns | Record]] = []
         for part in batch.parts:
             if (isinstance(part, SiteColumns) and part.summary in ("stats", "health")
@@ -809,17 +805,15 @@ def _jax_process() -> tuple[int, int]:
 
 def _check_logdir(logdir: str) -> None:
     if os.path.exists(logdir) and not os.path.isdir(logdir):
-        raise ValueError(
-            f"logdir {logdir!r} exists and is not a directory: pass a directory path (it is "
-            "created if missing)"
-        )
+        raise errors.UnwritableLogdirError(
+            f"logdir {logdir!r}", "exists and is not a directory: pass a directory path (it is "
+            "created if missing)")
     try:
         os.makedirs(logdir, exist_ok=True)
     except OSError as e:
-        raise ValueError(
-            f"logdir {logdir!r} cannot be created ({e.strerror or e}): pass a directory path "
-            "under a writable folder"
-        ) from e
+        raise errors.UnwritableLogdirError(
+            f"logdir {logdir!r}", f"cannot be created ({e.strerror or e}): pass a directory "
+            "path under a writable folder") from e
 
 
 def _nonfinite(stats: dict[str, float]) -> float:

@@ -24,6 +24,7 @@ from typing import Any
 
 import trackio
 
+from sowtel import errors
 from sowtel.exporters._tracker import StepBatch, StepMetrics, TrackerExporter
 
 __all__ = ["TrackioExporter"]
@@ -50,13 +51,14 @@ class TrackioExporter(TrackerExporter):
         self._owned = run is None
         if run is None:
             if not isinstance(project, str) or not project:
-                raise ValueError(f"project={project!r} must be a non-empty project name")
+                raise errors.BadOptionError("project", project,
+                                            "must be a non-empty project name")
             # No GPU or CPU sampling threads of Trackio's own: sowtel only logs its records.
             run = trackio.init(project=project, name=name, config=config,
                                auto_log_gpu=False, auto_log_cpu=False)
         elif not callable(getattr(run, "log", None)):
-            raise TypeError(f"run={run!r} is not a Trackio run: pass the result of "
-                            "trackio.init()")
+            raise errors.BadOptionTypeError("run", run, "is not a Trackio run: pass the result "
+                                            "of trackio.init()")
         self.run = run
         self._closed = False
 

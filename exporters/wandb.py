@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import wandb
 
+from sowtel import errors
 from sowtel.exporters._tracker import StepBatch, StepMetrics, TrackerExporter
 
 __all__ = ["WandbExporter", "STEP_METRIC"]
@@ -56,15 +57,16 @@ class WandbExporter(TrackerExporter):
         self._metrics = StepMetrics(stats, scalar_derivatives=scalar_derivatives,
                                     histograms=histograms)
         if mode is not None and mode not in ("online", "offline", "disabled", "shared"):
-            raise ValueError(f"mode={mode!r} is not a W&B mode: use 'online', 'offline' or "
-                             "'disabled'")
+            raise errors.BadOptionError("mode", mode, "is not a W&B mode: use 'online', "
+                                        "'offline' or 'disabled'")
         self._owned = run is None
         if run is None:
             run = wandb.init(project=project, name=name, dir=dir, mode=cast(Any, mode),
                              config=config,
                              settings=settings, reinit="create_new")
         elif not callable(getattr(run, "log", None)):
-            raise TypeError(f"run={run!r} is not a W&B run: pass the result of wandb.init()")
+            raise errors.BadOptionTypeError("run", run,
+                                            "is not a W&B run: pass the result of wandb.init()")
         self.run = run
         self._defined: set[str] = set()
         self._closed = False

@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
+from sowtel import errors
 from sowtel.exporters.jsonl import bad_line, iter_line_blocks, json_float
 from sowtel.records import Index, nonfinite_count, order_key
 
@@ -166,8 +167,8 @@ class JsonlSource:
                 if len(earlier) > 2 * WINDOW:
                     earlier.popitem(last=False)
             elif not first.blocks.keys().isdisjoint(part.blocks):
-                raise ValueError(
-                    f"{self.path}: step {part.step} comes again at line {start}, with records "
+                raise errors.BadRunError(
+                    f"{self.path}:", f"step {part.step} comes again at line {start}, with records "
                     "it already had: the file holds two runs one after the other (the jsonl "
                     "exporter appends to a logdir used again); compare runs written to folders "
                     "of their own")
@@ -458,10 +459,11 @@ def open_run(path: str | os.PathLike[str], what: str) -> Run:
             return Run(p, "jsonl", {_jsonl_process(p): [JsonlSource(p, _jsonl_process(p))]})
         if "tfevents" in p.name:
             if not p.name.endswith(".sowtel"):
-                raise ValueError(_foreign(what, p))
+                raise _foreign(what, p)
             return Run(p, "tensorboard", {None: [TensorBoardSource(p, None, _Shared())]})
-        raise ValueError(f"{what} {str(p)!r} is neither a folder nor a jsonl or TensorBoard "
-                         "event file: give the folder a jsonl or tensorboard exporter wrote")
+        raise errors.BadRunError(f"{what} {str(p)!r}", "is neither a folder nor a jsonl or "
+                                 "TensorBoard event file: give the folder a jsonl or "
+                                 "tensorboard exporter wrote")
     jsonl = sorted(c for c in p.iterdir() if c.name.endswith(".jsonl") and c.is_file())
     if jsonl:
         processes: dict[int | None, list[Source]] = {}
@@ -487,12 +489,12 @@ def open_run(path: str | os.PathLike[str], what: str) -> Run:
     if runs:
         return Run(p, "tensorboard", runs)
     if foreign:
-        raise ValueError(_foreign(what, p))
+        raise _foreign(what, p)
     folders = sorted(c.name for c in p.iterdir() if c.is_dir())
     hint = (f" (its folders: {', '.join(folders[:5])}{', ...' if len(folders) > 5 else ''}: "
             "give one of them)") if folders else ""
-    raise ValueError(f"{what} {str(p)!r} holds no run: no .jsonl file and no TensorBoard event "
-                     f"file sowtel wrote{hint}")
+    raise errors.BadRunError(f"{what} {str(p)!r}", "holds no run: no .jsonl file and no "
+                             f"TensorBoard event file sowtel wrote{hint}")
 
 
 def _jsonl_process(path: Path) -> int | None:
@@ -500,9 +502,10 @@ def _jsonl_process(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _foreign(what: str, p: Path) -> str:
-    return (f"{what} {str(p)!r} holds TensorBoard event files, none written by sowtel (sowtel's "
-            "end in .sowtel): it is another tool's run, which holds no sowtel records to compare")
+def _foreign(what: str, p: Path) -> errors.BadRunError:
+    return errors.BadRunError(
+        f"{what} {str(p)!r}", "holds TensorBoard event files, none written by sowtel (sowtel's "
+        "end in .sowtel): it is another tool's run, which holds no sowtel records to compare")
 
 
 # ----------------------------------------------------------------------------- steps
@@ -528,8 +531,8 @@ def run_steps(sources: Sequence[Source], window: int = WINDOW) -> Iterator[StepD
         part = heads[k]
         assert part is not None
         if part.step <= done:
-            raise ValueError(
-                f"{sources[k]}: its steps go back to {part.step} after step "
+            raise errors.BadRunError(
+                f"{sources[k]}:", f"its steps go back to {part.step} after step "
                 f"{max(recent[k])}, more than {window} steps: the file holds two runs one "
                 "after the other (an exporter appends to a logdir used again); compare runs "
                 "written to folders of their own")

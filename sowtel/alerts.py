@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from sowtel import errors
 from sowtel.records import BASE_MODES, LOG_TAG, SCALAR_SUMMARY, STAT_KEYS, Record
 
 __all__ = ["ACTIONS", "Alert", "AlertError", "AlertRule", "AlertWarning", "Alerts", "alert",
@@ -185,9 +186,9 @@ def _number(value: Any, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise ValueError(f"sowtel.alert {what}={value!r} must be a number")
+        raise errors.BadOptionError(f"sowtel.alert {what}", value, "must be a number")
     if not math.isfinite(float(value)):
-        raise ValueError(f"sowtel.alert {what}={value!r} must be finite")
+        raise errors.BadOptionError(f"sowtel.alert {what}", value, "must be finite")
     return float(value)
 
 
@@ -195,8 +196,8 @@ def _check_mode(mode: Any) -> str | None:
     if mode is None:
         return None
     if not isinstance(mode, str) or not all(m in BASE_MODES for m in mode.split(".")):
-        raise ValueError(
-            f"sowtel.alert mode={mode!r} is not a mode: use 'primal', 'tangent', 'cotangent' "
+        raise errors.BadOptionError(
+            "sowtel.alert mode", mode, "is not a mode: use 'primal', 'tangent', 'cotangent' "
             "or a composition such as 'cotangent.tangent' (or None: every mode)")
     return mode
 
@@ -205,13 +206,13 @@ def _check_pattern(pattern: Any) -> str | Callable[[str], bool]:
     if callable(pattern):
         return pattern  # type: ignore[no-any-return]
     if not isinstance(pattern, str) or not pattern:
-        raise ValueError(
-            f"sowtel.alert pattern={pattern!r} must be a non-empty glob over series names "
+        raise errors.BadOptionError(
+            "sowtel.alert pattern", pattern, "must be a non-empty glob over series names "
             "(such as 'train/loss' or 'blocks/*') or a callable taking the name")
     literal = re.sub(r"\[[^\]]*\]|[*?]", "", pattern)
     if not _NAME_CHARS.fullmatch(literal) or pattern.startswith("/") or "//" in pattern:
-        raise ValueError(
-            f"sowtel.alert pattern={pattern!r} can never match a series: names hold letters, "
+        raise errors.BadOptionError(
+            "sowtel.alert pattern", pattern, "can never match a series: names hold letters, "
             "digits and _ - . / with no empty segment, and %XX for an escaped pytree key "
             "(globs add * ? [...])")
     return pattern
@@ -251,8 +252,8 @@ def alert(pattern: str | Callable[[str], bool], *, mode: str | None = None,
     pattern = _check_pattern(pattern)
     mode = _check_mode(mode)
     if stat is not None and stat not in STATS:
-        raise ValueError(f"sowtel.alert stat={stat!r} is not a statistic: use one of "
-                         f"{', '.join(STATS)}")
+        raise errors.BadOptionError("sowtel.alert stat", stat, f"is not a statistic: use one of "
+                                    f"{', '.join(STATS)}")
     above_f, below_f = _number(above, "above"), _number(below, "below")
     spike_f = _number(spike, "spike")
     if above_f is None and below_f is None and spike_f is None:
@@ -260,11 +261,13 @@ def alert(pattern: str | Callable[[str], bool], *, mode: str | None = None,
             f"sowtel.alert({pattern!r}) has no bound: give above=..., below=... or spike=... "
             "(a rule fires when its series crosses one)")
     if spike_f is not None and spike_f <= 0:
-        raise ValueError(f"sowtel.alert spike={spike!r} must be > 0: it is a number of robust "
-                         "standard deviations")
+        raise errors.BadOptionError(
+            "sowtel.alert spike", spike, "must be > 0: it is a number of robust "
+            "standard deviations")
     if isinstance(window, bool) or not isinstance(window, int | np.integer) or window < 2:
-        raise ValueError(f"sowtel.alert window={window!r} must be an int >= 2: the values a "
-                         "spike is judged against")
+        raise errors.BadOptionError(
+            "sowtel.alert window", window, "must be an int >= 2: the values a "
+            "spike is judged against")
     _check_action(action, "sowtel.alert action")
     return AlertRule(pattern, mode, stat, above_f, below_f, spike_f, int(window), action)
 
@@ -272,8 +275,8 @@ def alert(pattern: str | Callable[[str], bool], *, mode: str | None = None,
 def _check_action(action: Any, what: str) -> None:
     if action is None or callable(action) or action in ACTIONS:
         return
-    raise ValueError(f"{what}={action!r} is not an action: use 'warn', 'raise', 'dump' or a "
-                     "callable that takes the Alert")
+    raise errors.BadOptionError(what, action, "is not an action: use 'warn', 'raise', 'dump' or a "
+                                "callable that takes the Alert")
 
 
 class _Window:
@@ -558,8 +561,8 @@ def make_alerts(alerts: Any, on_alert: Any) -> Alerts | None:
         alerts = [alerts]
     rules = list(alerts) if isinstance(alerts, list | tuple) else None
     if rules is None or not all(isinstance(a, AlertRule) for a in rules):
-        raise ValueError(
-            f"enable alerts={alerts!r} must be a list of sowtel.alert(...) rules, e.g. "
+        raise errors.BadOptionError(
+            "enable alerts", alerts, "must be a list of sowtel.alert(...) rules, e.g. "
             "alerts=[sowtel.alert('train/loss', spike=6.0)]")
     if not rules:
         return None

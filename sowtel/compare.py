@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from sowtel import errors
 from sowtel._run_read import (
     NONFINITE,
     Entry,
@@ -491,10 +492,10 @@ def _next_divergent(steps_a: Iterator[StepData], steps_b: Iterator[StepData], pa
 
 def _check_tolerance(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what}={value!r} must be a number such as 1e-5")
+        raise errors.BadOptionTypeError(what, value, "must be a number such as 1e-5")
     v = float(value)
     if not math.isfinite(v) or v < 0:
-        raise ValueError(f"{what}={value!r} must be a finite number >= 0, such as 1e-5")
+        raise errors.BadOptionError(what, value, "must be a finite number >= 0, such as 1e-5")
     return v
 
 
@@ -560,11 +561,11 @@ def _no_common_sites(ra: Run, rb: Run, outcomes: list[_Outcome]) -> None:
     sa = sorted({n for o in outcomes for n, _ in o.pair.seen_a})
     sb = sorted({n for o in outcomes for n, _ in o.pair.seen_b})
     if not any(o.pair.steps for o in outcomes):
-        raise ValueError(
-            f"runs {str(ra.path)!r} and {str(rb.path)!r} have no step in common (or one holds "
-            "no records): compare runs of the same training, logged at the same steps")
-    raise ValueError(
-        f"runs {str(ra.path)!r} and {str(rb.path)!r} have no site in common (A: "
+        raise errors.BadRunError(
+            f"runs {str(ra.path)!r} and {str(rb.path)!r}", "have no step in common (or one "
+            "holds no records): compare runs of the same training, logged at the same steps")
+    raise errors.BadRunError(
+        f"runs {str(ra.path)!r} and {str(rb.path)!r}", f"have no site in common (A: "
         f"{', '.join(sa[:5]) or 'none'}; B: {', '.join(sb[:5]) or 'none'}): they are runs of "
         "different models, or were logged with different tags or filters")
 

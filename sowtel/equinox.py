@@ -41,7 +41,7 @@ from typing import Any
 
 import jax
 
-from sowtel import _module_sites, naming
+from sowtel import _module_sites, errors, naming
 from sowtel.jit import Jitted, SplitJitted, name_after
 
 __all__ = ["capture", "filter_jit"]
@@ -291,10 +291,11 @@ def filter_jit(fun: Callable[..., Any] | None = None, /, *, donate: str = "none"
     if fun is None:
         return lambda f: filter_jit(f, donate=donate, **jax_jit_options)
     if not callable(fun):
-        raise TypeError(f"sowtel.equinox.filter_jit needs a callable, got "
-                        f"{type(fun).__name__} {fun!r:.60}")
+        raise errors.NotCallableError(fun, "sowtel.equinox.filter_jit",
+                                      "sowtel.equinox.filter_jit(train_step)")
     if donate not in DONATE:
-        raise ValueError(f"sowtel.equinox.filter_jit donate={donate!r} is not one of {DONATE}")
+        raise errors.BadOptionError(
+            "sowtel.equinox.filter_jit donate", donate, f"is not one of {DONATE}")
     for option in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames"):
         if option in jax_jit_options:
             raise TypeError(

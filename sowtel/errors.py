@@ -4,9 +4,11 @@ Each error is a class here, with the wrong pattern and the right one side by sid
 message that names the offending value, the rule it broke and what to do instead. Each
 subclasses the built-in error that sowtel raised before the catalogue (``ValueError``,
 ``TypeError``, ``RuntimeError``), so ``except ValueError`` keeps catching it. Every class is
-raised somewhere (``tests/test_errors.py`` checks it). The catalogue holds the rules of the
-public calls (``sow``, ``at_step``, ``save_intermediates``, ``enable``, ``export``, ``log``);
-the exporters' and the dump files' own checks raise from their modules.
+raised somewhere (``tests/test_errors.py`` checks it). The catalogue holds the rules a user's
+call can break: those of the public calls (``sow``, ``at_step``, ``save_intermediates``,
+``enable``, ``export``, ``log``), of the exporters' options, and of the dump files written and
+read. What the world does (a disk that fills, an endpoint that does not answer) is not in it:
+those are the ``OSError`` s and exporter errors that ``status()["errors"]`` counts.
 
 Example:
     >>> import sowtel
@@ -25,7 +27,12 @@ __all__ = [
     "SowtelError", "BadNameError", "BadTagError", "NotPositiveIntError", "NotAnArrayError",
     "UnknownSummaryError", "SowInWhileCondError", "BatchedStepError", "BadStepError",
     "DuplicateSiteError", "NotCallableError", "DuplicatePolicyError", "BranchMismatchError",
-    "EnableWhileTracingError", "NoSessionError", "CATALOGUE",
+    "EnableWhileTracingError", "NoSessionError", "BadOptionError", "BadOptionTypeError",
+    "UnknownExporterError", "NotAnExporterError", "DuplicateExporterError",
+    "UnusedExporterOptionError", "MissingExtraError", "UnwritableLogdirError",
+    "ExporterClosedError", "NotDumpableError", "NotDumpableTypeError", "BadDumpError",
+    "DumpPartsError", "BadRecordsFileError", "BadRunError", "CATALOGUE",
+    "prefixed",
 ]
 
 # Said after every refused name, so each message also says what is allowed.
@@ -180,16 +187,19 @@ class DuplicateSiteError(SowtelError, ValueError):
         super().__init__(text)
 
 
-class NotCallableError(SowtelError, TypeError):
-    """``save_intermediates`` given something that is not a function.
+class NotCallableError(SowtelError, TypeError, ValueError):
+    """A call that wraps a function (``save_intermediates``, ``sowtel.jit``, ``sowtel.tap``,
+    ``sowtel.nnx.jit``, ``sowtel.equinox.filter_jit``) given something that is not one (a
+    ``TypeError``, and a ``ValueError`` as ``sowtel.tap`` raised before the catalogue).
 
     Wrong: ``save_intermediates(loss(params))``.   Right: ``save_intermediates(loss)(params)``.
     """
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, call: str = "save_intermediates",
+                 example: str = "save_intermediates(jax.grad(loss))") -> None:
         super().__init__(
-            f"save_intermediates needs a callable, got {type(fn).__name__} {fn!r:.60}: "
-            "pass the function itself, e.g. save_intermediates(jax.grad(loss))")
+            f"{call} needs a callable, got {type(fn).__name__} {fn!r:.60}: "
+            f"pass the function itself, e.g. {example}")
 
 
 class DuplicatePolicyError(SowtelError, ValueError):
@@ -242,9 +252,218 @@ class NoSessionError(SowtelError, RuntimeError):
         super().__init__(f"{call} needs an active session: call sowtel.enable(...) first")
 
 
+def _shown(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+class BadOptionError(SowtelError, ValueError):
+    """An option of ``enable()``, of an exporter or of a dump call outside the values it takes.
+
+    Wrong: ``enable(on_full="wait")``, ``TensorBoardExporter(flush_secs=0)``,
+    ``JsonlExporter(filename="runs/a.jsonl")``.
+    Right: ``on_full="drop"`` or ``"block"``; ``flush_secs=2.0``; ``filename="a.jsonl"`` with
+    the folder in ``logdir=``. The message names the option, its value and what it takes.
+    """
+
+    def __init__(self, option: str, value: Any, rule: str, *, shown: str | None = None) -> None:
+        super().__init__(f"{option}={_shown(value) if shown is None else shown} {rule}")
+
+
+class BadOptionTypeError(BadOptionError, TypeError):
+    """An option of ``enable()``, of an exporter or of a dump call of a type it does not take
+    (a ``TypeError`` as before, and a :class:`BadOptionError`).
+
+    Wrong: ``TensorBoardExporter(logdir=3)``, ``scalar_derivatives="yes"``.
+    Right: ``logdir="runs/exp1"`` (a str or ``pathlib.Path``); ``scalar_derivatives=True``.
+    """
+
+
+class UnknownExporterError(SowtelError, ValueError):
+    """``exporter=`` names no exporter sowtel knows.
+
+    Wrong: ``enable(exporter="tensorbaord")``.
+    Right: a built-in name (``sowtel.exporters.known_names()``), a name registered with
+    ``sowtel.exporters.register``, or an exporter instance.
+    """
+
+    def __init__(self, name: Any, known: list[str]) -> None:
+        super().__init__(f"unknown exporter {name!r}: known exporters are {', '.join(known)}; "
+                         "or pass an object with write/flush/close")
+
+
+class NotAnExporterError(SowtelError, TypeError):
+    """``exporter=`` holds an object that is not an exporter: a class, or an object without
+    ``write`` / ``flush`` / ``close``.
+
+    Wrong: ``enable(exporter=MemoryExporter)``.
+    Right: ``enable(exporter=MemoryExporter())``, kept to read what it holds.
+    """
+
+    def __init__(self, obj: Any, missing: list[str] | None = None,
+                 known: list[str] | None = None) -> None:
+        if missing is None:
+            text = (f"exporter {obj.__qualname__} is a class, not an instance: pass "
+                    f"{obj.__qualname__}() (with its options), and keep it to read what it "
+                    f"holds; or a built-in name such as 'memory' (known: "
+                    f"{', '.join(known or [])})")
+        else:
+            text = (f"exporter {obj!r} lacks the method(s) {', '.join(missing)}: an exporter "
+                    "needs write(records), flush() and close() (see sowtel.exporters.Exporter)")
+        super().__init__(text)
+
+
+class DuplicateExporterError(SowtelError, ValueError):
+    """One exporter instance given twice in ``exporter=``: it would be called from two threads
+    and write every record twice.
+
+    Wrong: ``enable(exporter=[e, e])``.   Right: ``exporter=[e]``, or two instances.
+    """
+
+    def __init__(self, name: str, exporter: Any, first: int, second: int) -> None:
+        super().__init__(
+            f"exporter {name!r} ({exporter!r}) is given twice, at positions {first} and "
+            f"{second} of exporter=: one instance would be called from two threads and write "
+            "every record twice; pass it once, or pass two instances")
+
+
+class UnusedExporterOptionError(SowtelError, TypeError):
+    """An option passed to ``enable()`` for the exporters that none of the named ones takes.
+
+    Wrong: ``enable(exporter="memory", logdir="runs/a")``.
+    Right: ``enable(exporter="tensorboard", logdir="runs/a")``, or configure an instance.
+    """
+
+    def __init__(self, unused: list[str], named: list[str]) -> None:
+        super().__init__(
+            f"exporter option(s) {', '.join(unused)} are taken by none of the exporters "
+            f"{', '.join(named) or '(instances only)'}: check the spelling, or configure the "
+            "exporter instance directly")
+
+
+class MissingExtraError(SowtelError, ImportError):
+    """A built-in exporter whose optional dependencies are not installed.
+
+    Wrong: ``enable(exporter="otel")`` without OpenTelemetry installed.
+    Right: ``pip install 'sowtel[otel]'`` first (``[tensorboard]``, ``[all]``...).
+    """
+
+    def __init__(self, name: str, extra: str, cause: BaseException) -> None:
+        super().__init__(f"exporter {name!r} needs optional dependencies: "
+                         f"pip install 'sowtel[{extra}]' ({cause})")
+
+
+class UnwritableLogdirError(SowtelError, ValueError):
+    """An exporter's ``logdir`` (or the file it writes there) cannot be used: a file where a
+    folder should be, a folder that cannot be created or written, a symbolic link or a file
+    with other names that the exporter will not write through.
+
+    Wrong: ``TensorBoardExporter(logdir="notes.txt")`` (a file), a read-only folder.
+    Right: a folder path this process can create files in (it is created if missing).
+    """
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where} {problem}")
+
+
+class ExporterClosedError(SowtelError, RuntimeError):
+    """An exporter written to after ``close()``.
+
+    Wrong: ``e.close(); e.write(records)``.   Right: create a new exporter.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name}.write() after close(): create a new exporter")
+
+
+class NotDumpableError(SowtelError, ValueError):
+    """A value or metadata that a dump file cannot hold: nested too deep, a dict key or a
+    dtype it does not store, metadata that is not JSON, values of one process beside values
+    that span several.
+
+    Wrong: ``sowtel.dump({"h": x.astype(jnp.int4)}, path)``, ``metadata={"lr": float("nan")}``.
+    Right: cast to a supported dtype first; metadata of finite numbers and strings.
+    """
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where} {problem}")
+
+
+class NotDumpableTypeError(NotDumpableError, TypeError):
+    """A value of a type a dump file cannot hold (a ``TypeError`` as before, and a
+    :class:`NotDumpableError`): a dump stores dicts, lists, tuples, None and arrays only, so
+    that loading one never runs code.
+
+    Wrong: ``sowtel.dump({"cfg": MyConfig()}, path)``.   Right: its arrays, or its fields.
+    """
+
+
+class BadDumpError(SowtelError, ValueError):
+    """A file read as a dump that is not one sowtel can read: not a sowtel dump, truncated,
+    corrupted or crafted, of another format version, or changed while it was read.
+
+    Wrong: ``sowtel.load("model.ckpt")``.
+    Right: a file ``sowtel.dump`` wrote (``step_<k>.safetensors``); read it again if it was
+    being written.
+    """
+
+    def __init__(self, path: Any, problem: str) -> None:
+        super().__init__(f"{str(path)!r} {problem}")
+
+
+class DumpPartsError(SowtelError, ValueError):
+    """Files or a folder read as one multi-process dump (or a folder of dumps) that are not:
+    parts of different dumps, a part missing or given twice, shards that do not tile a value.
+
+    Wrong: ``sowtel.load(["step_1.process_0.safetensors", "step_2.process_1.safetensors"])``.
+    Right: every process's part of one step, each once.
+    """
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+
+
+class BadRecordsFileError(SowtelError, ValueError):
+    """A records file (the jsonl exporter's) or one of its sidecars that cannot be read as one:
+    not a regular file, a sidecar outside its folder, not a valid ``.npy``, truncated.
+
+    Wrong: ``sowtel.exporters.jsonl.read_records("/dev/stdin")``.
+    Right: a ``records.jsonl`` the jsonl exporter wrote, with its ``_values`` folder beside it.
+    """
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where} {problem}")
+
+
+def prefixed(error: Exception, call: str) -> Exception:
+    """``error`` again, of its own class, its message led by the public ``call`` it came
+    through (``"sowtel.log: sow name ..."``): a rule checked for that call keeps its entry."""
+    again = type(error).__new__(type(error))
+    again.args = (f"{call}: {error}",)
+    return again
+
+
+class BadRunError(SowtelError, ValueError):
+    """A folder or file given to ``sowtel.compare_runs`` / ``sowtel diff-runs`` that holds no
+    run sowtel can compare: another tool's event files, no run at all, two runs one after the
+    other in one file, or two runs with no step or no site in common.
+
+    Wrong: ``compare_runs("runs", "runs_b")`` on the parent of several runs.
+    Right: the logdir one jsonl or TensorBoard exporter wrote, for each of two runs of one
+    training.
+    """
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where} {problem}")
+
+
 #: Every error of the catalogue, in the order of the calls they guard.
 CATALOGUE: tuple[type[SowtelError], ...] = (
     BadNameError, BadTagError, NotPositiveIntError, NotAnArrayError, UnknownSummaryError,
     SowInWhileCondError, BatchedStepError, BadStepError, DuplicateSiteError, NotCallableError,
     DuplicatePolicyError, BranchMismatchError, EnableWhileTracingError, NoSessionError,
+    BadOptionError, BadOptionTypeError, UnknownExporterError, NotAnExporterError,
+    DuplicateExporterError, UnusedExporterOptionError, MissingExtraError, UnwritableLogdirError,
+    ExporterClosedError, NotDumpableError, NotDumpableTypeError, BadDumpError, DumpPartsError,
+    BadRecordsFileError, BadRunError,
 )

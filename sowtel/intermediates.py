@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sowtel import primitive
+from sowtel import errors, primitive
 from sowtel.context import CONTEXT, Context
 from sowtel.records import BASE_MODES, record_index
 
@@ -180,7 +180,7 @@ def check_intermediates(intermediates: Any, what: str) -> Mapping[str, Mapping[s
 def check_step(step: Any, what: str = "step") -> int:
     """``step`` as an int, if it is one (never a bool), else TypeError."""
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise TypeError(f"{what}={step!r} must be an int (the training step)")
+        raise errors.BadOptionTypeError(what, step, "must be an int (the training step)")
     return int(step)
 
 

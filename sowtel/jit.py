@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sowtel import _exit, _interpret, capture, multihost, naming
+from sowtel import _exit, _interpret, capture, errors, multihost, naming
 from sowtel import _jax_compat as jc
 from sowtel.context import CONTEXT, Context, StreamConfig, Strides, current_context
 from sowtel.sites import StreamSite, stream_site
@@ -705,7 +705,6 @@ def jit(fun: Callable[..., Any] | None = None, /, **jax_jit_options: Any) -> Any
     if fun is None:
         return lambda f: jit(f, **jax_jit_options)
     if not callable(fun):
-        raise TypeError(
-            f"sowtel.jit needs a callable, got {type(fun).__name__} {fun!r:.60}: pass the "
-            "training-step function, e.g. sowtel.jit(train_step, donate_argnums=0)")
+        raise errors.NotCallableError(fun, "sowtel.jit",
+                                      "sowtel.jit(train_step, donate_argnums=0)")
     return Jitted(fun, jax_jit_options)

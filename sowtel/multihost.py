@@ -50,7 +50,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sowtel import _exit
+from sowtel import _exit, errors
 from sowtel import _jax_compat as jc
 from sowtel.records import DEVICE_COUNTS, DEVICE_MOMENTS, MOMENT_COL
 
@@ -95,8 +95,8 @@ def peer_timeout() -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{PEER_TIMEOUT_ENV}={raw!r} must be a number of seconds > 0, such as 60")
+        raise errors.BadOptionError(
+            PEER_TIMEOUT_ENV, raw, "must be a number of seconds > 0, such as 60")
     return value
 
 
@@ -124,15 +124,16 @@ def _int(value: Any, what: str) -> int:
     except (TypeError, ValueError):
         number = -1
     if isinstance(value, bool) or number < 0 or str(number) != str(value).strip():
-        raise ValueError(f"sowtel.multihost.initialize: {what}={value!r} must be an int >= 0")
+        raise errors.BadOptionError(
+            f"sowtel.multihost.initialize: {what}", value, "must be an int >= 0")
     return number
 
 
 def _split_address(address: Any) -> tuple[str, int]:
     host, sep, port = str(address).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(
-            f"sowtel.multihost.initialize: coordinator_address={address!r} must be "
+        raise errors.BadOptionError(
+            "sowtel.multihost.initialize: coordinator_address", address, "must be "
             "'host:port', such as '10.0.0.1:1234' (process 0 listens there)")
     return host.strip("[]"), int(port)
 
@@ -189,7 +190,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     host, port = _split_address(address)
     wait = peer_timeout() if timeout is None else float(timeout)
     if not (math.isfinite(wait) and wait > 0):
-        raise ValueError(f"sowtel.multihost.initialize: timeout={timeout!r} must be seconds > 0")
+        raise errors.BadOptionError(
+            "sowtel.multihost.initialize: timeout", timeout, "must be seconds > 0")
     if pid != 0:
         _wait_reachable(host, port, wait)
     jax_options.setdefault("initialization_timeout", max(1, math.ceil(wait)))
@@ -239,15 +241,16 @@ def check_export_process(value: Any) -> int:
         try:
             value = int(env)
         except ValueError:
-            raise ValueError(f"{where}={env!r} must be an int: the index of the process that "
-                             "exports global records") from None
+            raise errors.BadOptionError(
+                where, env, "must be an int: the index of the process that "
+                "exports global records") from None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{where}={value!r} must be an int: the index of the process that "
-                         "exports global records")
+        raise errors.BadOptionError(where, value, "must be an int: the index of the process that "
+                                    "exports global records")
     count = jax.process_count()
     if not 0 <= int(value) < count:
-        raise ValueError(f"{where}={value!r} must be a process of this job: "
-                         f"0 <= export_process < {count}")
+        raise errors.BadOptionError(where, value, f"must be a process of this job: "
+                                    f"0 <= export_process < {count}")
     return int(value)
 
 

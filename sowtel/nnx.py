@@ -51,7 +51,7 @@ from typing import Any
 
 import jax
 
-from sowtel import _module_sites, naming
+from sowtel import _module_sites, errors, naming
 from sowtel.jit import Jitted, SplitJitted, name_after
 
 __all__ = ["capture", "jit"]
@@ -330,7 +330,7 @@ def _argument_sets(fun: Callable[..., Any], nums: Any, names: Any, what: str
             return frozenset()
         items = (value,) if isinstance(value, kind) else tuple(value)
         if not all(isinstance(i, kind) and not isinstance(i, bool) for i in items):
-            raise TypeError(f"sowtel.nnx.jit {option}={value!r} must be "
+            raise errors.BadOptionTypeError(f"sowtel.nnx.jit {option}", value, f"must be "
                             f"{'an int or ints' if kind is int else 'a str or strs'}")
         return frozenset(items)
 
@@ -368,7 +368,8 @@ class NnxJitted(SplitJitted):
         for option in ("graph", "graph_updates"):  # graph mode is the one both modes agree on
             value = options.pop(option, None)
             if value is not None and not isinstance(value, bool):
-                raise TypeError(f"sowtel.nnx.jit {option}={value!r} must be True, False or None")
+                raise errors.BadOptionTypeError(
+                    f"sowtel.nnx.jit {option}", value, "must be True, False or None")
 
         def pure(graphdef: Any, statics: tuple[tuple[Any, Any], ...], donated: Any,
                  kept: Any) -> tuple[Any, Any, _Static]:
@@ -475,10 +476,10 @@ def jit(fun: Callable[..., Any] | None = None, /, *, donate_state: bool = False,
     if fun is None:
         return lambda f: jit(f, donate_state=donate_state, **jax_jit_options)
     if not callable(fun):
-        raise TypeError(f"sowtel.nnx.jit needs a callable, got {type(fun).__name__} "
-                        f"{fun!r:.60}: pass the training-step function")
+        raise errors.NotCallableError(fun, "sowtel.nnx.jit", "sowtel.nnx.jit(train_step)")
     if not isinstance(donate_state, bool):
-        raise TypeError(f"sowtel.nnx.jit donate_state={donate_state!r} must be True or False")
+        raise errors.BadOptionTypeError(
+            "sowtel.nnx.jit donate_state", donate_state, "must be True or False")
     for option in ("in_shardings", "out_shardings"):
         if jax_jit_options.get(option) is not None:
             raise TypeError(

@@ -73,6 +73,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sowtel import errors
 from sowtel.alerts import AlertError
 from sowtel.records import Record, is_nonfinite, nonfinite_text
 from sowtel.to_records import RecordBatch, SiteColumns
@@ -130,9 +131,10 @@ def describe(record: Record) -> str:
 def _check_int(value: Any, what: str, least: int, meaning: str | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
         if meaning is not None:
-            raise ValueError(f"enable {what}={value!r} must be an int >= {least} (the most "
-                             f"{meaning})")
-        raise ValueError(f"enable {what}={value!r} must be None or an int >= {least}")
+            raise errors.BadOptionError(
+                f"enable {what}", value, f"must be an int >= {least} (the most "
+                f"{meaning})")
+        raise errors.BadOptionError(f"enable {what}", value, f"must be None or an int >= {least}")
     return int(value)
 
 
@@ -464,8 +466,8 @@ def make_guard(on_nonfinite: Any, health_every: Any, flight_recorder: Any, recor
         1
     """
     if not (on_nonfinite in POLICIES or callable(on_nonfinite)):
-        raise ValueError(
-            f"on_nonfinite={on_nonfinite!r} is not a policy: use None, 'warn', 'raise', "
+        raise errors.BadOptionError(
+            "on_nonfinite", on_nonfinite, "is not a policy: use None, 'warn', 'raise', "
             "'dump' or a callable that takes the Record")
     health = None if health_every is None else _check_int(health_every, "health_every", 1)
     if flight_recorder is None:
@@ -473,7 +475,8 @@ def make_guard(on_nonfinite: Any, health_every: Any, flight_recorder: Any, recor
     else:
         keep = _check_int(flight_recorder, "flight_recorder", 0)
     if not isinstance(record_donated, bool):
-        raise ValueError(f"enable record_donated={record_donated!r} must be True or False")
+        raise errors.BadOptionError(
+            "enable record_donated", record_donated, "must be True or False")
     most = _check_int(max_postmortems, "max_postmortems", 0, "post-mortems a session writes")
     if on_nonfinite is None and health is None and keep == 0:
         return None

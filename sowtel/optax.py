@@ -57,6 +57,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sowtel import errors
 from sowtel.context import check_positive_int, current_context
 from sowtel.naming import check_name, check_tag
 from sowtel.primitive import sow as _sow
@@ -135,7 +136,8 @@ def watch(tx: Any, *, grads: bool = True, updates: bool = True, params: bool = T
             f"got {type(tx).__name__} {tx!r:.60}: pass e.g. optax.adam(1e-3)")
     for flag, what in ((grads, "grads"), (updates, "updates"), (params, "params")):
         if not isinstance(flag, bool):
-            raise TypeError(f"sowtel.optax.watch {what}={flag!r} must be True or False")
+            raise errors.BadOptionTypeError(
+                f"sowtel.optax.watch {what}", flag, "must be True or False")
     if every is not None:
         check_positive_int(every, "sowtel.optax.watch every")
     check_name(prefix)

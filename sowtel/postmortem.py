@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from sowtel import errors
 from sowtel.dumps import (
     DumpEntry,
     DumpInfo,
@@ -338,7 +339,7 @@ def plot_histograms(path: str | os.PathLike[str] | Sequence[str | os.PathLike[st
     except ImportError as e:
         raise ImportError(f"--plot needs matplotlib: pip install 'sowtel[dumps]' ({e})") from e
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"bins={bins!r} must be a positive number of histogram buckets")
+        raise errors.BadOptionError("bins", bins, "must be a positive number of histogram buckets")
     f = open_dump(path)
     info = f.info()
     panels: dict[tuple[str, str], list[np.ndarray]] = {}
@@ -626,7 +627,7 @@ def _diff_files(pa: Path, pb: Path, rtol: float, atol: float, step: int | None,
 def _check_tolerance(value: Any, what: str) -> float:
     v = float(value)
     if not math.isfinite(v) or v < 0:
-        raise ValueError(f"{what}={value!r} must be a finite number >= 0")
+        raise errors.BadOptionError(what, value, "must be a finite number >= 0")
     return v
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from sowtel import errors
+
 #: The keys of ``Record.stats`` for the ``"stats"`` and ``"histogram"`` summaries, in order.
 STAT_KEYS: tuple[str, ...] = (
     "size", "mean", "std", "min", "max", "l2", "mean_abs", "nan", "posinf", "neginf", "zeros",
@@ -478,8 +480,8 @@ def check_stats(stats: Any) -> tuple[str, ...] | None:
     items = [stats] if isinstance(stats, str) else stats
     if (not isinstance(items, (list, tuple)) or not items
             or not all(isinstance(k, str) and k in STAT_KEYS + DERIVED_STATS for k in items)):
-        raise ValueError(
-            f"stats={stats!r} is not a choice of statistics: use 'default' "
+        raise errors.BadOptionError(
+            "stats", stats, f"is not a choice of statistics: use 'default' "
             f"({', '.join(DEFAULT_STATS)}, and the non-finite counts once non-zero), 'all', or "
             f"a list of some of {', '.join(STAT_KEYS + DERIVED_STATS)}"
         )

@@ -86,20 +86,19 @@ def _check_patterns(value: Any, what: str) -> Callable[[str], bool] | None:
     patterns = [value] if isinstance(value, str) else (
         list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value])
     if not all(isinstance(p, str) for p in patterns):
-        raise ValueError(
-            f"{what}={value!r} must be a glob pattern, a list of them, or a callable on the name"
-        )
+        raise errors.BadOptionError(
+            what, value, "must be a glob pattern, a list of them, or a callable on the name")
     return Globs(tuple(patterns))
 
 
 def _check_strings(value: Any, what: str) -> tuple[str, ...]:
-    rule = f"{what}={value!r} must be a non-empty list of non-empty strings"
+    rule = "must be a non-empty list of non-empty strings"
     try:
         items = (value,) if isinstance(value, str) else tuple(value)
     except TypeError:  # not iterable: tags=42
-        raise ValueError(f"{rule}, such as ('intermediates',)") from None
+        raise errors.BadOptionError(what, value, f"{rule}, such as ('intermediates',)") from None
     if not items or not all(isinstance(v, str) and v for v in items):
-        raise ValueError(rule)
+        raise errors.BadOptionError(what, value, rule)
     return items
 
 
@@ -108,10 +107,9 @@ def _check_timeout(timeout: Any, what: str) -> float | None:
         isinstance(timeout, (int, float, np.integer, np.floating))
         and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout >= 0)
     if not ok:
-        raise ValueError(
-            f"{what} timeout={timeout!r} must be None or a number of seconds >= 0 (such as "
-            "30.0); None waits as long as it takes"
-        )
+        raise errors.BadOptionError(
+            f"{what} timeout", timeout, "must be None or a number of seconds >= 0 (such as "
+            "30.0); None waits as long as it takes")
     return None if timeout is None else float(timeout)
 
 
@@ -427,20 +425,22 @@ def enable(
     modes_t = _check_strings(modes, "enable modes")
     for m in modes_t:
         if m not in BASE_MODES:
-            raise ValueError(f"enable modes: {m!r} is not a mode; use some of {BASE_MODES}")
+            raise errors.BadOptionError("enable modes", modes,
+                                        f"holds {m!r}, which is not a mode: use some of "
+                                        f"{BASE_MODES}")
     every = check_positive_int(every, "enable every")
     if histogram_every is not None:
         if (isinstance(histogram_every, bool)
                 or not isinstance(histogram_every, (int, np.integer)) or histogram_every < 1):
-            raise ValueError(
-                f"enable histogram_every={histogram_every!r} must be a positive int (histograms "
+            raise errors.BadOptionError(
+                "enable histogram_every", histogram_every, "must be a positive int (histograms "
                 "at the logging steps divisible by it) or None (no histograms beyond sites "
                 "with summary='histogram')")
         histogram_every = int(histogram_every)
     queue_size = check_positive_int(queue_size, "enable queue_size")
     max_bytes = check_positive_int(max_bytes, "enable max_bytes")
     if on_full not in ON_FULL:
-        raise ValueError(f"on_full={on_full!r} is not a policy: use 'drop' or 'block'")
+        raise errors.BadOptionError("on_full", on_full, "is not a policy: use 'drop' or 'block'")
     include_fn = _check_patterns(include, "include")
     exclude_fn = _check_patterns(exclude, "exclude")
     export_process = multihost.check_export_process(export_process)
@@ -634,7 +634,7 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
         1
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise ValueError(f"export step must be an int, got {step!r}")
+        raise errors.BadOptionError("export step", step, "must be an int")
     _exit.keep_sigterm()
     session = active_session()
     if session is None:
@@ -644,7 +644,7 @@ def export(intermediates: dict[str, dict[str, Any]], *, step: int,
             intermediates, step=int(step), summary=summary or session.summary,
         )
     except ValueError as e:
-        raise ValueError(f"sowtel.export: {e}") from None
+        raise errors.prefixed(e, "sowtel.export") from None
     session._watch_nonfinite(RecordBatch([tuple(records)]))
     session.dispatcher.put_records(records)
     return len(records)
@@ -670,22 +670,22 @@ def log(scalars: dict[str, Any], *, step: int) -> int:
     from sowtel.naming import check_name
 
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise ValueError(f"sowtel.log step must be an int, got {step!r}")
+        raise errors.BadOptionError("sowtel.log step", step, "must be an int")
     if not isinstance(scalars, dict):
-        raise TypeError(
-            f"sowtel.log takes a dict of name -> number, got {type(scalars).__name__}: "
-            "write sowtel.log({'loss': loss}, step=step)")
+        raise errors.BadOptionTypeError(
+            "sowtel.log scalars", scalars, f"is a {type(scalars).__name__}, not a dict of name "
+            "-> number: write sowtel.log({'loss': loss}, step=step)")
     values: list[tuple[str, float]] = []
     for name, value in scalars.items():
         try:
             check_name(name)
         except ValueError as e:
-            raise ValueError(f"sowtel.log: {e}") from None
+            raise errors.prefixed(e, "sowtel.log") from None
         number = np.asarray(value)
         if number.shape != () or number.dtype.kind not in "biuf":
-            raise ValueError(
-                f"sowtel.log: {name!r} is {value!r}, not a number: pass a Python or NumPy "
-                "number or a 0-d array (sow arrays with sowtel.sow)")
+            raise errors.BadOptionError(
+                f"sowtel.log scalars[{name!r}]", value, "is not a number: pass a Python or "
+                "NumPy number or a 0-d array (sow arrays with sowtel.sow)")
         values.append((name, float(number)))
     _exit.keep_sigterm()
     session = active_session()

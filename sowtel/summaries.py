@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from sowtel import errors
 from sowtel._reductions import (
     all_axes,
     aval,
@@ -61,7 +62,8 @@ ARRAYS_PER_LEAF = {"full": 1, "histogram": 3, "stats": 2, "health": 1, "shape": 
 def check_summary(summary: Any, what: str = "summary") -> str:
     """Returns ``summary`` if it names a summary kind, else raises ValueError."""
     if summary not in SUMMARIES:
-        raise ValueError(f"{what}={summary!r} is not a summary: use one of {', '.join(SUMMARIES)}")
+        raise errors.BadOptionError(
+            what, summary, f"is not a summary: use one of {', '.join(SUMMARIES)}")
     return str(summary)
 
 
@@ -195,8 +197,9 @@ def summary_form() -> str:
     chosen = os.environ.get("SOWTEL_SUMMARY_FORM", "").strip().lower()
     if chosen:
         if chosen not in SUMMARY_FORMS:
-            raise ValueError(f"SOWTEL_SUMMARY_FORM={chosen!r} is not a summary form: use one of "
-                             f"{', '.join(SUMMARY_FORMS)}")
+            raise errors.BadOptionError(
+                "SOWTEL_SUMMARY_FORM", chosen, f"is not a summary form: use one of "
+                f"{', '.join(SUMMARY_FORMS)}")
         return chosen
     return _FORM_BY_BACKEND.get(jax.default_backend(), "separate")
 
@@ -304,9 +307,10 @@ def reads_copy() -> bool:
 
     chosen = os.environ.get("SOWTEL_SUMMARY_COPY", "").strip()
     if chosen not in ("", "0", "1"):
-        raise ValueError(f"SOWTEL_SUMMARY_COPY={chosen!r} is not a setting: use 1 (the default: "
-                         "summaries read a copy, results stay bit for bit) or 0 (they read the "
-                         "value itself)")
+        raise errors.BadOptionError(
+            "SOWTEL_SUMMARY_COPY", chosen, "is not a setting: use 1 (the default: "
+            "summaries read a copy, results stay bit for bit) or 0 (they read the "
+            "value itself)")
     return chosen != "0"
 
 

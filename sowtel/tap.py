@@ -63,7 +63,7 @@ from typing import Any
 import jax
 import jax.extend as jex
 
-from sowtel import _interpret, capture, naming
+from sowtel import _interpret, capture, errors, naming
 from sowtel import _jax_compat as jc
 from sowtel.context import current_context
 from sowtel.naming import check_name, check_tag
@@ -241,8 +241,8 @@ def _name_filter(patterns: Any, what: str) -> Callable[[str], bool] | None:
         patterns = (patterns,)
     patterns = tuple(patterns)
     if not patterns or not all(isinstance(p, str) for p in patterns):
-        raise ValueError(
-            f"tap {what}={patterns!r} is not a filter: pass a glob pattern, a list of glob "
+        raise errors.BadOptionError(
+            f"tap {what}", patterns, "is not a filter: pass a glob pattern, a list of glob "
             "patterns (such as ['*/Dense_*/dot_general']) or a callable on the site name")
     return functools.partial(_matches_any, patterns)
 
@@ -257,8 +257,8 @@ def _primitive_rule(primitives: Any) -> Callable[[Any], bool]:
     try:
         rules = list(primitives)
     except TypeError:
-        raise ValueError(
-            f"tap primitives={primitives!r} is not a sequence of primitive names or "
+        raise errors.BadOptionError(
+            "tap primitives", primitives, f"is not a sequence of primitive names or "
             f"predicates: pass e.g. primitives={DEFAULT_PRIMITIVES!r}") from None
     if not rules:
         raise ValueError(
@@ -359,9 +359,8 @@ def tap(fn: Callable[..., Any], *,
         ((6, 2, 3), {'primal': (('scan', 6),)})
     """
     if not callable(fn):
-        raise ValueError(
-            f"tap needs a function, got {type(fn).__name__} {fn!r:.60}: pass the function "
-            "itself, e.g. sowtel.tap(train_step) or sowtel.tap(model.apply)")
+        raise errors.NotCallableError(fn, "sowtel.tap",
+                                      "sowtel.tap(train_step) or sowtel.tap(model.apply)")
     check_tag(tag)
     chosen = _primitive_rule(primitives)
     keep_in = _name_filter(include, "include")

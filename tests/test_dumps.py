@@ -295,7 +295,7 @@ def test_bad_intermediates_and_metadata_are_rejected_clearly(tmp_path):
     ]:
         with pytest.raises(ValueError, match=message):
             dump({"h": {"primal": np.ones(1)}}, p, metadata=metadata)
-    with pytest.raises(TypeError, match="metadata must be a dict"):
+    with pytest.raises(TypeError, match=r"metadata=\[1\] is a list, not a dict"):
         dump({"h": {"primal": np.ones(1)}}, p, metadata=[1])
     with pytest.raises(TypeError, match=r"step=True must be an int"):
         dump({"h": {"primal": np.ones(1)}}, p, step=True)

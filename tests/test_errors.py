@@ -3,19 +3,27 @@ built-in kind, names the offending value, and documents the wrong and the right 
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import sowtel
+import sowtel.exporters
 from sowtel import errors
+from sowtel.exporters.jsonl import JsonlExporter, read_records
+from sowtel.exporters.memory import MemoryExporter
 
-SOURCE = pathlib.Path(sowtel.__file__).resolve().parent
+SOURCES = [pathlib.Path(sowtel.__file__).resolve().parent,
+           pathlib.Path(sowtel.exporters.__file__).resolve().parent]
+ONE = {"h": {"primal": np.ones(2, np.float32)}}
 
 
 def _sow_twice(x: Any) -> Any:
@@ -44,8 +52,49 @@ def _batched_step() -> None:
         jax.vmap(f)(jnp.arange(2), jnp.ones(2))
 
 
-# (error, what breaks its rule, the value or text its message must name)
-CASES: list[tuple[type[Exception], Callable[[], Any], str]] = [
+def _same_memory_twice() -> None:
+    memory = MemoryExporter()
+    sowtel.enable(exporter=[memory, memory])
+
+
+def _extra_missing() -> None:
+    saved = sys.modules.get("sowtel.exporters.wandb")
+    sys.modules["sowtel.exporters.wandb"] = None  # type: ignore[assignment]  # import fails
+    try:
+        sowtel.enable(exporter="wandb")
+    finally:
+        if saved is None:
+            del sys.modules["sowtel.exporters.wandb"]
+        else:
+            sys.modules["sowtel.exporters.wandb"] = saved
+
+
+def _logdir_is_a_file(tmp: pathlib.Path) -> None:
+    (tmp / "notes.txt").write_text("x")
+    JsonlExporter(logdir=tmp / "notes.txt")
+
+
+def _write_after_close(tmp: pathlib.Path) -> None:
+    from sowtel.exporters.tensorboard import TensorBoardExporter
+
+    board = TensorBoardExporter(logdir=tmp / "tb")
+    board.close()
+    board.write([])
+
+
+def _not_a_dump(tmp: pathlib.Path) -> None:
+    (tmp / "model.ckpt").write_bytes(b"\x00" * 64)
+    sowtel.load(tmp / "model.ckpt")
+
+
+def _bad_records_line(tmp: pathlib.Path) -> None:
+    (tmp / "records.jsonl").write_text("not json\n")
+    read_records(tmp / "records.jsonl")
+
+
+# (error, what breaks its rule, the value or text its message must name); a call taking an
+# argument gets a fresh folder.
+CASES: list[tuple[type[Exception], Callable[..., Any], str]] = [
     (errors.BadNameError, lambda: sowtel.sow(1.0, "block 0/h"), "'block 0/h'"),
     (errors.BadNameError, lambda: sowtel.sow(1.0, "../h"), "'..'"),
     (errors.BadTagError, lambda: sowtel.sow(1.0, "h", tag=""), "''"),
@@ -63,17 +112,41 @@ CASES: list[tuple[type[Exception], Callable[[], Any], str]] = [
      lambda: sowtel.save_intermediates(_cond_mismatch)(jnp.ones(2)), "'h'"),
     (errors.EnableWhileTracingError, _enable_inside_jit, "traced call"),
     (errors.NoSessionError, lambda: sowtel.log({"loss": 1.0}, step=0), "sowtel.log"),
+    (errors.BadOptionError, lambda: sowtel.enable(exporter="memory", on_full="wait"),
+     "on_full='wait'"),
+    (errors.BadOptionTypeError, lambda: sowtel.dump(ONE, 3), "path=3"),
+    (errors.UnknownExporterError, lambda: sowtel.enable(exporter="tensorbaord"), "'tensorbaord'"),
+    (errors.NotAnExporterError, lambda: sowtel.enable(exporter=MemoryExporter), "MemoryExporter()"),
+    (errors.DuplicateExporterError, _same_memory_twice, "positions 0 and 1"),
+    (errors.UnusedExporterOptionError, lambda: sowtel.enable(exporter="memory", logdirr="x"),
+     "logdirr"),
+    (errors.MissingExtraError, _extra_missing, "pip install 'sowtel[wandb]'"),
+    (errors.UnwritableLogdirError, _logdir_is_a_file, "notes.txt' is a file, not a folder"),
+    (errors.ExporterClosedError, _write_after_close, "TensorBoardExporter.write() after close()"),
+    (errors.NotDumpableError,
+     lambda tmp: sowtel.dump(ONE, tmp / "a.safetensors", metadata={"lr": float("nan")}),
+     "metadata['lr'] = nan"),
+    (errors.NotDumpableTypeError,
+     lambda tmp: sowtel.dump({"h": {"primal": {"cfg": object()}}}, tmp / "a.safetensors"),
+     "['cfg'] is a builtins.object"),
+    (errors.BadDumpError, _not_a_dump, "model.ckpt' is not a sowtel dump"),
+    (errors.DumpPartsError, lambda: sowtel.load([]), "an empty list of paths"),
+    (errors.BadRecordsFileError, _bad_records_line, "line 1 is not a JSON object"),
+    (errors.BadRunError, lambda tmp: sowtel.compare_runs(tmp, tmp), "holds no run"),
 ]
 
 
 @pytest.mark.parametrize(("error", "call", "named"), CASES,
                          ids=[f"{e.__name__}-{i}" for i, (e, _, _) in enumerate(CASES)])
 def test_each_error_is_raised_where_its_rule_breaks(error: type[Exception],
-                                                    call: Callable[[], Any], named: str) -> None:
-    builtin = next(b for b in error.__mro__ if b.__module__ == "builtins"
-                   and b is not Exception and issubclass(b, Exception))
-    with pytest.raises(builtin) as caught:  # the kind it had before the catalogue
-        call()
+                                                    call: Callable[..., Any], named: str,
+                                                    tmp_path: pathlib.Path) -> None:
+    builtins = [b for b in error.__mro__ if b.__module__ == "builtins"
+                and b not in (Exception, BaseException, object)]
+    with pytest.raises(tuple(builtins)) as caught:
+        call(tmp_path) if inspect.signature(call).parameters else call()
+    for builtin in builtins:  # the kinds it had before the catalogue
+        assert isinstance(caught.value, builtin)
     assert type(caught.value) is error
     assert isinstance(caught.value, errors.SowtelError)
     assert named in str(caught.value), str(caught.value)
@@ -84,8 +157,20 @@ def test_the_catalogue_lists_every_error_and_each_is_raised_in_the_source() -> N
                and issubclass(obj, errors.SowtelError) and obj is not errors.SowtelError}
     assert defined == {e.__name__ for e in errors.CATALOGUE}
     assert defined == {e.__name__ for e, _, _ in CASES}
-    text = "\n".join(p.read_text() for p in SOURCE.rglob("*.py") if p.name != "errors.py")
+    text = "\n".join(p.read_text() for source in SOURCES for p in source.rglob("*.py")
+                     if p.name != "errors.py")
     for error in errors.CATALOGUE:
         assert re.search(rf"errors\.{error.__name__}\(", text), error.__name__
         doc = error.__doc__ or ""
         assert "Wrong:" in doc and "Right:" in doc, error.__name__
+
+
+def test_a_rule_checked_for_a_call_keeps_its_entry_with_the_calls_name() -> None:
+    with sowtel.enable(exporter="memory"):
+        with pytest.raises(errors.BadNameError) as logged:
+            sowtel.log({"a b": 1.0}, step=0)
+        with pytest.raises(errors.BadNameError) as exported:
+            sowtel.export({"a b": {"primal": np.ones(2)}}, step=0)
+    assert str(logged.value).startswith("sowtel.log: ")
+    assert str(exported.value).startswith("sowtel.export: ")
+    assert "'a b' has the character(s) ' '" in str(logged.value)

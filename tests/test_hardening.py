@@ -501,8 +501,9 @@ def test_a_prometheus_port_in_use_is_a_value_error_and_leaves_no_thread():
     port = taken.getsockname()[1]
     before = set(threading.enumerate())
     try:
-        with pytest.raises(ValueError, match=rf"prometheus='127\.0\.0\.1:{port}': the metrics "
-                                             "server cannot listen there .* choose another port"):
+        with pytest.raises(ValueError, match=rf"prometheus='127\.0\.0\.1:{port}' cannot be "
+                                             "listened on by the metrics server .* choose "
+                                             "another port"):
             sowtel.enable(exporter="otel", prometheus=f"127.0.0.1:{port}")
     finally:
         taken.close()

@@ -427,7 +427,7 @@ def test_dropped_records_and_exporter_errors_are_metrics_read_from_status():
     ({"timeout_s": 0}, ValueError, r"timeout_s=0 must be a positive number"),
     ({"metrics_interval_s": float("nan")}, ValueError, r"metrics_interval_s=nan"),
     ({"max_events_per_span": 0}, ValueError, r"max_events_per_span=0 must be a positive int"),
-    ({"span_processors": [object()]}, TypeError, r"span_processors holds .* not a"),
+    ({"span_processors": [object()]}, TypeError, r"span_processors=.* holds .* not a"),
     ({"metric_readers": "prometheus"}, TypeError, r"metric_readers='prometheus' must be a list"),
     ({"tracer_provider": TracerProvider(), "otlp_endpoint": "http://127.0.0.1:4317"},
      ValueError, r"cannot be combined with tracer_provider="),

@@ -348,7 +348,7 @@ def test_exporter_without_methods_is_rejected() -> None:
         (dict(every=2.5), "enable(every=2.5): every must be a positive int"),
         (dict(queue_size=-1), "enable(queue_size=-1): queue_size must be a positive int"),
         (dict(on_full="wait"), "on_full='wait' is not a policy: use 'drop' or 'block'"),
-        (dict(modes=("primal", "hessian")), "'hessian' is not a mode"),
+        (dict(modes=("primal", "hessian")), "holds 'hessian', which is not a mode"),
         (dict(tags=()), "enable tags=() must be a non-empty list"),
         (dict(include=3), "include=3 must be a glob pattern"),
     ],
@@ -422,7 +422,8 @@ def test_flush_and_disable_go_past_an_earlier_failed_computation(
 def test_export_needs_a_session_and_an_int_step() -> None:
     with pytest.raises(RuntimeError, match="needs an active session"):
         sowtel.export({"h": {"primal": np.ones(2)}}, step=0)
-    with sowtel.enable(exporter="memory"), pytest.raises(ValueError, match="step must be an int"):
+    with sowtel.enable(exporter="memory"), pytest.raises(
+            ValueError, match="export step=1.5 must be an int"):
         sowtel.export({"h": {"primal": np.ones(2)}}, step=1.5)  # type: ignore[arg-type]
 
 

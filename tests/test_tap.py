@@ -371,7 +371,7 @@ def test_bad_inputs():
         sowtel.tap(mlp, primitives=["dot_generl"])
     with pytest.raises(ValueError, match=r"primitives=\(\) selects nothing.*dot_general"):
         sowtel.tap(mlp, primitives=())
-    with pytest.raises(ValueError, match="tap needs a function, got int 3"):
+    with pytest.raises(ValueError, match="sowtel.tap needs a callable, got int 3"):
         sowtel.tap(3)
     with pytest.raises(ValueError, match="tap include=.*is not a filter"):
         sowtel.tap(mlp, include=[1])

@@ -51,6 +51,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from sowtel import errors
 from sowtel.exporters.otel._metrics import (
     COUNT_STATS,
     COUNTER_NAMES,
@@ -205,33 +206,29 @@ class OTelExporter:
         if tracer_provider is not None and not isinstance(
             tracer_provider, trace_api.TracerProvider
         ):
-            raise TypeError(
-                f"tracer_provider={tracer_provider!r} is not an opentelemetry.trace."
+            raise errors.BadOptionTypeError(
+                "tracer_provider", tracer_provider, "is not an opentelemetry.trace."
                 "TracerProvider: pass opentelemetry.sdk.trace.TracerProvider(...), or None to "
-                "use the global one"
-            )
+                "use the global one")
         if meter_provider is not None and not isinstance(
             meter_provider, metrics_api.MeterProvider
         ):
-            raise TypeError(
-                f"meter_provider={meter_provider!r} is not an opentelemetry.metrics."
+            raise errors.BadOptionTypeError(
+                "meter_provider", meter_provider, "is not an opentelemetry.metrics."
                 "MeterProvider: pass opentelemetry.sdk.metrics.MeterProvider(...), or None to "
-                "use the global one"
-            )
+                "use the global one")
         self._service_name = check_service_name(service_name)
         if otlp_protocol not in ("grpc", "http/protobuf"):
-            raise ValueError(
-                f"otlp_protocol={otlp_protocol!r} is not an OTLP protocol: use 'grpc' or "
-                "'http/protobuf'"
-            )
+            raise errors.BadOptionError(
+                "otlp_protocol", otlp_protocol, "is not an OTLP protocol: use 'grpc' or "
+                "'http/protobuf'")
         if otlp_endpoint is not None and (
             not isinstance(otlp_endpoint, str)
             or not otlp_endpoint.startswith(("http://", "https://"))
         ):
-            raise ValueError(
-                f"otlp_endpoint={otlp_endpoint!r} is not an http(s) URL: use, for example, "
-                "'http://127.0.0.1:4317' (gRPC) or 'http://127.0.0.1:4318' (http/protobuf)"
-            )
+            raise errors.BadOptionError(
+                "otlp_endpoint", otlp_endpoint, "is not an http(s) URL: use, for example, "
+                "'http://127.0.0.1:4317' (gRPC) or 'http://127.0.0.1:4318' (http/protobuf)")
         prometheus_address = check_prometheus(prometheus)
         processors = check_items(span_processors, SpanProcessor, "span_processors")
         readers = check_items(metric_readers, MetricReader, "metric_readers")
@@ -242,17 +239,18 @@ class OTelExporter:
             or not isinstance(max_events_per_span, int)
             or max_events_per_span < 1
         ):
-            raise ValueError(
-                f"max_events_per_span={max_events_per_span!r} must be a positive int, or None "
-                "for the tracer provider's event limit"
-            )
+            raise errors.BadOptionError(
+                "max_events_per_span", max_events_per_span, "must be a positive int, or None "
+                "for the tracer provider's event limit")
         configures_own = bool(otlp_endpoint or prometheus_address or processors or readers)
         if configures_own and (tracer_provider is not None or meter_provider is not None):
-            raise ValueError(
-                "otlp_endpoint, prometheus, span_processors and metric_readers configure the "
-                "providers sowtel creates, so they cannot be combined with tracer_provider= or "
-                "meter_provider=: add the exporter or reader to your own provider instead"
-            )
+            own = "tracer_provider" if tracer_provider is not None else "meter_provider"
+            raise errors.BadOptionError(
+                own, tracer_provider if tracer_provider is not None else meter_provider,
+                "cannot be combined with otlp_endpoint, prometheus, span_processors or "
+                "metric_readers: those configure the providers sowtel creates, so they cannot "
+                "be combined with tracer_provider= or meter_provider=; add the exporter or "
+                "reader to your own provider instead")
 
         self._process_index, process_count = process_index_and_count()
         self._errors: collections.Counter[str] = collections.Counter()
@@ -409,8 +407,8 @@ class OTelExporter:
             server, thread = start_http_server(port, addr=host, registry=registry)
         except OSError as e:
             shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            raise ValueError(
-                f"prometheus={shown!r}: the metrics server cannot listen there "
+            raise errors.BadOptionError(
+                "prometheus", shown, f"cannot be listened on by the metrics server "
                 f"({e.strerror or e}; a port is served by one process at a time): choose "
                 "another port, or port 0 for a free one (see prometheus_url)") from e
         self._prometheus_server, self._prometheus_thread = server, thread

@@ -24,6 +24,8 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from sowtel import errors
+
 MAX_SERVICE_NAME = 255
 
 _log = logging.getLogger("sowtel.exporters.otel")
@@ -38,21 +40,19 @@ def check_service_name(service_name: Any) -> str:
     if service_name is None:
         service_name = os.environ.get("OTEL_SERVICE_NAME") or "sowtel"
     if not isinstance(service_name, str):
-        raise TypeError(
-            f"service_name={service_name!r} is a {type(service_name).__name__}, not a str: "
-            "pass a name such as 'my-trainer'"
-        )
+        raise errors.BadOptionTypeError(
+            "service_name", service_name, f"is a {type(service_name).__name__}, not a str: "
+            "pass a name such as 'my-trainer'")
     if (
         not service_name.strip()
         or service_name != service_name.strip()
         or len(service_name) > MAX_SERVICE_NAME
         or not service_name.isprintable()
     ):
-        raise ValueError(
-            f"service_name={service_name!r} is not a valid service name: it must be 1 to "
+        raise errors.BadOptionError(
+            "service_name", service_name, f"is not a valid service name: it must be 1 to "
             f"{MAX_SERVICE_NAME} printable characters without leading or trailing whitespace, "
-            "such as 'my-trainer'"
-        )
+            "such as 'my-trainer'")
     return service_name
 
 
@@ -60,7 +60,8 @@ def check_positive(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
         math.isfinite(value) and value > 0
     ):
-        raise ValueError(f"{what}={value!r} must be a positive number of seconds, such as 2.0")
+        raise errors.BadOptionError(what, value, "must be a positive number of seconds, such "
+                                    "as 2.0")
     return float(value)
 
 
@@ -69,23 +70,22 @@ def check_prometheus(address: Any) -> tuple[str, int] | None:
         return None
     host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(
-            f"prometheus={address!r} is not a 'host:port' address: use, for example, "
-            "'127.0.0.1:9464' (port 0 picks a free port)"
-        )
+        raise errors.BadOptionError(
+            "prometheus", address, "is not a 'host:port' address: use, for example, "
+            "'127.0.0.1:9464' (port 0 picks a free port)")
     return host.strip("[]"), int(port)
 
 
 def check_items(items: Any, kind: type, what: str) -> list[Any]:
     if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
-        raise TypeError(f"{what}={items!r} must be a list of {kind.__name__} instances")
+        raise errors.BadOptionTypeError(what, items,
+                                        f"must be a list of {kind.__name__} instances")
     out = list(items)
     for item in out:
         if not isinstance(item, kind):
-            raise TypeError(
-                f"{what} holds {item!r}, which is not a {kind.__module__}.{kind.__name__}: "
-                f"pass {kind.__name__} instances"
-            )
+            raise errors.BadOptionTypeError(
+                what, items, f"holds {item!r}, which is not a {kind.__module__}."
+                f"{kind.__name__}: pass {kind.__name__} instances")
     return out
 
 

@@ -116,10 +116,10 @@ from sowtel._jax_compat._frames import (  # re-exported: jc.<name>
     in_custom_jvp_function,
     in_custom_vjp_bwd,
     in_flax_broadcast_trace,
+    in_fresh_jaxpr_trace,
     select_branch_inputs,
     select_branch_outputs,
     trace_encloses,
-    in_fresh_jaxpr_trace,
     vmap_axis,
     wrap_cond_batching,
 )

@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sowtel import _exit
+from sowtel import _exit, errors
 from sowtel._exit import EXIT_TIMEOUT, close_all, sigterm_unhandled
 from sowtel.dispatcher._ledger import accounts, merge_reasons
 from sowtel.dispatcher._worker import POLL, WRITE_BYTES, WRITE_RECORDS, ExporterWorker, Wait
@@ -77,14 +77,14 @@ DROP_REASONS: tuple[str, ...] = (
 
 def _check_count(value: Any, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
+        raise errors.BadOptionError(name, value, "must be a positive integer")
     return value
 
 
 def _check_seconds(value: Any, name: str) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or not 0 < value < float("inf"):
-        raise ValueError(f"{name}={value!r} must be a positive, finite number of seconds")
+        raise errors.BadOptionError(name, value, "must be a positive, finite number of seconds")
     return float(value)
 
 
@@ -179,25 +179,26 @@ class Dispatcher:
         from sowtel.exporters import check_distinct, check_exporter
 
         if not isinstance(exporters, (list, tuple)):
-            raise TypeError(
-                f"exporters={exporters!r} must be a list of exporters "
+            raise errors.BadOptionTypeError(
+                "exporters", exporters, "must be a list of exporters "
                 "(objects with write/flush/close); wrap a single one in a list"
             )
         exporters = [check_exporter(e) for e in exporters]
         check_distinct(exporters)
         if not callable(convert):
-            raise TypeError(f"convert={convert!r} must be callable: list of items -> records")
+            raise errors.BadOptionTypeError(
+                "convert", convert, "must be callable: list of items -> records")
         _check_count(queue_size, "queue_size")
         _check_count(max_bytes, "max_bytes")
         if on_full not in ON_FULL:
-            raise ValueError(
-                f"on_full={on_full!r} is not a policy: use one of {', '.join(ON_FULL)}"
+            raise errors.BadOptionError(
+                "on_full", on_full, f"is not a policy: use one of {', '.join(ON_FULL)}"
             )
         _check_seconds(flush_interval, "flush_interval")
         _check_seconds(exporter_timeout, "exporter_timeout")
         for value, what in ((clock, "clock"), (wait, "wait")):
             if not callable(value):
-                raise TypeError(f"{what}={value!r} must be callable")
+                raise errors.BadOptionTypeError(what, value, "must be callable")
 
         self._clock = clock
         self._wait = wait

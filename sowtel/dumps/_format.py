@@ -26,6 +26,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from sowtel import errors
+
 FORMAT = "sowtel.dump"
 FORMAT_VERSION = 1
 #: The kinds of stacked axes (:attr:`sowtel.Intermediates.stacked`) a dump may record.
@@ -169,16 +171,14 @@ def check_json(value: Any, where: str, depth: int = 0) -> None:
     # Strict JSON types only: a tuple would come back as a list and a NaN is not JSON, so the
     # metadata would not round-trip exactly.
     if isinstance(value, (list, dict)) and depth >= MAX_DEPTH:
-        raise ValueError(
-            f"metadata{where} is nested deeper than {MAX_DEPTH} levels: keep metadata flatter"
-        )
+        raise errors.NotDumpableError(
+            f"metadata{where}", f"is nested deeper than {MAX_DEPTH} levels: keep metadata flatter")
     if value is None or isinstance(value, (str, bool, int)):
         return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise ValueError(
-                f"metadata{where} = {value!r} is not JSON: use a finite number or a string"
-            )
+            raise errors.NotDumpableError(
+                f"metadata{where} = {value!r}", "is not JSON: use a finite number or a string")
         return
     if isinstance(value, list):
         for i, v in enumerate(value):
@@ -187,13 +187,13 @@ def check_json(value: Any, where: str, depth: int = 0) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
-                raise ValueError(f"metadata{where} has key {k!r}: JSON object keys must be strings")
+                raise errors.NotDumpableError(
+                    f"metadata{where}", f"has key {k!r}: JSON object keys must be strings")
             check_json(v, f"{where}[{k!r}]", depth + 1)
         return
-    raise ValueError(
-        f"metadata{where} = {value!r} ({type(value).__name__}) is not JSON: metadata holds only "
-        "dicts with string keys, lists, strings, finite numbers, bools and None"
-    )
+    raise errors.NotDumpableError(
+        f"metadata{where} = {value!r} ({type(value).__name__})", "is not JSON: metadata holds "
+        "only dicts with string keys, lists, strings, finite numbers, bools and None")
 
 
 def part_name(path: str | os.PathLike[str], process_index: int) -> Path:
@@ -233,7 +233,7 @@ def sowtel_version() -> str:
 def check_path(path: Any, what: str = "path") -> str:
     """``os.fspath(path)``, or a TypeError naming the value and what a path is."""
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{what}={path!r} is not a path: pass a str or a pathlib.Path")
+        raise errors.BadOptionTypeError(what, path, "is not a path: pass a str or a pathlib.Path")
     return os.fspath(path)
 
 

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from sowtel import errors
 from sowtel.dumps._format import (
     NAME_TO_DTYPE,
     PART_FILE,
@@ -53,15 +54,16 @@ def check_tiling(where: str, shape: tuple[int, ...],
         at = 0
         for b, e in blocks:
             if b != at or e <= b:
-                raise ValueError(
+                raise errors.DumpPartsError(
                     f"{where}: the parts' shards {'overlap' if b < at else 'leave a gap'} "
                     f"along axis {axis} at {at}, so they are not the shards of one value")
             at = e
         if at != n:
-            raise ValueError(f"{where}: no part holds elements {at}..{n - 1} along axis {axis}")
+            raise errors.DumpPartsError(
+                f"{where}: no part holds elements {at}..{n - 1} along axis {axis}")
         per_axis.append(len(blocks))
     if len(boxes) != math.prod(per_axis) or len(set(boxes)) != len(boxes):
-        raise ValueError(
+        raise errors.DumpPartsError(
             f"{where}: the parts hold {len(boxes)} shards where {math.prod(per_axis)} distinct "
             "blocks tile the value: a shard is missing or held twice")
 
@@ -76,7 +78,7 @@ class DumpSet(SiteStructure):
     def __init__(self, parts: Sequence[DumpFile]) -> None:
         for f in parts:
             if f.process is None:
-                raise ValueError(
+                raise errors.DumpPartsError(
                     f"{str(f.path)!r} is a whole dump, not one process's part: a list of paths "
                     "names the parts of one multi-process dump (step_<k>.process_<p>"
                     ".safetensors)")
@@ -85,17 +87,17 @@ class DumpSet(SiteStructure):
         for f in parts:
             index, n = f.process  # type: ignore[misc]
             if n != count:
-                raise ValueError(
+                raise errors.DumpPartsError(
                     f"{str(f.path)!r} is a part of a {n}-process dump and {str(parts[0].path)!r} "
                     f"of a {count}-process one: they are not parts of one dump")
             if index in by_index:
-                raise ValueError(
+                raise errors.DumpPartsError(
                     f"{str(by_index[index].path)!r} and {str(f.path)!r} are both process "
                     f"{index}'s part: give each process's part once")
             by_index[index] = f
         missing = [k for k in range(count) if k not in by_index]
         if missing:
-            raise ValueError(
+            raise errors.DumpPartsError(
                 f"the part{'s' if len(missing) > 1 else ''} of process"
                 f"{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing[:8]))}"
                 f"{' ...' if len(missing) > 8 else ''} of this {count}-process dump "
@@ -108,10 +110,11 @@ class DumpSet(SiteStructure):
         shape = shape_of(first)
         for f in self.parts[1:]:
             if f.step != first.step:
-                raise ValueError(f"{str(f.path)!r} is of step {f.step} and {str(first.path)!r} "
-                                 f"of step {first.step}: they are not parts of one dump")
+                raise errors.DumpPartsError(
+                    f"{str(f.path)!r} is of step {f.step} and {str(first.path)!r} of step "
+                    f"{first.step}: they are not parts of one dump")
             if shape_of(f) != shape or f.stacked != first.stacked:
-                raise ValueError(
+                raise errors.DumpPartsError(
                     f"{str(f.path)!r} and {str(first.path)!r} hold different sites, modes or "
                     "structures: they are not parts of one dump")
         self.path, self.step, self.sites, self.stacked = first.path, first.step, first.sites, \
@@ -177,12 +180,12 @@ def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
         if m.re is STEP_PART:
             index = int(m.group(2))
             if (step, index) in parts:
-                raise ValueError(
+                raise errors.DumpPartsError(
                     f"{str(p)!r} holds two parts of process {index} for step {step}: "
                     f"{parts[(step, index)].name!r} and {child.name!r}; remove one")
             parts[(step, index)] = child
             if step in found and not STEP_PART.match(found[step].name):
-                raise ValueError(
+                raise errors.DumpPartsError(
                     f"{str(p)!r} holds a whole dump and per-process parts for step {step}: "
                     f"{found[step].name!r} and {child.name!r}; remove one")
             if step not in found or index < lowest[step]:
@@ -191,13 +194,13 @@ def find_dumps(folder: str | os.PathLike[str]) -> dict[int, Path]:
         if step in found:
             what = ("a whole dump and per-process parts" if STEP_PART.match(found[step].name)
                     else "two dumps")
-            raise ValueError(
+            raise errors.DumpPartsError(
                 f"{str(p)!r} holds {what} for step {step}: {found[step].name!r} and "
                 f"{child.name!r}; remove one"
             )
         found[step] = child
     if not found:
-        raise ValueError(
+        raise errors.DumpPartsError(
             f"{str(p)!r} holds no dumps (files named step_<k>.safetensors): write them with "
             "sowtel.dump(intermediates, folder, step=k)"
         )
@@ -209,7 +212,7 @@ def siblings(part: DumpFile) -> list[Path]:
     index, count = part.process  # type: ignore[misc]
     m = PART_FILE.match(part.path.name)
     if not m or int(m.group(2)) != index:
-        raise ValueError(
+        raise errors.DumpPartsError(
             f"{str(part.path)!r} is process {index}'s part of a {count}-process dump, and its "
             "name (not <name>.process_<p>.safetensors) does not say where the others are: "
             f"give all {count} parts, sowtel.load([...]) or sowtel inspect PART PART ...")
@@ -222,7 +225,8 @@ def open_dump(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
     """A dump: one file, or every part of a multi-process dump (from any part, or all)."""
     if isinstance(path, (list, tuple)):
         if not path:
-            raise ValueError("an empty list of paths: give the parts of a multi-process dump")
+            raise errors.DumpPartsError(
+                "an empty list of paths: give the parts of a multi-process dump")
         return DumpSet([DumpFile(p) for p in path])
     f = DumpFile(cast("str | os.PathLike[str]", path))
     if f.process is None:
@@ -231,7 +235,7 @@ def open_dump(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
     absent = [q for q in others if not q.exists()]
     if absent:
         names = ", ".join(repr(q.name) for q in absent[:4]) + (" ..." if len(absent) > 4 else "")
-        raise ValueError(
+        raise errors.DumpPartsError(
             f"{str(f.path)!r} is process {f.process[0]}'s part of a {f.process[1]}-process dump, "
             f"and {len(absent)} of the other parts {'is' if len(absent) == 1 else 'are'} not "
             f"beside it: {names}; copy every process's part into one folder")
@@ -241,8 +245,8 @@ def open_dump(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 def open_step(step: int, path: Path) -> DumpFile | DumpSet:
     f = open_dump(path)
     if f.step is not None and f.step != step:
-        raise ValueError(
-            f"{str(path)!r} is named for step {step} but its header says step {f.step}: "
+        raise errors.BadDumpError(
+            path, f"is named for step {step} but its header says step {f.step}: "
             "rename the file to match its step"
         )
     return f

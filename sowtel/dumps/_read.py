@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, Protocol, cast
 
 import numpy as np
 
+from sowtel import errors
 from sowtel.dumps._format import (
     CHUNK,
     CODE_TO_DTYPE,
@@ -248,20 +249,20 @@ class DumpFile(SiteStructure):
             if head[8:9] != b"{" or n > MAX_HEADER:
                 foreign = _describe_foreign(p, f, head)
                 if foreign is not None:
-                    raise ValueError(f"{str(p)!r} is not a sowtel dump: it is {foreign}")
+                    raise errors.BadDumpError(p, f"is not a sowtel dump: it is {foreign}")
             if len(head) < 9:
-                raise ValueError(
-                    f"{str(p)!r} is truncated or not a sowtel dump: {self.size} bytes is too short "
+                raise errors.BadDumpError(
+                    p, f"is truncated or not a sowtel dump: {self.size} bytes is too short "
                     "for a safetensors header"
                 )
             if head[8:9] != b"{" or n > MAX_HEADER:
-                raise ValueError(
-                    f"{str(p)!r} is not a sowtel dump (nor a safetensors file): it does not start "
+                raise errors.BadDumpError(
+                    p, "is not a sowtel dump (nor a safetensors file): it does not start "
                     "with a safetensors header; dumps are written by sowtel.dump"
                 )
             if 8 + n > self.size:
-                raise ValueError(
-                    f"{str(p)!r} is truncated: its header claims {n} bytes but the file has only "
+                raise errors.BadDumpError(
+                    p, f"is truncated: its header claims {n} bytes but the file has only "
                     f"{self.size - 8} after the length field"
                 )
             f.seek(8)
@@ -269,17 +270,17 @@ class DumpFile(SiteStructure):
         self.data_start = 8 + n
         containers = count_containers(raw)
         if containers > MAX_CONTAINERS:
-            raise ValueError(
-                f"{str(p)!r} is corrupted or crafted: its header holds {containers} JSON arrays "
+            raise errors.BadDumpError(
+                p, f"is corrupted or crafted: its header holds {containers} JSON arrays "
                 f"and objects, more than the {MAX_CONTAINERS} sowtel.dump ever writes; refused "
                 "before parsing it")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{str(p)!r} is corrupted: its header is not valid JSON ({e})") from e
+            raise errors.BadDumpError(p, f"is corrupted: its header is not valid JSON ({e})") from e
         header = self._json(text, "header")
         if not isinstance(header, dict):
-            raise ValueError(f"{str(p)!r} is corrupted: its header is not a JSON object")
+            raise errors.BadDumpError(p, "is corrupted: its header is not a JSON object")
         try:
             self._parse(header)
         except (OSError, ValueError):
@@ -287,8 +288,8 @@ class DumpFile(SiteStructure):
         except Exception as e:  # noqa: BLE001 - any other surprise is a malformed header too
             raise self._bad(f"its header is malformed ({type(e).__name__}: {e})") from e
 
-    def _bad(self, why: str) -> ValueError:
-        return ValueError(f"{str(self.path)!r} is corrupted: {why}")
+    def _bad(self, why: str) -> errors.BadDumpError:
+        return errors.BadDumpError(self.path, f"is corrupted: {why}")
 
     def _json(self, text: Any, what: str) -> Any:
         """Parses one JSON text of the header; every failure is a ValueError naming the file."""
@@ -306,15 +307,15 @@ class DumpFile(SiteStructure):
     def _parse(self, header: dict[str, Any]) -> None:
         fields = header.pop("__metadata__", None)
         if not isinstance(fields, dict) or fields.get("format") != FORMAT:
-            raise ValueError(
-                f"{str(self.path)!r} is a safetensors file but not a sowtel dump (its header has "
+            raise errors.BadDumpError(
+                self.path, f"is a safetensors file but not a sowtel dump (its header has "
                 f"no format={FORMAT!r}): sowtel inspect/diff read files written by sowtel.dump; "
                 "open other safetensors files with safetensors.safe_open"
             )
         version = fields.get("format_version")
         if version != str(FORMAT_VERSION):
-            raise ValueError(
-                f"{str(self.path)!r} is a sowtel dump of format version {version!r}, which this "
+            raise errors.BadDumpError(
+                self.path, f"is a sowtel dump of format version {version!r}, which this "
                 f"sowtel ({sowtel_version()}) does not read (it reads {FORMAT_VERSION}): "
                 "upgrade sowtel"
             )
@@ -351,8 +352,8 @@ class DumpFile(SiteStructure):
         data_len = self.size - self.data_start
         if data_len != covered:
             what = "truncated" if data_len < covered else "corrupted"
-            raise ValueError(
-                f"{str(self.path)!r} is {what}: its tensors need {covered} bytes of data, the "
+            raise errors.BadDumpError(
+                self.path, f"is {what}: its tensors need {covered} bytes of data, the "
                 f"file holds {data_len}"
             )
         checksums = self._json(fields.pop("checksums", None), "header field checksums")
@@ -534,8 +535,8 @@ class DumpFile(SiteStructure):
                 while left:
                     got = f.readinto(chunk[:min(left, len(chunk))])
                     if not got:
-                        raise ValueError(f"{str(self.path)!r} changed while being read: it "
-                                         "is shorter than its header says")
+                        raise errors.BadDumpError(self.path, "changed while being read: it "
+                                                  "is shorter than its header says")
                     crc = zlib.crc32(chunk[:got], crc)
                     left -= got
                 if crc != self.crcs.get(key):
@@ -544,7 +545,7 @@ class DumpFile(SiteStructure):
     def _check_unchanged(self, f: io.FileIO) -> None:
         st = os.fstat(f.fileno())
         if (st.st_size, st.st_mtime_ns) != self._identity:
-            raise ValueError(f"{str(self.path)!r} changed while being read: read it again")
+            raise errors.BadDumpError(self.path, "changed while being read: read it again")
 
     def buffer(self, lazy: bool) -> np.ndarray:
         """The whole file as uint8: memory-mapped (lazy) or read into memory (writable)."""
@@ -561,7 +562,7 @@ class DumpFile(SiteStructure):
                 got += n
             self._check_unchanged(f)
         if got != self.size:
-            raise ValueError(f"{str(self.path)!r} changed while being read ({got} of {self.size})")
+            raise errors.BadDumpError(self.path, f"changed while being read ({got} of {self.size})")
         return buf
 
     def array(self, buf: np.ndarray, key: str) -> np.ndarray:
@@ -575,8 +576,8 @@ class DumpFile(SiteStructure):
 
         def read(entry: DumpEntry) -> np.ndarray:
             if entry.shards or not entry.key:
-                raise ValueError(
-                    f"{str(self.path)!r} is one process's part of a multi-process dump: "
+                raise errors.BadDumpError(
+                    self.path, f"is one process's part of a multi-process dump: "
                     f"{entry.name!r} is a global value; read it with all the parts")
             return self.array(buf, entry.key)
 

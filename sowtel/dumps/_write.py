@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from sowtel import errors
 from sowtel.dumps._format import (
     DTYPE_TO_CODE,
     FORMAT,
@@ -63,18 +64,16 @@ class Encoder:
         if x is None:
             return None
         if type(x) in (dict, list, tuple) and len(leaf) >= MAX_DEPTH:
-            raise ValueError(
-                f"{where} is nested deeper than {MAX_DEPTH} levels: a dump holds pytrees at most "
-                f"{MAX_DEPTH} containers deep; flatten the value first"
-            )
+            raise errors.NotDumpableError(
+                where, f"is nested deeper than {MAX_DEPTH} levels: a dump holds pytrees at most "
+                f"{MAX_DEPTH} containers deep; flatten the value first")
         if type(x) is dict:
             items = []
             for k, v in x.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
-                    raise ValueError(
-                        f"{where} has dict key {k!r} ({type(k).__name__}): a dump stores dict "
-                        "keys that are strings or ints; rename the key"
-                    )
+                    raise errors.NotDumpableError(
+                        where, f"has dict key {k!r} ({type(k).__name__}): a dump stores dict "
+                        "keys that are strings or ints; rename the key")
                 items.append([k, self.node(v, site, mode, (*leaf, k))])
             return {"dict": items}
         if type(x) is list or type(x) is tuple:
@@ -88,12 +87,11 @@ class Encoder:
             key = self._key(site, mode, leaf)
             self.tensors[key] = host_array(x, where)
             return {"leaf": key}
-        raise TypeError(
-            f"{where} is a {type(x).__module__}.{type(x).__qualname__}: a dump stores pytrees "
+        raise errors.NotDumpableTypeError(
+            where, f"is a {type(x).__module__}.{type(x).__qualname__}: a dump stores pytrees "
             "made of dicts, lists, tuples, None and arrays only, so that loading it never runs "
             "code; convert it first (a namedtuple with ._asdict(), a flax FrozenDict with "
-            "flax.core.unfreeze, a dataclass with dataclasses.asdict)"
-        )
+            "flax.core.unfreeze, a dataclass with dataclasses.asdict)")
 
 
     def _global(self, x: Any, where: str, site: str, mode: str, leaf: tuple[Any, ...]) -> Any:
@@ -129,11 +127,10 @@ def shard_span(index: Any, n: int) -> tuple[int, int]:
 
 def check_dtype(name: str, where: str) -> None:
     if name not in SUPPORTED_NAMES:
-        raise ValueError(
-            f"{where} has dtype {name}, which a dump cannot hold: supported "
-            f"dtypes are {', '.join(sorted(SUPPORTED_NAMES))}; cast it first "
-            "(for example x.astype(np.float32))"
-        )
+        raise errors.NotDumpableError(
+            where, f"has dtype {name}, which a dump cannot hold: supported dtypes are "
+            f"{', '.join(sorted(SUPPORTED_NAMES))}; cast it first (for example "
+            "x.astype(np.float32))")
 
 
 def host_array(x: Any, where: str) -> np.ndarray:
@@ -150,12 +147,13 @@ def target_path(path: str | os.PathLike[str], step: int | None) -> Path:
     p = Path(raw)
     if raw.endswith(("/", os.sep)) or p.is_dir():
         if step is None:
-            raise ValueError(
-                f"dump into the folder {raw!r} needs step=: files in a folder of dumps are "
-                "named step_<k>.safetensors; pass step=k, or a file path"
-            )
+            raise errors.BadOptionError(
+                "step", step, f"is missing, and a dump into the folder {raw!r} needs step=: files "
+                "in a folder of dumps are named step_<k>.safetensors; pass step=k, or a file "
+                "path")
         if step < 0:
-            raise ValueError(f"step={step} must be >= 0 to name a file in the folder {raw!r}")
+            raise errors.BadOptionError("step", step,
+                                        f"must be >= 0 to name a file in the folder {raw!r}")
         return p / f"step_{step}{SUFFIX}"
     return p
 
@@ -189,9 +187,9 @@ def safetensors_header(tensors: dict[str, np.ndarray], fields: dict[str, str]) -
         at += arr.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     if len(text) > MAX_HEADER or count_containers(text) > MAX_CONTAINERS:
-        raise ValueError(
-            f"this dump's header would be {len(text)} bytes with {count_containers(text)} JSON "
-            f"containers, over the limits of {MAX_HEADER} bytes and {MAX_CONTAINERS} "
+        raise errors.NotDumpableError(
+            "this dump's header", f"would be {len(text)} bytes with {count_containers(text)} "
+            f"JSON containers, over the limits of {MAX_HEADER} bytes and {MAX_CONTAINERS} "
             "containers that load() reads: dump fewer leaves per file (split the sites over "
             "several dumps), or shorter metadata")
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -359,7 +357,8 @@ def write_dump(
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict):
-        raise TypeError(f"metadata must be a dict (JSON object), got {type(metadata).__name__}")
+        raise errors.BadOptionTypeError("metadata", metadata, f"is a {type(metadata).__name__}, "
+                                        "not a dict (JSON object)")
     check_json(metadata, "")
     encoder = Encoder()
     sites = [
@@ -371,8 +370,8 @@ def write_dump(
         for name, modes in intermediates.items() if stacking(modes)
     }
     if encoder.first_global is not None and encoder.first_local is not None:
-        raise ValueError(
-            f"{encoder.first_local} is a value of this process alone, and {encoder.first_global} "
+        raise errors.NotDumpableError(
+            encoder.first_local, f"is a value of this process alone, and {encoder.first_global} "
             "a jax.Array spanning the devices of several processes: a dump of values that span "
             "processes is written in parts, one per process, which hold global values only. "
             "Dump the process-local values separately (in one process, or to a name per "
