@@ -242,3 +242,21 @@ def test_streaming_masks_a_custom_rules_site_in_a_loop_in_the_branch(transport: 
     np.testing.assert_allclose(np.asarray(by_mode["primal"].value).reshape(4, 2), want,
                                rtol=1e-6)
     assert by_mode["primal"].stats["nan"] == 4.0  # two rows of two
+
+
+@pytest.mark.parametrize("transport", ["callback", "sowtel.jit"])
+def test_a_branch_no_row_takes_still_streams_its_masked_site(transport: str) -> None:
+    # vmap runs the branch on every row, so its site streams, NaN in every row, as capture
+    # reports it: the record says so (nan counts every element) rather than going missing.
+    def f(x: Any) -> Any:
+        return jax.lax.cond(x[0] > 10.0, lambda v: sow(jnp.sin(v), "s") * 2.0,
+                            jnp.cos, x).sum()
+
+    _, inter = save_intermediates(jax.vmap(f))(XS)
+    assert np.isnan(inter["s"]["primal"]).all()
+    jit = sowtel.jit if transport == "sowtel.jit" else jax.jit
+    by_mode = stream(jit(jax.vmap(jax.grad(f))), XS)
+    assert set(by_mode) == {"primal", "cotangent"}
+    for record in by_mode.values():
+        assert record.shape == (4, 2) and record.stats["nan"] == 8.0
+        assert np.isnan(np.asarray(record.value)).all()
