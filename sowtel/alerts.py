@@ -553,8 +553,8 @@ def make_alerts(alerts: Any, on_alert: Any) -> Alerts | None:
     """
     _check_action(on_alert, "enable on_alert")
     if on_alert is None:
-        raise ValueError("enable on_alert=None is not an action: use 'warn', 'raise', 'dump' or "
-                         "a callable that takes the Alert")
+        raise errors.BadOptionError("enable on_alert", None, "is not an action: use 'warn', "
+                                    "'raise', 'dump' or a callable that takes the Alert")
     if alerts is None:
         return None
     if isinstance(alerts, AlertRule):

@@ -146,9 +146,7 @@ def capture(model: Any, filter: Any = None, *, tag: str = "intermediates",
     """
     eqx = _eqx()
     if not isinstance(model, eqx.Module):
-        raise TypeError(
-            f"sowtel.equinox.capture needs an eqx.Module, got {type(model).__name__} "
-            f"{model!r:.60}")
+        raise errors.NotAModuleError("sowtel.equinox.capture", "an eqx.Module", model)
     select = _module_sites.check_filter(filter, "sowtel.equinox.capture")
     _module_sites.check_options(tag, every)
     options = (("tag", tag), ("summary", summary), ("every", every))
@@ -298,7 +296,7 @@ def filter_jit(fun: Callable[..., Any] | None = None, /, *, donate: str = "none"
             "sowtel.equinox.filter_jit donate", donate, f"is not one of {DONATE}")
     for option in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames"):
         if option in jax_jit_options:
-            raise TypeError(
-                f"sowtel.equinox.filter_jit does not take {option}=: non-array arguments are "
-                "static already, and donate= chooses what is donated")
+            raise errors.UnsupportedOptionError(
+                "sowtel.equinox.filter_jit", option, "non-array arguments are static already, "
+                "and donate= chooses what is donated")
     return FilterJitted(fun, donate, jax_jit_options)

@@ -31,7 +31,8 @@ __all__ = [
     "UnknownExporterError", "NotAnExporterError", "DuplicateExporterError",
     "UnusedExporterOptionError", "MissingExtraError", "UnwritableLogdirError",
     "ExporterClosedError", "NotDumpableError", "NotDumpableTypeError", "BadDumpError",
-    "DumpPartsError", "BadRecordsFileError", "BadRunError", "CATALOGUE",
+    "DumpPartsError", "BadRecordsFileError", "BadRunError", "NotAModuleError",
+    "UnboundModuleError", "UnsupportedOptionError", "BadIntermediatesError", "CATALOGUE",
     "prefixed",
 ]
 
@@ -457,6 +458,55 @@ class BadRunError(SowtelError, ValueError):
         super().__init__(f"{where} {problem}")
 
 
+class NotAModuleError(SowtelError, TypeError):
+    """An integration given something other than what it wraps: ``sowtel.flax`` a Linen module,
+    ``sowtel.nnx.capture`` an ``nnx.Module``, ``sowtel.equinox.capture`` an ``eqx.Module``,
+    ``sowtel.optax.watch`` an optax ``GradientTransformation``.
+
+    Wrong: ``sowtel.optax.watch(optax.adam)``.   Right: ``sowtel.optax.watch(optax.adam(1e-3))``.
+    """
+
+    def __init__(self, call: str, needs: str, got: Any, hint: str = "") -> None:
+        super().__init__(f"{call} needs {needs}, got {type(got).__name__} {got!r:.60}{hint}")
+
+
+class UnboundModuleError(SowtelError, ValueError):
+    """``sowtel.flax.sow`` (or a scope) given a Linen module outside ``init`` / ``apply``,
+    where it has no path to name its sites by.
+
+    Wrong: ``sowtel.flax.sow(Dense(3), x, "h")``.
+    Right: ``sowtel.flax.sow(self, x, "h")`` inside a module's method run by ``model.apply``.
+    """
+
+    def __init__(self, module: Any) -> None:
+        super().__init__(
+            f"sowtel.flax: the module {type(module).__name__} is not bound (it has no path): "
+            "call it inside model.init / model.apply, or inside a parent's method")
+
+
+class UnsupportedOptionError(SowtelError, TypeError):
+    """A ``jax.jit`` option that a sowtel wrapper does not take, with what to do instead.
+
+    Wrong: ``sowtel.nnx.jit(step, in_shardings=...)``.
+    Right: shard the state itself (``nnx.with_partitioning`` and ``jax.device_put``).
+    """
+
+    def __init__(self, call: str, option: str, instead: str) -> None:
+        super().__init__(f"{call} does not take {option}=: {instead}")
+
+
+class BadIntermediatesError(SowtelError, TypeError, ValueError):
+    """Intermediates given to ``sowtel.dump`` / ``sowtel.export`` that are not what
+    ``save_intermediates`` returns (``{name: {mode: value}}`` with known modes); a ``TypeError``
+    for a wrong type and a ``ValueError`` for a wrong name or mode, as before the catalogue.
+
+    Wrong: ``sowtel.dump({"h": x}, path)``.   Right: ``sowtel.dump({"h": {"primal": x}}, path)``.
+    """
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where} {problem}")
+
+
 #: Every error of the catalogue, in the order of the calls they guard.
 CATALOGUE: tuple[type[SowtelError], ...] = (
     BadNameError, BadTagError, NotPositiveIntError, NotAnArrayError, UnknownSummaryError,
@@ -465,5 +515,6 @@ CATALOGUE: tuple[type[SowtelError], ...] = (
     BadOptionError, BadOptionTypeError, UnknownExporterError, NotAnExporterError,
     DuplicateExporterError, UnusedExporterOptionError, MissingExtraError, UnwritableLogdirError,
     ExporterClosedError, NotDumpableError, NotDumpableTypeError, BadDumpError, DumpPartsError,
-    BadRecordsFileError, BadRunError,
+    BadRecordsFileError, BadRunError, NotAModuleError, UnboundModuleError, UnsupportedOptionError,
+    BadIntermediatesError,
 )

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sowtel import _module_sites, naming
+from sowtel import _module_sites, errors, naming
 from sowtel.primitive import sow as _sow
 
 __all__ = ["sow", "module_path", "module_scopes", "capture"]
@@ -77,16 +77,12 @@ def module_path(module: Any) -> str:
         inner
     """
     if not _is_linen_module(module):
-        raise TypeError(
-            f"sowtel.flax needs a flax.linen.Module (pass `self` inside a method), got "
-            f"{type(module).__name__} {module!r:.60}; for Flax NNX use sowtel.scope"
-        )
+        raise errors.NotAModuleError(
+            "sowtel.flax", "a flax.linen.Module (pass `self` inside a method)", module,
+            "; for Flax NNX use sowtel.scope")
     scope = module.scope
     if scope is None:
-        raise ValueError(
-            f"sowtel.flax: the module {type(module).__name__} is not bound (it has no path): "
-            "call it inside model.init / model.apply, or inside a parent's method"
-        )
+        raise errors.UnboundModuleError(module)
     return "/".join(str(part) for part in scope.path)
 
 

@@ -148,10 +148,9 @@ def check_mode(mode: Any, where: str) -> str:
     """``mode`` if it is a mode (``"primal"``, ``"cotangent.tangent"``), else ValueError."""
     parts = mode.split(".") if isinstance(mode, str) else None
     if not parts or any(p not in BASE_MODES for p in parts):
-        raise ValueError(
-            f"{where}: mode {mode!r} is not a mode: use one of {', '.join(BASE_MODES)} or a "
-            "composition of them joined by '.' (such as 'cotangent.tangent')"
-        )
+        raise errors.BadIntermediatesError(
+            f"{where}:", f"mode {mode!r} is not a mode: use one of {', '.join(BASE_MODES)} or "
+            "a composition of them joined by '.' (such as 'cotangent.tangent')")
     return str(mode)
 
 
@@ -159,16 +158,16 @@ def check_intermediates(intermediates: Any, what: str) -> Mapping[str, Mapping[s
     """``intermediates`` if shaped as :func:`sowtel.save_intermediates` returns them
     (``{name: {mode: value}}``), else TypeError or ValueError naming ``what``."""
     if not isinstance(intermediates, Mapping):
-        raise TypeError(
-            f"{what} must be a dict {{name: {{mode: value}}}} as returned by "
-            f"sowtel.save_intermediates, got {type(intermediates).__name__}"
-        )
+        raise errors.BadIntermediatesError(
+            what, "must be a dict {name: {mode: value}} as returned by "
+            f"sowtel.save_intermediates, got {type(intermediates).__name__}")
     for name, modes in intermediates.items():
         if not isinstance(name, str) or not name:
-            raise ValueError(f"{what}: site name {name!r} must be a non-empty string")
+            raise errors.BadIntermediatesError(f"{what}:",
+                                               f"site name {name!r} must be a non-empty string")
         if not isinstance(modes, Mapping):
-            raise TypeError(
-                f"{what}[{name!r}] must be a dict {{mode: value}} such as "
+            raise errors.BadIntermediatesError(
+                f"{what}[{name!r}]", "must be a dict {mode: value} such as "
                 f"{{'primal': x}}, got {type(modes).__name__}: pass the intermediates exactly "
                 "as sowtel.save_intermediates returns them"
             )

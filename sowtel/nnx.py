@@ -244,9 +244,8 @@ def capture(model: Any, filter: Any = None, *, tag: str = "intermediates",
     """
     nnx = _nnx()
     if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"sowtel.nnx.capture needs an nnx.Module, got {type(model).__name__} "
-            f"{model!r:.60}: for Linen modules use sowtel.flax.capture")
+        raise errors.NotAModuleError("sowtel.nnx.capture", "an nnx.Module", model,
+                                     ": for Linen modules use sowtel.flax.capture")
     select = _module_sites.check_filter(filter, "sowtel.nnx.capture")
     _module_sites.check_options(tag, every)
     base = naming.current_prefix()
@@ -482,9 +481,9 @@ def jit(fun: Callable[..., Any] | None = None, /, *, donate_state: bool = False,
             "sowtel.nnx.jit donate_state", donate_state, "must be True or False")
     for option in ("in_shardings", "out_shardings"):
         if jax_jit_options.get(option) is not None:
-            raise TypeError(
-                f"sowtel.nnx.jit does not take {option}= yet: shard the state itself "
-                "(nnx.with_partitioning and jax.device_put before the step) or constrain "
-                "values inside it with jax.lax.with_sharding_constraint")
+            raise errors.UnsupportedOptionError(
+                "sowtel.nnx.jit", option, "shard the state itself (nnx.with_partitioning and "
+                "jax.device_put before the step) or constrain values inside it with "
+                "jax.lax.with_sharding_constraint")
         jax_jit_options.pop(option, None)
     return NnxJitted(fun, donate_state, jax_jit_options)

@@ -131,9 +131,9 @@ def watch(tx: Any, *, grads: bool = True, updates: bool = True, params: bool = T
     import optax
 
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
-        raise TypeError(
-            f"sowtel.optax.watch needs an optax.GradientTransformation (with init and update), "
-            f"got {type(tx).__name__} {tx!r:.60}: pass e.g. optax.adam(1e-3)")
+        raise errors.NotAModuleError(
+            "sowtel.optax.watch", "an optax.GradientTransformation (with init and update)", tx,
+            ": pass e.g. optax.adam(1e-3)")
     for flag, what in ((grads, "grads"), (updates, "updates"), (params, "params")):
         if not isinstance(flag, bool):
             raise errors.BadOptionTypeError(

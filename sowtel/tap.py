@@ -261,9 +261,9 @@ def _primitive_rule(primitives: Any) -> Callable[[Any], bool]:
             "tap primitives", primitives, f"is not a sequence of primitive names or "
             f"predicates: pass e.g. primitives={DEFAULT_PRIMITIVES!r}") from None
     if not rules:
-        raise ValueError(
-            "tap primitives=() selects nothing: pass the names of the primitives whose "
-            f"outputs become sites (the default is {DEFAULT_PRIMITIVES!r}) or predicates "
+        raise errors.BadOptionError(
+            "tap primitives", primitives, "selects nothing: pass the names of the primitives "
+            f"whose outputs become sites (the default is {DEFAULT_PRIMITIVES!r}) or predicates "
             "taking an equation, such as lambda eqn: eqn.primitive.name == 'tanh'")
     known = _known_primitives()
     names: set[str] = set()
@@ -275,18 +275,20 @@ def _primitive_rule(primitives: Any) -> Callable[[Any], bool]:
             if rule not in known:
                 close = difflib.get_close_matches(rule, sorted(known), n=3)
                 hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
-                raise ValueError(
-                    f"tap primitives: {rule!r} is not the name of a JAX primitive{hint}; the "
-                    f"names are those of jax.lax's primitives, such as {DEFAULT_PRIMITIVES!r}. "
-                    "For a primitive of your own, pass it (the jax.extend.core.Primitive) or "
-                    f"a predicate: lambda eqn: eqn.primitive.name == {rule!r}")
+                raise errors.BadOptionError(
+                    "tap primitives", primitives, f"holds {rule!r}, which is not the name of a "
+                    f"JAX primitive{hint}; the names are those of jax.lax's primitives, such as "
+                    f"{DEFAULT_PRIMITIVES!r}. For a primitive of your own, pass it (the "
+                    "jax.extend.core.Primitive) or a predicate: lambda eqn: "
+                    f"eqn.primitive.name == {rule!r}")
             names.add(rule)
         elif callable(rule):
             predicates.append(rule)
         else:
-            raise ValueError(
-                f"tap primitives: {rule!r} is neither a primitive name nor a predicate: pass "
-                "strings such as 'dot_general', primitives, or callables taking an equation")
+            raise errors.BadOptionError(
+                "tap primitives", primitives, f"holds {rule!r}, which is neither a primitive "
+                "name nor a predicate: pass strings such as 'dot_general', primitives, or "
+                "callables taking an equation")
 
     def chosen(eqn: Any) -> bool:
         return eqn.primitive.name in names or any(bool(p(eqn)) for p in predicates)

@@ -17,6 +17,8 @@ import pytest
 
 import sowtel
 import sowtel.exporters
+import sowtel.nnx
+import sowtel.optax
 from sowtel import errors
 from sowtel.exporters.jsonl import JsonlExporter, read_records
 from sowtel.exporters.memory import MemoryExporter
@@ -92,6 +94,14 @@ def _bad_records_line(tmp: pathlib.Path) -> None:
     read_records(tmp / "records.jsonl")
 
 
+def _unbound_linen_module() -> None:
+    import flax.linen as nn
+
+    import sowtel.flax
+
+    sowtel.flax.sow(nn.Dense(3), jnp.ones(2), "act")
+
+
 # (error, what breaks its rule, the value or text its message must name); a call taking an
 # argument gets a fresh folder.
 CASES: list[tuple[type[Exception], Callable[..., Any], str]] = [
@@ -133,6 +143,13 @@ CASES: list[tuple[type[Exception], Callable[..., Any], str]] = [
     (errors.DumpPartsError, lambda: sowtel.load([]), "an empty list of paths"),
     (errors.BadRecordsFileError, _bad_records_line, "line 1 is not a JSON object"),
     (errors.BadRunError, lambda tmp: sowtel.compare_runs(tmp, tmp), "holds no run"),
+    (errors.NotAModuleError, lambda: sowtel.optax.watch(3), "GradientTransformation"),
+    (errors.UnboundModuleError, _unbound_linen_module, "is not bound"),
+    (errors.UnsupportedOptionError, lambda: sowtel.nnx.jit(lambda s: s, in_shardings=0),
+     "does not take in_shardings="),
+    (errors.BadIntermediatesError,
+     lambda tmp: sowtel.dump({"h": np.ones(2)}, tmp / "a.safetensors"),
+     "intermediates['h'] must be a dict {mode: value}"),
 ]
 
 

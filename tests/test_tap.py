@@ -366,7 +366,7 @@ def test_include_exclude_and_predicates():
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match=r"'dot_generl' is not the name of a JAX primitive "
+    with pytest.raises(ValueError, match=r"'dot_generl', which is not the name of a JAX primitive "
                                          r"\(did you mean 'dot_general'"):
         sowtel.tap(mlp, primitives=["dot_generl"])
     with pytest.raises(ValueError, match=r"primitives=\(\) selects nothing.*dot_general"):
