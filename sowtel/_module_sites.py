@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from sowtel import naming
+from sowtel import errors, naming
 from sowtel.naming import check_tag
 from sowtel.primitive import sow as _sow
 
@@ -37,8 +37,8 @@ def check_filter(filter: Any, what: str) -> Selector:
     if isinstance(filter, Sequence) and filter and all(isinstance(p, str) for p in filter):
         patterns = tuple(filter)
         return lambda module, method, name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
-    raise TypeError(
-        f"{what} filter={filter!r} is not a filter: pass None (every __call__), a function "
+    raise errors.BadOptionTypeError(
+        f"{what} filter", filter, "is not a filter: pass None (every __call__), a function "
         "filter(module, method_name) -> bool, or glob patterns on the site name such as "
         "'Block_*/__call__'")
 

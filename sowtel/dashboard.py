@@ -24,6 +24,8 @@ import sys
 import threading
 from typing import Any
 
+from sowtel import errors
+
 __all__ = ["DEFAULT_PORT", "SAMPLES_PER_PLUGIN", "configure_dashboard", "run_dashboard",
            "pick_port", "dashboard_command", "dashboards_path", "configure_dashboards",
            "run_dashboards"]
@@ -90,10 +92,11 @@ def pick_port(host: str, port: int | None) -> int:
     """
     if port is not None:
         if not 0 < port < 65536:
-            raise ValueError(f"--port {port} is not a TCP port: use a number from 1 to 65535")
+            raise errors.BadCommandLineError(f"--port {port}",
+                                             "is not a TCP port: use a number from 1 to 65535")
         if not _free(host, port):
-            raise ValueError(
-                f"port {port} on {host} is in use: pass another --port, or leave --port out "
+            raise errors.BadCommandLineError(
+                f"port {port} on {host}", "is in use: pass another --port, or leave --port out "
                 "to pick a free one"
             )
         return port

@@ -32,7 +32,8 @@ __all__ = [
     "UnusedExporterOptionError", "MissingExtraError", "UnwritableLogdirError",
     "ExporterClosedError", "NotDumpableError", "NotDumpableTypeError", "BadDumpError",
     "DumpPartsError", "BadRecordsFileError", "BadRunError", "NotAModuleError",
-    "UnboundModuleError", "UnsupportedOptionError", "BadIntermediatesError", "CATALOGUE",
+    "UnboundModuleError", "UnsupportedOptionError", "BadIntermediatesError",
+    "ReadOnlyStatsError", "MismatchedProcessesError", "BadCommandLineError", "CATALOGUE",
     "prefixed",
 ]
 
@@ -507,6 +508,46 @@ class BadIntermediatesError(SowtelError, TypeError, ValueError):
         super().__init__(f"{where} {problem}")
 
 
+class ReadOnlyStatsError(SowtelError, TypeError):
+    """An exporter (or any reader of records) that writes to a record's ``stats``, which every
+    exporter of the session shares.
+
+    Wrong: ``record.stats["mean"] = 0.0``.   Right: ``{**record.stats, "mean": 0.0}``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("a record's stats are shared by every exporter and read-only: copy "
+                         "them to change them ({**record.stats, ...})")
+
+
+class MismatchedProcessesError(SowtelError, ValueError):
+    """The processes of one multi-process job call ``enable()`` (or another collective call)
+    with different settings, though they run the same compiled programs.
+
+    Wrong: ``enable(every=10)`` in process 0 and ``enable(every=5)`` in process 1.
+    Right: the same settings in every process (the exporters may differ).
+    """
+
+    def __init__(self, call: str, me: int, other: int, detail: str) -> None:
+        super().__init__(
+            f"sowtel.{call}(): process {me} and process {other} differ in {detail}. Every "
+            f"process must call sowtel.{call}() with the same settings, because they run the "
+            "same compiled programs; exporters may differ")
+
+
+class BadCommandLineError(SowtelError, ValueError):
+    """An argument of a ``sowtel`` command (``inspect``, ``diff``, ``plot``, ``dashboard``)
+    that does not fit what it names: ``--step`` on a file, a step the folder lacks, a port out
+    of range or in use. The command prints the message and exits with status 2.
+
+    Wrong: ``sowtel inspect step_3.safetensors --step 3``.
+    Right: ``sowtel inspect runs/dumps --step 3`` (a folder of dumps).
+    """
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where} {problem}")
+
+
 #: Every error of the catalogue, in the order of the calls they guard.
 CATALOGUE: tuple[type[SowtelError], ...] = (
     BadNameError, BadTagError, NotPositiveIntError, NotAnArrayError, UnknownSummaryError,
@@ -516,5 +557,5 @@ CATALOGUE: tuple[type[SowtelError], ...] = (
     DuplicateExporterError, UnusedExporterOptionError, MissingExtraError, UnwritableLogdirError,
     ExporterClosedError, NotDumpableError, NotDumpableTypeError, BadDumpError, DumpPartsError,
     BadRecordsFileError, BadRunError, NotAModuleError, UnboundModuleError, UnsupportedOptionError,
-    BadIntermediatesError,
+    BadIntermediatesError, ReadOnlyStatsError, MismatchedProcessesError, BadCommandLineError,
 )

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from sowtel import _jax_compat as jc
-from sowtel import naming
+from sowtel import errors, naming
 from sowtel._interpret import (
     Captured,
     CheckedEquation,
@@ -234,10 +234,8 @@ def locate_nonfinite(fn: Callable[..., Any], *,
         ('sqrt', (2,))
     """
     if not callable(fn):
-        raise TypeError(
-            f"locate_nonfinite needs a callable, got {type(fn).__name__} {fn!r:.60}: pass the "
-            "step function itself, e.g. locate_nonfinite(train_step)(params, batch)"
-        )
+        raise errors.NotCallableError(fn, "locate_nonfinite",
+                                      "locate_nonfinite(train_step)(params, batch)")
     check_tag(tag)
     from sowtel.capture import over_dynamic, trace_flat  # capture imports the session stack
 

@@ -113,8 +113,8 @@ def _from_env(value: Any, env: str, what: str) -> Any:
         return value
     raw = os.environ.get(env)
     if raw is None:
-        raise ValueError(
-            f"sowtel.multihost.initialize: no {what} given: pass {what}= or set {env}")
+        raise errors.BadOptionError(f"sowtel.multihost.initialize: {what}", None,
+                                    f"is not given: pass {what}= or set {env}")
     return raw
 
 
@@ -177,16 +177,17 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         >>> multihost.initialize("127.0.0.1:1234", 2, 5)
         Traceback (most recent call last):
         ...
-        ValueError: sowtel.multihost.initialize: process_id=5 must be below num_processes=2
+        sowtel.errors.BadOptionError: sowtel.multihost.initialize: process_id=5 must be below ...
     """
     address = str(_from_env(coordinator_address, _ENV_ADDRESS, "coordinator_address"))
     count = _int(_from_env(num_processes, _ENV_COUNT, "num_processes"), "num_processes")
     pid = _int(_from_env(process_id, _ENV_ID, "process_id"), "process_id")
     if count < 1:
-        raise ValueError("sowtel.multihost.initialize: num_processes must be >= 1")
+        raise errors.BadOptionError("sowtel.multihost.initialize: num_processes", count,
+                                    "must be >= 1")
     if pid >= count:
-        raise ValueError(f"sowtel.multihost.initialize: process_id={pid} must be below "
-                         f"num_processes={count}")
+        raise errors.BadOptionError("sowtel.multihost.initialize: process_id", pid,
+                                    f"must be below num_processes={count}")
     host, port = _split_address(address)
     wait = peer_timeout() if timeout is None else float(timeout)
     if not (math.isfinite(wait) and wait > 0):
@@ -301,10 +302,7 @@ def agree(settings: dict[str, Any], *, what: str) -> None:
             differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             detail = "; ".join(f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} in process "
                                f"{other}" for k in differ)
-            raise ValueError(
-                f"sowtel.{what}(): process {me} and process {other} differ in {detail}. Every "
-                f"process must call sowtel.{what}() with the same settings, because they run "
-                "the same compiled programs; exporters may differ")
+            raise errors.MismatchedProcessesError(what, me, other, detail)
 
 
 # -- fetching sowtel.jit summaries ------------------------------------------------------------

@@ -347,7 +347,7 @@ def plot_histograms(path: str | os.PathLike[str] | Sequence[str | os.PathLike[st
         a = np.abs(arr) if np.iscomplexobj(arr) else arr
         panels.setdefault((entry.site, entry.mode), []).append(a.astype(np.float64).ravel())
     if not panels:
-        raise ValueError(f"{str(info.path)!r} holds no arrays to plot")
+        raise errors.BadDumpError(info.path, "holds no arrays to plot")
     ncols = min(4, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     # Panels are white on a grey figure, so each one is a distinct white region of the image.
@@ -385,7 +385,8 @@ def plot_histograms(path: str | os.PathLike[str] | Sequence[str | os.PathLike[st
 def _select_steps(path: Path, step: str | None) -> list[Path]:
     if not path.is_dir():
         if step is not None:
-            raise ValueError(f"--step {step} applies to a folder of dumps; {str(path)!r} is a file")
+            raise errors.BadCommandLineError(f"--step {step}", "applies to a folder of dumps; "
+                                             f"{str(path)!r} is a file")
         return [path]
     found = find_dumps(path)
     if step is None:
@@ -395,11 +396,12 @@ def _select_steps(path: Path, step: str | None) -> list[Path]:
     try:
         k = int(step)
     except ValueError:
-        raise ValueError(f"--step {step!r} must be an integer step or 'latest'") from None
+        raise errors.BadCommandLineError(f"--step {step!r}",
+                                         "must be an integer step or 'latest'") from None
     if k not in found:
-        raise ValueError(
-            f"{str(path)!r} has no dump for step {k}: its steps are {', '.join(map(str, found))}"
-        )
+        raise errors.BadCommandLineError(
+            f"--step {k}:", f"{str(path)!r} has no dump for step {k}: its steps are "
+            f"{', '.join(map(str, found))}")
     return [found[k]]
 
 
@@ -422,8 +424,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         if len(args.path) > 1:
             if args.step is not None:
-                raise ValueError(f"--step {args.step} applies to a folder of dumps, not to the "
-                                 "parts of one dump")
+                raise errors.BadCommandLineError(f"--step {args.step}", "applies to a folder of "
+                                                 "dumps, not to the parts of one dump")
             paths: list[Any] = [[Path(p) for p in args.path]]
         else:
             paths = _select_steps(Path(args.path[0]), args.step)
@@ -659,10 +661,9 @@ def diff_dumps(a: str | os.PathLike[str], b: str | os.PathLike[str], *,
     structural: list[str] = []
     entries: list[EntryDiff] = []
     if pa.is_dir() != pb.is_dir():
-        raise ValueError(
-            f"cannot diff {str(pa)!r} with {str(pb)!r}: one is a folder of dumps and the other a "
-            "file; give two files, or two folders"
-        )
+        raise errors.BadCommandLineError(
+            f"cannot diff {str(pa)!r} with {str(pb)!r}:", "one is a folder of dumps and the "
+            "other a file; give two files, or two folders")
     if pa.is_dir():
         steps_a, steps_b = find_dumps(pa), find_dumps(pb)
         structural += [f"step {k} only in A" for k in steps_a if k not in steps_b]

@@ -308,14 +308,13 @@ class FrozenStats(dict):  # type: ignore[type-arg]
         (1.0, {'mean': 1.0, 'max': 2.0})
         >>> stats["mean"] = 0.0  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        TypeError: a record's stats are shared by every exporter and read-only: copy them ...
+        sowtel.errors.ReadOnlyStatsError: a record's stats are shared by every exporter and ...
     """
 
     __slots__ = ()
 
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("a record's stats are shared by every exporter and read-only: copy "
-                        "them to change them ({**record.stats, ...})")
+        raise errors.ReadOnlyStatsError()
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only
     __ior__ = _read_only

@@ -207,7 +207,7 @@ def mismatch(k: int, out: Path) -> dict[str, Any]:
     try:
         sowtel.enable(exporter="memory", summary="stats" if k == 0 else "health")
     except ValueError as e:
-        return {"error": "ValueError", "message": str(e)}
+        return {"error": "ValueError", "class": type(e).__name__, "message": str(e)}
     return {"error": None}
 
 

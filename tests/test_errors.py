@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import sowtel
+import sowtel.dashboard
 import sowtel.exporters
 import sowtel.nnx
 import sowtel.optax
@@ -94,6 +95,18 @@ def _bad_records_line(tmp: pathlib.Path) -> None:
     read_records(tmp / "records.jsonl")
 
 
+def _write_a_records_stats() -> None:
+    with sowtel.enable(exporter="memory") as session:
+        sowtel.log({"loss": 1.0}, step=0)
+        assert sowtel.flush()
+    session.exporters[0].records[0].stats["value"] = 2.0
+
+
+# Raised only where several processes run: checked by the multi-process test named.
+ELSEWHERE = {"MismatchedProcessesError": ("test_multiprocess.py",
+                                          "test_settings_that_differ_between_processes")}
+
+
 def _unbound_linen_module() -> None:
     import flax.linen as nn
 
@@ -147,6 +160,9 @@ CASES: list[tuple[type[Exception], Callable[..., Any], str]] = [
     (errors.UnboundModuleError, _unbound_linen_module, "is not bound"),
     (errors.UnsupportedOptionError, lambda: sowtel.nnx.jit(lambda s: s, in_shardings=0),
      "does not take in_shardings="),
+    (errors.ReadOnlyStatsError, _write_a_records_stats, "read-only"),
+    (errors.BadCommandLineError, lambda: sowtel.dashboard.pick_port("127.0.0.1", 70000),
+     "--port 70000 is not a TCP port"),
     (errors.BadIntermediatesError,
      lambda tmp: sowtel.dump({"h": np.ones(2)}, tmp / "a.safetensors"),
      "intermediates['h'] must be a dict {mode: value}"),
@@ -173,7 +189,10 @@ def test_the_catalogue_lists_every_error_and_each_is_raised_in_the_source() -> N
     defined = {name for name, obj in vars(errors).items() if isinstance(obj, type)
                and issubclass(obj, errors.SowtelError) and obj is not errors.SowtelError}
     assert defined == {e.__name__ for e in errors.CATALOGUE}
-    assert defined == {e.__name__ for e, _, _ in CASES}
+    assert defined == {e.__name__ for e, _, _ in CASES} | set(ELSEWHERE)
+    for name, (module, test) in ELSEWHERE.items():
+        text = (pathlib.Path(__file__).parent / module).read_text()
+        assert f"def {test}" in text and f'"{name}"' in text, name
     text = "\n".join(p.read_text() for source in SOURCES for p in source.rglob("*.py")
                      if p.name != "errors.py")
     for error in errors.CATALOGUE:

@@ -296,7 +296,7 @@ def test_another_process_can_export_the_global_records(tmp_path):
 def test_settings_that_differ_between_processes_raise_in_both(tmp_path):
     results = ok(run_job("mismatch", tmp_path))
     for k, r in enumerate(results):
-        assert r["error"] == "ValueError", r
+        assert r["error"] == "ValueError" and r["class"] == "MismatchedProcessesError", r
         assert "summary: " in r["message"] and f"process {1 - k}" in r["message"], r["message"]
 
 
