@@ -19,7 +19,7 @@ from sowtel.records import DEVICE_COUNTS, DEVICE_MOMENTS, NONFINITE_KINDS
 
 __all__ = ["aval", "all_axes", "separate_moments", "merge_moments", "moment_inits",
            "variadic_moments", "scaled_moments", "wire_moments", "wire_counts", "rows_moments",
-           "stats_rows"]
+           "stats_rows", "stats_rows_many"]
 
 
 def aval(x: Any) -> Any:
@@ -211,6 +211,58 @@ def stats_rows(x: Any, sizes: np.ndarray, is_float: bool, variadic: bool
     """The ``stats`` moments ``(k, 6)`` and counts ``(k, 4)`` of the rows of ``x``, each of
     its first ``sizes[i]`` elements (the rest are zero padding): :func:`device_summary`'s,
     row by row, in the same form."""
+    return stats_rows_many([x], [sizes], is_float, variadic)[0]
+
+
+def stats_rows_many(xs: list[Any], sizes: list[np.ndarray], is_float: bool, variadic: bool
+                    ) -> list[tuple[Any, Any]]:
+    """:func:`stats_rows` of each pack of rows in ``xs`` (one dtype), sharing one conditional
+    in the separate form: the masked statistics are taken, of every pack, only when some row
+    of some pack holds a NaN or an infinity (or a sum overflowed)."""
+    import jax
+    import jax.numpy as jnp
+
+    parts = [_stats_parts(x, n, is_float, variadic) for x, n in zip(xs, sizes, strict=True)]
+    if variadic or not is_float:
+        chosen = [fast for fast, _ in parts]
+    else:
+        oks = [ok for _, ok in parts]
+        fasts = [fast for fast, _ in parts]
+        every = jnp.all(jnp.stack([jnp.all(ok) for ok in oks]))
+        slows = jax.lax.cond(every, lambda: fasts, lambda: _masked_packs(xs, sizes, is_float))
+        chosen = [jax.tree_util.tree_map(lambda f, s, ok=ok: jnp.where(ok, f, s), fast, slow)
+                  for fast, slow, ok in zip(fasts, slows, oks, strict=True)]
+    out = []
+    for x, stats in zip(xs, chosen, strict=True):
+        c, mean, std, mn, mx, mean_abs, zeros, bad = stats
+        moments = wire_moments(mean=mean, std=std, min=mn, max=mx, n=c, mean_abs=mean_abs,
+                               axis=1).astype(x.dtype)
+        out.append((moments, wire_counts(bad, zeros, axis=1).astype(jnp.int32)))
+    return out
+
+
+def _masked_packs(xs: list[Any], sizes: list[np.ndarray], is_float: bool
+                  ) -> list[tuple[Any, ...]]:
+    """:func:`_masked_rows` of each pack: of all of them at once where their rows are of one
+    length (the slow path's kernels once, not once a pack)."""
+    import jax.numpy as jnp
+
+    if len(xs) == 1 or len({x.shape[1] for x in xs}) > 1:
+        return [_masked_rows(x, n, is_float) for x, n in zip(xs, sizes, strict=True)]
+    every = _masked_rows(jnp.concatenate(xs, 0), np.concatenate(sizes), is_float)
+    out, at = [], 0
+    for x in xs:
+        k = x.shape[0]
+        rows = slice(at, at + k)
+        out.append((*(f[rows] for f in every[:7]), tuple(f[rows] for f in every[7])))
+        at += k
+    return out
+
+
+def _stats_parts(x: Any, sizes: np.ndarray, is_float: bool, variadic: bool
+                 ) -> tuple[tuple[Any, ...], Any]:
+    """The statistics of the rows of ``x`` as the fast path takes them, and where each row's
+    are right (``ok``: no NaN, infinity or overflow; None in the variadic form, always right)."""
     import jax
     import jax.numpy as jnp
 
@@ -224,57 +276,53 @@ def stats_rows(x: Any, sizes: np.ndarray, is_float: bool, variadic: bool
     # The padding is zeros: exact to take back from the zero counts.
     pads = jnp.asarray(width - sizes, i32)
 
-    def masked() -> tuple[Any, ...]:
-        keep = jnp.isfinite(x) if is_float else jnp.ones(x.shape, bool)
-        if valid is not None:
-            keep = keep & valid
-        big = jnp.max(jnp.where(keep, jnp.abs(x), 0), axis=1)
-        _, exponent = jnp.frexp(jnp.where(big > 0, big, 1))
-        scale = jnp.ldexp(jnp.ones((), ftype), exponent - 1)
-        # In two powers of two: XLA divides by a row's scale as a multiply by its reciprocal,
-        # which is subnormal (flushed to zero) for a scale above 2^126 in float32.
-        half = jnp.ldexp(jnp.ones((), ftype), (exponent - 1) // 2)[:, None]
-        rest = jnp.ldexp(jnp.ones((), ftype), exponent - 1 - (exponent - 1) // 2)[:, None]
-        c, m, var, lo, hi, mabs, z, bad = rows_moments(x / half / rest, keep, is_float)
-        z = jnp.sum((x == 0).astype(i32), axis=1, dtype=i32)
-        return (c, m * scale, jnp.sqrt(var) * scale, lo * scale, hi * scale, mabs * scale,
-                z - pads, bad)
-
     if variadic:
         keep = jnp.isfinite(x) if is_float else jnp.ones(x.shape, bool)
         if valid is not None:
             keep = keep & valid
         c, mean, var, mn, mx, mean_abs, zeros, bad = rows_moments(x, keep, is_float)
-        std = jnp.sqrt(var)
-        zeros = zeros - pads
-        stats = (c, mean, std, mn, mx, mean_abs, zeros, bad)
-    else:
-        mean = jnp.sum(x, axis=1) / n
-        d = x - mean[:, None]
-        if valid is not None:
-            d = jnp.where(valid, d, 0)
-        m2 = jnp.sum(jnp.square(d), axis=1)
-        a = jnp.sum(jnp.abs(x), axis=1)
-        lo_in, hi_in = ((x, x) if valid is None else
-                        (jnp.where(valid, x, jnp.inf), jnp.where(valid, x, -jnp.inf)))
-        mn, mx, zeros = jax.lax.reduce(
-            (lo_in, hi_in, (x == 0).astype(i32)),
-            (jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype), i32(0)),
-            lambda p, q: (jnp.minimum(p[0], q[0]), jnp.maximum(p[1], q[1]), p[2] + q[2]), (1,))
-        none = jnp.zeros((k,), i32)
-        inv = jnp.asarray(1.0 / sizes, ftype)
-        fast = (n, mean, jnp.sqrt(m2 * inv), mn, mx, a * inv, zeros - pads, (none,) * 3)
-        if is_float:
-            # One conditional for the group: the masked statistics, of every row, only when
-            # some row holds a NaN or an infinity (or a sum overflowed); each row keeps the
-            # statistics the per-value form would give it.
-            ok = jnp.isfinite(m2)
-            slow = jax.lax.cond(jnp.all(ok), lambda: fast, masked)
-            stats = jax.tree_util.tree_map(
-                lambda f, s: jnp.where(ok, f, s), fast, slow)
-        else:
-            stats = fast
-    c, mean, std, mn, mx, mean_abs, zeros, bad = stats
-    moments = wire_moments(mean=mean, std=std, min=mn, max=mx, n=c, mean_abs=mean_abs,
-                            axis=1).astype(ftype)
-    return moments, wire_counts(bad, zeros, axis=1).astype(i32)
+        return (c, mean, jnp.sqrt(var), mn, mx, mean_abs, zeros - pads, bad), None
+    mean = jnp.sum(x, axis=1) / n
+    d = x - mean[:, None]
+    if valid is not None:
+        d = jnp.where(valid, d, 0)
+    m2 = jnp.sum(jnp.square(d), axis=1)
+    a = jnp.sum(jnp.abs(x), axis=1)
+    lo_in, hi_in = ((x, x) if valid is None else
+                    (jnp.where(valid, x, jnp.inf), jnp.where(valid, x, -jnp.inf)))
+    mn, mx, zeros = jax.lax.reduce(
+        (lo_in, hi_in, (x == 0).astype(i32)),
+        (jnp.asarray(jnp.inf, ftype), jnp.asarray(-jnp.inf, ftype), i32(0)),
+        lambda p, q: (jnp.minimum(p[0], q[0]), jnp.maximum(p[1], q[1]), p[2] + q[2]), (1,))
+    none = jnp.zeros((k,), i32)
+    inv = jnp.asarray(1.0 / sizes, ftype)
+    fast = (n, mean, jnp.sqrt(m2 * inv), mn, mx, a * inv, zeros - pads, (none,) * 3)
+    # Each row keeps the statistics the per-value form would give it: where ok, the fast ones.
+    return fast, jnp.isfinite(m2)
+
+
+def _masked_rows(x: Any, sizes: np.ndarray, is_float: bool) -> tuple[Any, ...]:
+    """The statistics of the finite elements of each row of ``x`` (its first ``sizes[i]``),
+    each row scaled by a power of two first, so that no sum overflows."""
+    import jax
+    import jax.numpy as jnp
+
+    ftype = x.dtype
+    width = x.shape[1]
+    i32 = jnp.int32
+    keep = jnp.isfinite(x) if is_float else jnp.ones(x.shape, bool)
+    if bool((sizes < width).any()):
+        keep = keep & (jax.lax.broadcasted_iota(i32, x.shape, 1)
+                       < jnp.asarray(sizes, i32)[:, None])
+    pads = jnp.asarray(width - sizes, i32)
+    big = jnp.max(jnp.where(keep, jnp.abs(x), 0), axis=1)
+    _, exponent = jnp.frexp(jnp.where(big > 0, big, 1))
+    scale = jnp.ldexp(jnp.ones((), ftype), exponent - 1)
+    # In two powers of two: XLA divides by a row's scale as a multiply by its reciprocal,
+    # which is subnormal (flushed to zero) for a scale above 2^126 in float32.
+    half = jnp.ldexp(jnp.ones((), ftype), (exponent - 1) // 2)[:, None]
+    rest = jnp.ldexp(jnp.ones((), ftype), exponent - 1 - (exponent - 1) // 2)[:, None]
+    c, m, var, lo, hi, mabs, z, bad = rows_moments(x / half / rest, keep, is_float)
+    z = jnp.sum((x == 0).astype(i32), axis=1, dtype=i32)
+    return (c, m * scale, jnp.sqrt(var) * scale, lo * scale, hi * scale, mabs * scale,
+            z - pads, bad)
