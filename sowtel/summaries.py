@@ -665,7 +665,9 @@ def tree_summary(values: list[Any], summary: str, bins: int = DEFAULT_BINS,
     ``PACK_SMALL`` elements padded to the longest among them (the padding masked out of every
     statistic), larger ones with the values of their own size. Each statistic is then one
     reduction of the group's rows: a pytree of thousands of leaves compiles a few kernels a
-    group, not a dozen a leaf. On XLA:CPU the group also shares one conditional: only when
+    group, not a dozen a leaf. A group past ``PACK_BYTES`` is cut into packs of that size (at
+    least ``PACK_MIN`` values each), each read while it is in cache, a few kernels a pack. On
+    XLA:CPU the group's packs also share one conditional: only when
     some value holds a NaN or an infinity are the masked statistics taken, of the group, and
     used for those values. A group of one value, an empty value, a value with an explicit
     sharding, and every value inside ``shard_map`` are summarised on their own, as
