@@ -269,19 +269,16 @@ def _stats_parts(x: Any, sizes: np.ndarray, is_float: bool, variadic: bool
     ftype = x.dtype
     k, width = x.shape
     i32 = jnp.int32
+    # The padding is zeros: exact to take back from the zero counts.
+    pads = jnp.asarray(width - sizes, i32)
+    if variadic:
+        c, mean, var, mn, mx, mean_abs, zeros, bad = rows_moments(
+            x, _kept(x, sizes, is_float), is_float)
+        return (c, mean, jnp.sqrt(var), mn, mx, mean_abs, zeros - pads, bad), None
     padded = bool((sizes < width).any())
     valid = (jax.lax.broadcasted_iota(i32, x.shape, 1) < jnp.asarray(sizes, i32)[:, None]
              if padded else None)
     n = jnp.asarray(sizes, ftype)
-    # The padding is zeros: exact to take back from the zero counts.
-    pads = jnp.asarray(width - sizes, i32)
-
-    if variadic:
-        keep = jnp.isfinite(x) if is_float else jnp.ones(x.shape, bool)
-        if valid is not None:
-            keep = keep & valid
-        c, mean, var, mn, mx, mean_abs, zeros, bad = rows_moments(x, keep, is_float)
-        return (c, mean, jnp.sqrt(var), mn, mx, mean_abs, zeros - pads, bad), None
     mean = jnp.sum(x, axis=1) / n
     d = x - mean[:, None]
     if valid is not None:
@@ -301,19 +298,28 @@ def _stats_parts(x: Any, sizes: np.ndarray, is_float: bool, variadic: bool
     return fast, jnp.isfinite(m2)
 
 
+def _kept(x: Any, sizes: np.ndarray, is_float: bool) -> Any:
+    """The elements of the rows of ``x`` that statistics of finite elements count: finite
+    ones, and of each row its first ``sizes[i]`` (the rest are padding)."""
+    import jax
+    import jax.numpy as jnp
+
+    keep = jnp.isfinite(x) if is_float else jnp.ones(x.shape, bool)
+    if bool((sizes < x.shape[1]).any()):
+        keep = keep & (jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+                       < jnp.asarray(sizes, jnp.int32)[:, None])
+    return keep
+
+
 def _masked_rows(x: Any, sizes: np.ndarray, is_float: bool) -> tuple[Any, ...]:
     """The statistics of the finite elements of each row of ``x`` (its first ``sizes[i]``),
     each row scaled by a power of two first, so that no sum overflows."""
-    import jax
     import jax.numpy as jnp
 
     ftype = x.dtype
     width = x.shape[1]
     i32 = jnp.int32
-    keep = jnp.isfinite(x) if is_float else jnp.ones(x.shape, bool)
-    if bool((sizes < width).any()):
-        keep = keep & (jax.lax.broadcasted_iota(i32, x.shape, 1)
-                       < jnp.asarray(sizes, i32)[:, None])
+    keep = _kept(x, sizes, is_float)
     pads = jnp.asarray(width - sizes, i32)
     big = jnp.max(jnp.where(keep, jnp.abs(x), 0), axis=1)
     _, exponent = jnp.frexp(jnp.where(big > 0, big, 1))

@@ -259,6 +259,14 @@ def _shown(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}..."
 
 
+class _Where:
+    """What an error of a file, a folder or an argument says: where (the path, the option or
+    the line, as shown), then what is wrong there and what to do."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where} {problem}")  # type: ignore[call-arg]
+
+
 class BadOptionError(SowtelError, ValueError):
     """An option of ``enable()``, of an exporter or of a dump call outside the values it takes.
 
@@ -355,7 +363,7 @@ class MissingExtraError(SowtelError, ImportError):
                          f"pip install 'sowtel[{extra}]' ({cause})")
 
 
-class UnwritableLogdirError(SowtelError, ValueError):
+class UnwritableLogdirError(_Where, SowtelError, ValueError):
     """An exporter's ``logdir`` (or the file it writes there) cannot be used: a file where a
     folder should be, a folder that cannot be created or written, a symbolic link or a file
     with other names that the exporter will not write through.
@@ -364,8 +372,6 @@ class UnwritableLogdirError(SowtelError, ValueError):
     Right: a folder path this process can create files in (it is created if missing).
     """
 
-    def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where} {problem}")
 
 
 class ExporterClosedError(SowtelError, RuntimeError):
@@ -378,7 +384,7 @@ class ExporterClosedError(SowtelError, RuntimeError):
         super().__init__(f"{name}.write() after close(): create a new exporter")
 
 
-class NotDumpableError(SowtelError, ValueError):
+class NotDumpableError(_Where, SowtelError, ValueError):
     """A value or metadata that a dump file cannot hold: nested too deep, a dict key or a
     dtype it does not store, metadata that is not JSON, values of one process beside values
     that span several.
@@ -387,8 +393,6 @@ class NotDumpableError(SowtelError, ValueError):
     Right: cast to a supported dtype first; metadata of finite numbers and strings.
     """
 
-    def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where} {problem}")
 
 
 class NotDumpableTypeError(NotDumpableError, TypeError):
@@ -425,7 +429,7 @@ class DumpPartsError(SowtelError, ValueError):
         super().__init__(problem)
 
 
-class BadRecordsFileError(SowtelError, ValueError):
+class BadRecordsFileError(_Where, SowtelError, ValueError):
     """A records file (the jsonl exporter's) or one of its sidecars that cannot be read as one:
     not a regular file, a sidecar outside its folder, not a valid ``.npy``, truncated.
 
@@ -433,19 +437,23 @@ class BadRecordsFileError(SowtelError, ValueError):
     Right: a ``records.jsonl`` the jsonl exporter wrote, with its ``_values`` folder beside it.
     """
 
-    def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where} {problem}")
 
 
 def prefixed(error: Exception, call: str) -> Exception:
     """``error`` again, of its own class, its message led by the public ``call`` it came
-    through (``"sowtel.log: sow name ..."``): a rule checked for that call keeps its entry."""
+    through (``"sowtel.log: sow name ..."``): a rule checked for that call keeps its entry.
+
+    Example:
+        >>> e = prefixed(BadTagError(""), "sowtel.log")
+        >>> type(e).__name__, str(e)
+        ('BadTagError', "sowtel.log: sow tag must be a non-empty str, got ''")
+    """
     again = type(error).__new__(type(error))
     again.args = (f"{call}: {error}",)
     return again
 
 
-class BadRunError(SowtelError, ValueError):
+class BadRunError(_Where, SowtelError, ValueError):
     """A folder or file given to ``sowtel.compare_runs`` / ``sowtel diff-runs`` that holds no
     run sowtel can compare: another tool's event files, no run at all, two runs one after the
     other in one file, or two runs with no step or no site in common.
@@ -455,8 +463,6 @@ class BadRunError(SowtelError, ValueError):
     training.
     """
 
-    def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where} {problem}")
 
 
 class NotAModuleError(SowtelError, TypeError):
@@ -496,7 +502,7 @@ class UnsupportedOptionError(SowtelError, TypeError):
         super().__init__(f"{call} does not take {option}=: {instead}")
 
 
-class BadIntermediatesError(SowtelError, TypeError, ValueError):
+class BadIntermediatesError(_Where, SowtelError, TypeError, ValueError):
     """Intermediates given to ``sowtel.dump`` / ``sowtel.export`` that are not what
     ``save_intermediates`` returns (``{name: {mode: value}}`` with known modes); a ``TypeError``
     for a wrong type and a ``ValueError`` for a wrong name or mode, as before the catalogue.
@@ -504,8 +510,6 @@ class BadIntermediatesError(SowtelError, TypeError, ValueError):
     Wrong: ``sowtel.dump({"h": x}, path)``.   Right: ``sowtel.dump({"h": {"primal": x}}, path)``.
     """
 
-    def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where} {problem}")
 
 
 class ReadOnlyStatsError(SowtelError, TypeError):
@@ -535,7 +539,7 @@ class MismatchedProcessesError(SowtelError, ValueError):
             "same compiled programs; exporters may differ")
 
 
-class BadCommandLineError(SowtelError, ValueError):
+class BadCommandLineError(_Where, SowtelError, ValueError):
     """An argument of a ``sowtel`` command (``inspect``, ``diff``, ``plot``, ``dashboard``)
     that does not fit what it names: ``--step`` on a file, a step the folder lacks, a port out
     of range or in use. The command prints the message and exits with status 2.
@@ -544,8 +548,6 @@ class BadCommandLineError(SowtelError, ValueError):
     Right: ``sowtel inspect runs/dumps --step 3`` (a folder of dumps).
     """
 
-    def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where} {problem}")
 
 
 #: Every error of the catalogue, in the order of the calls they guard.
