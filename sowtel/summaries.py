@@ -453,6 +453,8 @@ PACK_SMALL = 4096
 #: program's), the leaves one by one 54 ms (65×); see docs/benchmarks.md, "Many leaves".
 PACK_BYTES = 16 << 20
 PACK_MIN = 8
+#: A pack's rows are concatenated this many at a time (see :func:`_rows`).
+CONCAT_ROWS = 16
 
 
 def _pack_key(x: Any) -> tuple[Any, ...] | None:
@@ -495,6 +497,13 @@ def _rows(values: list[Any], ftype: Any, copy: bool) -> tuple[Any, np.ndarray]:
         if v.size < width:
             v = jax.lax.pad(v, zero, ((0, 0, 0), (0, width - v.size, 0)))
         rows.append(v)
+    if len(rows) > CONCAT_ROWS:
+        # One concatenate of thousands of rows compiles superlinearly on XLA:CPU (2,000 rows:
+        # 13.8 s, in concatenates of 16 behind a barrier 8.4 s; docs/benchmarks.md); the
+        # barrier keeps XLA's simplifier from merging them back into one.
+        rows = list(jax.lax.optimization_barrier(
+            [jax.lax.concatenate(rows[i:i + CONCAT_ROWS], 0)
+             for i in range(0, len(rows), CONCAT_ROWS)]))
     return jax.lax.concatenate(rows, 0), sizes
 
 
