@@ -453,7 +453,7 @@ PACK_SMALL = 4096
 #: program's), the leaves one by one 54 ms (65×); see docs/benchmarks.md, "Many leaves".
 PACK_BYTES = 16 << 20
 PACK_MIN = 8
-#: A pack's rows are concatenated this many at a time (see :func:`_rows`).
+#: A pack of small rows is concatenated this many rows at a time (see :func:`_rows`).
 CONCAT_ROWS = 16
 
 
@@ -497,10 +497,11 @@ def _rows(values: list[Any], ftype: Any, copy: bool) -> tuple[Any, np.ndarray]:
         if v.size < width:
             v = jax.lax.pad(v, zero, ((0, 0, 0), (0, width - v.size, 0)))
         rows.append(v)
-    if len(rows) > CONCAT_ROWS:
+    if len(rows) > CONCAT_ROWS and width <= PACK_SMALL:
         # One concatenate of thousands of rows compiles superlinearly on XLA:CPU (2,000 rows:
         # 13.8 s, in concatenates of 16 behind a barrier 8.4 s; docs/benchmarks.md); the
-        # barrier keeps XLA's simplifier from merging them back into one.
+        # barrier keeps XLA's simplifier from merging them back into one. Small rows only:
+        # the chunks are a second copy, which a pack of large rows would pay in each step.
         rows = list(jax.lax.optimization_barrier(
             [jax.lax.concatenate(rows[i:i + CONCAT_ROWS], 0)
              for i in range(0, len(rows), CONCAT_ROWS)]))
